@@ -1,0 +1,12 @@
+"""UNet Compiler core: framework-agnostic planning, backends and runtime.
+
+Public API::
+
+    from unet_compiler.compiler import compile_unet, warmup
+    unet = compile_unet(unet, backend="auto")
+    print(warmup(unet, "1x512x512, 2x512x512"))
+"""
+from .api import accelerator_of, compile_unet, report, uncompile_unet, warmup
+from .config import DISABLE_ENV, CompileConfig
+
+__all__ = ["compile_unet", "warmup", "uncompile_unet", "report", "accelerator_of", "CompileConfig", "DISABLE_ENV"]

@@ -1,0 +1,99 @@
+"""Public API for non-ComfyUI users: ``compile_unet`` and ``warmup``."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from .config import CompileConfig
+from .runtime import Accelerator
+from .shapes import Shape, as_shapes, probe_shapes, unet_inputs
+
+log = logging.getLogger(__name__)
+_ATTR = "_unet_compiler"
+
+
+def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
+    with accel.active():
+        return type(module).forward(module, *args, **kwargs)
+
+
+def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> torch.nn.Module:
+    """Accelerate a diffusers ``UNet2DConditionModel`` (or ComfyUI ``UNetModel``)
+    in place and return it. Options are :class:`CompileConfig` fields
+    (``precision``, ``dynamic_shapes``, ``prepack_conv``). Nothing compiles
+    until the first call (or :func:`warmup`). Undo with :func:`uncompile_unet`.
+    """
+    config = CompileConfig.from_options(backend, **options)
+    uncompile_unet(module)
+    accel = Accelerator(module, config)
+    module.__dict__[_ATTR] = accel
+    module.__dict__["forward"] = lambda *a, **k: _accelerated_forward(accel, module, *a, **k)
+    return module
+
+
+def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
+    if module.__dict__.pop(_ATTR, None) is not None:
+        module.__dict__.pop("forward", None)
+    return module
+
+
+def accelerator_of(module) -> Accelerator:
+    accel = module.__dict__.get(_ATTR)
+    if accel is None:
+        raise ValueError("module was not compiled: call compile_unet(module) first")
+    return accel
+
+
+def report(module) -> str:
+    return accelerator_of(module).text()
+
+
+def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True):
+    """Run ``run_one(shape, reference: bool)`` for each shape, timing it and
+    counting the graphs each one compiled; compare the first shape against
+    the eager reference. Marks the accelerator warmed (later compiles are
+    counted as recompiles)."""
+    rep = accel.report
+    if accel.config.dynamic_shapes and accel.backend.name != "eager":
+        for probe in probe_shapes(shapes):
+            g0 = accel.stats["graphs_compiled"]
+            t0 = time.perf_counter()
+            run_one(probe)
+            rep.warmup.append((f"{probe.label} (probe)", time.perf_counter() - t0,
+                               accel.stats["graphs_compiled"] - g0))
+    for i, shape in enumerate(shapes):
+        g0 = accel.stats["graphs_compiled"]
+        t0 = time.perf_counter()
+        out = run_one(shape)
+        secs = time.perf_counter() - t0
+        rep.warmup.append((shape.label, secs, accel.stats["graphs_compiled"] - g0))
+        if i == 0 and compare:
+            with accel.bypass():
+                ref = run_one(shape)
+            rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
+            rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
+                                                     if accel.config.precision in ("fp16", "bf16") else "")
+        if on_shape is not None:
+            on_shape(i, shape, secs)
+    accel.warmed = True
+    return rep
+
+
+def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> str:
+    """Compile and prime caches for ``shapes`` (``"1x512x512, 2x768x768"`` or
+    (batch, width, height) tuples) under ``torch.inference_mode``. After this,
+    batch / resolution changes inside the warmed range do not recompile.
+    Returns the report text."""
+    accel = accelerator_of(module)
+    p = next(module.parameters())
+
+    def run_one(shape):
+        with torch.inference_mode():  # as ComfyUI runs: inference tensors guard differently
+            args, kwargs = unet_inputs(module, accel.plan.family, shape, context_tokens, p.dtype, p.device)
+            out = module(*args, **kwargs)
+        return out.sample if hasattr(out, "sample") else out
+
+    warmup_runs(accel, as_shapes(shapes), run_one, compare=compare)
+    return accel.text()

@@ -1,0 +1,76 @@
+"""A tiny backend registry, resolved lazily by name.
+
+A backend module decorates its class with ``@register_backend(name)``; its
+optional dependencies are imported inside it, so choosing ``inductor`` never
+imports triton or IPEX.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+
+log = logging.getLogger(__name__)
+
+_MODULES = {"eager": ".eager", "inductor": ".inductor", "triton": ".triton", "ipex": ".ipex"}
+_REGISTRY: dict[str, type] = {}
+
+
+def register_backend(name: str):
+    def deco(cls):
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def lookup_backend(name: str):
+    """The backend class registered under ``name`` (imports its module on first use)."""
+    if name not in _REGISTRY:
+        if name not in _MODULES:
+            raise KeyError(f"unknown backend {name!r}; registered: {', '.join(sorted(_MODULES))}")
+        importlib.import_module(_MODULES[name], __name__)
+    return _REGISTRY[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_MODULES)
+
+
+class Backend:
+    """Interface. ``available(device)`` -> (ok, one-sentence reason);
+    ``impls(config)`` -> {region kind: callable(region_module, *inputs)}."""
+
+    name = "?"
+
+    def available(self, device) -> tuple[bool, str]:
+        return True, ""
+
+    def impls(self, config) -> dict:
+        return {}
+
+    def dynamo_config(self, config):
+        """Context managers entered around each accelerated UNet call."""
+        return ()
+
+
+def resolve(requested: str, device) -> tuple[Backend, list[str]]:
+    """Pick the backend to run. Returns it plus the story of how it was chosen
+    (each unavailable candidate with its reason) for the report."""
+    story: list[str] = []
+    if requested == "auto":
+        order = (["triton"] if getattr(device, "type", "cpu") == "cuda" else []) + ["ipex", "inductor", "eager"]
+    else:
+        order = [requested] + [n for n in ("inductor", "eager") if n != requested]
+    for name in order:
+        try:
+            backend = lookup_backend(name)()
+            ok, why = backend.available(device)
+        except Exception as e:  # a probe must never take ComfyUI down
+            log.warning("probing backend %s failed", name, exc_info=True)
+            ok, why = False, f"probe failed: {e}"
+        if ok:
+            if story or requested == "auto":
+                story.append(f"{name}: chosen" + (f" ({why})" if why else ""))
+            return backend, story
+        story.append(f"{name}: {why}")
+    raise AssertionError("the eager backend is always available")

@@ -1,0 +1,97 @@
+"""torch.compile (inductor) of leaf regions.
+
+One compiled callable per region body is shared by every block instance;
+dims are symbolic (batch, H, W, tokens, and channel counts) so a new batch
+size or resolution reuses the compiled code. On CPU, convolutions inside the
+compiled graphs and the free-standing ones both go through the prepacked
+oneDNN conv (passes/prepack_conv.py), which keeps weights live.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import shutil
+
+import torch
+
+from .. import regions as R
+from ..compat.torch_version import torch_too_old
+from ..plan import ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION, RESBLOCK
+from . import Backend, register_backend
+
+log = logging.getLogger(__name__)
+
+_BODIES = {
+    ("comfy", RESBLOCK): R.comfy_resblock,
+    ("comfy", ATTENTION): R.comfy_attention,
+    ("comfy", FEEDFORWARD): R.feedforward,
+    ("comfy", NORM_ACT): R.sequential,
+    ("diffusers", RESBLOCK): R.diffusers_resblock,
+    ("diffusers", ATTENTION): R.diffusers_attention,
+    ("diffusers", FEEDFORWARD): R.feedforward,
+}
+
+
+def _make_dynamo_backend(prepack: bool):
+    def unet_compiler_inductor(gm, example_inputs):
+        if prepack:
+            from ..passes import prepack_conv
+            prepack_conv.rewrite_graph(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+    return unet_compiler_inductor
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_body(body, dynamic: bool, prepack: bool):
+    """One torch.compile wrapper per (body, options), shared process-wide so
+    every clone / Compile UNet node reuses the same compiled code."""
+    return torch.compile(body, backend=_make_dynamo_backend(prepack), dynamic=dynamic)
+
+
+def _cpp_compiler_missing() -> str | None:
+    try:
+        from torch._inductor import config as ic
+        cxx = ic.cpp.cxx[-1] if isinstance(ic.cpp.cxx, tuple) else ic.cpp.cxx
+        if cxx and shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("cl") is None:
+            return f"no C++ compiler ({cxx}) found for inductor's CPU code"
+    except Exception:
+        return None
+    return None
+
+
+@register_backend("inductor")
+class InductorBackend(Backend):
+    def available(self, device):
+        old = torch_too_old()
+        if old:
+            return False, old
+        if getattr(device, "type", "cpu") == "cpu":
+            missing = _cpp_compiler_missing()
+            if missing:
+                return False, missing + "; install gcc (Linux) or MSVC Build Tools (Windows)"
+        return True, "regional torch.compile"
+
+    def impls(self, config) -> dict:
+        prepack = config.prepack_conv
+        out = {key: compiled_body(body, config.dynamic_shapes, prepack) for key, body in _BODIES.items()}
+        if prepack:
+            from ..passes import prepack_conv
+            out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
+        return out
+
+    def dynamo_config(self, config):
+        if not config.dynamic_shapes:
+            return (torch._dynamo.config.patch(recompile_limit=64),)
+        import torch.fx.experimental._config as fx_config
+        return (
+            # channel counts symbolic too: blocks that differ only in width share one graph
+            torch._dynamo.config.patch(force_parameter_static_shapes=False,
+                                       force_nn_module_property_static_shapes=False,
+                                       recompile_limit=64),
+            # no 0/1 specialisation (batch 1 vs 2, a 1x1 deepest level at 64 px) and
+            # no duck sizing (a square first shape must not pin H == W)
+            fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),
+        )
+
+

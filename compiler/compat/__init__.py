@@ -1,0 +1,2 @@
+"""Version probes and import shims: the only place that knows where optional
+libraries keep their classes."""

@@ -1,0 +1,37 @@
+"""ComfyUI class resolution. Imports nothing from ComfyUI unless ComfyUI is
+already loaded (a ComfyUI model can only exist if it is)."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+
+def classes() -> dict:
+    if "comfy" not in sys.modules:
+        return {}
+    try:
+        oai = importlib.import_module("comfy.ldm.modules.diffusionmodules.openaimodel")
+        attn = importlib.import_module("comfy.ldm.modules.attention")
+    except Exception:
+        return {}
+    return {
+        "UNetModel": oai.UNetModel,
+        "ResBlock": oai.ResBlock,
+        "VideoResBlock": oai.VideoResBlock,
+        "CrossAttention": attn.CrossAttention,
+        "FeedForward": attn.FeedForward,
+        "SpatialTransformer": attn.SpatialTransformer,
+    }
+
+
+def is_comfy_unet(module) -> bool:
+    c = classes()
+    return bool(c) and isinstance(module, c["UNetModel"])
+
+
+def has_cast_weights(module) -> bool:
+    """True when ComfyUI casts or patches this module's weights per call
+    (lowvram partial load, manual_cast, weight_function LoRA patches)."""
+    return bool(getattr(module, "comfy_cast_weights", False)
+                or getattr(module, "weight_function", None)
+                or getattr(module, "bias_function", None))

@@ -1,0 +1,23 @@
+"""torch capability probes."""
+from __future__ import annotations
+
+import torch
+
+MIN_TORCH = (2, 3)
+
+
+def torch_version() -> tuple[int, int]:
+    parts = torch.__version__.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+def torch_too_old() -> str | None:
+    """One sentence when this torch cannot run the compiled path, else None."""
+    if torch_version() < MIN_TORCH:
+        return (f"torch {torch.__version__} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, which torch.compile "
+                f"regional compilation needs; running eager. Fix: upgrade torch (pip install -U torch).")
+    return None
+
+
+def mkldnn_conv_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_convolution_pointwise")

@@ -1,0 +1,78 @@
+"""The one documented knob set of the compiler.
+
+Every field maps 1:1 onto a widget of the Select Backend node (or is a
+standalone-API option), and says what it costs in speed, memory, quality and
+LoRA/patch compatibility.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+BACKENDS = ("auto", "triton", "inductor", "ipex", "eager")
+PRECISIONS = ("auto", "fp32", "fp16", "bf16")
+
+#: Set to 1/true/yes to turn every rewrite off globally (the pack then runs
+#: ComfyUI's / diffusers' own eager code and says so in every report).
+DISABLE_ENV = "UNET_COMPILER_DISABLE"
+
+
+def disabled_by_env() -> bool:
+    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How a UNet is accelerated.
+
+    backend:
+        ``auto`` picks the fastest backend that works here (triton on CUDA once
+        it lands, ipex on an Intel CPU with a matching IPEX once it lands,
+        inductor otherwise, eager if nothing works). ``inductor`` is
+        torch.compile of leaf regions; ``eager`` turns every rewrite off for
+        this model (A/B and debugging). Speed only: no backend changes which
+        LoRA, ControlNet or attention patch applies.
+    precision:
+        ``auto`` keeps the dtype ComfyUI / the caller chose for the model:
+        bit-for-bit the same math as eager up to kernel rounding. ``fp16`` /
+        ``bf16`` run the accelerated regions under autocast in that dtype:
+        faster where the hardware has the units, at a quality cost that
+        Warmup Shapes measures and reports (max abs diff vs the model's own
+        dtype). ``fp32`` is honoured only when the model is already fp32.
+    dynamic_shapes:
+        True (default): batch, height, width and context length are symbolic,
+        so a new batch size or resolution reuses the compiled code (zero
+        recompiles inside the warmed range). False: every new shape compiles
+        its own specialised code (slightly faster kernels, a compile per
+        shape: only for workflows with one fixed shape).
+    prepack_conv:
+        On CPU, convolutions use oneDNN weights reordered once into its
+        blocked layout instead of on every call (the largest CPU win: 2-7x
+        per conv). Costs one extra copy of the conv weights in memory. The
+        packed copy is a cache keyed on the live weight (identity, storage,
+        version counter, ComfyUI's weight-patch uuid), so LoRA and strength
+        changes are honoured.
+    """
+
+    backend: str = "auto"
+    precision: str = "auto"
+    dynamic_shapes: bool = True
+    prepack_conv: bool = True
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+
+    def replace(self, **changes) -> "CompileConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_options(cls, backend: str = "auto", **options) -> "CompileConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - names)
+        if unknown:
+            raise TypeError(f"unknown option(s) {unknown}; valid options: {sorted(names - {'backend'})}")
+        return cls(backend=backend, **options)

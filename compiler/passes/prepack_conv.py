@@ -1,0 +1,163 @@
+"""CPU convolution with a oneDNN-prepacked weight, kept live.
+
+Pattern: a 2-D convolution (``torch.conv2d`` in a dynamo graph, or an
+``nn.Conv2d`` called eagerly) on a CPU fp32 tensor.
+Replacement: ``unet_compiler::conv2d_prepacked``, which reorders the weight
+into oneDNN's blocked layout once and reuses it (plain aten re-does that
+reorder on every call: 4-7x the cost of the conv itself for the 1280-channel
+convs at small latents).
+Invariant: the packed copy is a cache of the *current* weight. Its key is the
+weight's identity, storage pointer, shape, dtype, version counter and the
+weight epoch (ComfyUI's ``current_weight_patches_uuid`` plus hook
+applications); any change re-packs before the conv runs, so a LoRA applied
+before or after compiling, or a strength change, is never stale. The op is
+opaque to inductor, so the weight stays a graph input (never a constant).
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from collections import Counter
+from typing import Optional
+
+import torch
+
+from ..compat.torch_version import mkldnn_conv_available
+
+log = logging.getLogger(__name__)
+
+#: how often each part of this pass fired (tests read it)
+stats: Counter = Counter()
+
+_cache: dict[int, tuple] = {}
+_epoch: object = None
+
+
+def set_weight_epoch(epoch) -> None:
+    """Declare the weights' provenance for this call; a change drops every
+    packed weight (ComfyUI may have rewritten weights in place)."""
+    global _epoch
+    if epoch != _epoch:
+        if _cache:
+            stats["epoch_invalidations"] += 1
+        _cache.clear()
+        _epoch = epoch
+
+
+def cache_size() -> int:
+    return len(_cache)
+
+
+def _version(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors carry no version counter
+        return None
+
+
+def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
+    key = id(w)
+    sig = (w.data_ptr(), tuple(w.shape), w.dtype, _version(w), _epoch)
+    hit = _cache.get(key)
+    if hit is not None and hit[0] == sig:
+        stats["cache_hits"] += 1
+        return hit[1]
+    stats["packs"] += 1
+    packed = torch._C._nn.mkldnn_reorder_conv2d_weight(
+        w.detach().to_mkldnn(), list(padding), list(stride), list(dilation), groups, list(x_shape))
+    if hit is None:
+        # drop the packed copy when the weight itself dies (a LoRA swap
+        # replaces the Parameter): memory stays one packed copy per live conv
+        weakref.finalize(w, _cache.pop, key, None)
+    _cache[key] = (sig, packed)
+    return packed
+
+
+@torch.library.custom_op("unet_compiler::conv2d_prepacked", mutates_args=())
+def conv2d_prepacked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                     stride: list[int], padding: list[int], dilation: list[int], groups: int) -> torch.Tensor:
+    packed = _packed(weight, padding, stride, dilation, groups, x.shape)
+    out = torch.ops.mkldnn._convolution_pointwise(
+        x.contiguous(), packed, bias, padding, stride, dilation, groups, "none", [], "")
+    return out.contiguous()
+
+
+@conv2d_prepacked.register_fake
+def _(x, weight, bias, stride, padding, dilation, groups):
+    n, _, h, w = x.shape
+    kh, kw = weight.shape[2], weight.shape[3]
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return x.new_empty((n, weight.shape[0], oh, ow))
+
+
+def _pair(v) -> list[int]:
+    return [int(v), int(v)] if isinstance(v, int) else [int(i) for i in v]
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, padding) -> bool:
+    """False (never raises) when the packed path does not apply."""
+    return (mkldnn_conv_available() and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.dim() == 4 and x.dim() == 4 and not isinstance(padding, str))
+
+
+# ---- eager replacement for an nn.Conv2d outside any compiled region ---------
+
+def module_applies(conv: torch.nn.Module) -> bool:
+    return (isinstance(conv, torch.nn.Conv2d) and conv.padding_mode == "zeros"
+            and not isinstance(conv.padding, str))
+
+
+def conv_module_forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+    if not check(x, conv.weight, conv.padding):
+        stats["eager_declined"] += 1
+        return type(conv).forward(conv, x)
+    stats["eager_fired"] += 1
+    return torch.ops.unet_compiler.conv2d_prepacked(
+        x, conv.weight, conv.bias, _pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), conv.groups)
+
+
+# ---- FX rewrite inside a dynamo graph ---------------------------------------
+
+_CONV_TARGETS = (torch.conv2d, torch.nn.functional.conv2d)
+_CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "groups")
+_CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
+
+
+def _meta(node):
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("example_value")
+    return None
+
+
+def rewrite_graph(gm: torch.fx.GraphModule) -> int:
+    """Replace every eligible conv2d call in a dynamo graph; returns how many."""
+    fired = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _CONV_TARGETS:
+            continue
+        args = dict(_CONV_DEFAULTS)
+        args.update(zip(_CONV_ARGS, node.args))
+        args.update(node.kwargs)
+        x, w = _meta(args["input"]), _meta(args["weight"])
+        if x is None or w is None or not check(x, w, args["padding"]):
+            stats["graph_declined"] += 1
+            continue
+        if not all(isinstance(args[k], (int, tuple, list)) for k in ("stride", "padding", "dilation", "groups")):
+            stats["graph_declined"] += 1
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(
+                torch.ops.unet_compiler.conv2d_prepacked.default,
+                (args["input"], args["weight"], args["bias"], _pair(args["stride"]), _pair(args["padding"]),
+                 _pair(args["dilation"]), int(args["groups"])))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        fired += 1
+    if fired:
+        gm.graph.lint()
+        gm.recompile()
+    stats["graph_fired"] += fired
+    return fired

@@ -1,0 +1,197 @@
+"""Run a UNet through its accelerated regions, one call at a time.
+
+``Accelerator.active()`` installs each region's shim as an instance
+``forward`` for the duration of one UNet call and removes it in ``finally``:
+nothing persists on the (possibly shared) module between calls. Each shim
+decides per call whether the region may run accelerated; anything it cannot
+prove safe runs the model's own code.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from . import plan as P
+from .backends import resolve
+from .compat import comfy as comfy_compat
+from .compat.torch_version import torch_too_old
+from .config import DISABLE_ENV, CompileConfig, disabled_by_env
+from .report import Report
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _graph_count() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    # ComfyUI's cancel and OOM (which ComfyUI handles itself) must propagate untouched
+    return type(e).__name__ == "InterruptProcessingException" or isinstance(e, torch.OutOfMemoryError)
+
+
+class Accelerator:
+    def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None):
+        self.root = unet
+        self.config = config or CompileConfig()
+        self.plan = P.build_plan(unet)
+        self.stats: Counter = Counter()
+        self.failed: dict = {}
+        self.warmed = False
+        self._bypass = False
+        if device is None:
+            p = next(unet.parameters(), None)
+            device = p.device if p is not None else torch.device("cpu")
+        self.model_dtype = next((p.dtype for p in unet.parameters()), torch.float32)
+
+        rep = Report(backend_requested=self.config.backend, family=self.plan.family,
+                     precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
+        self.report = rep
+        requested = self.config.backend
+        old = torch_too_old()
+        if disabled_by_env():
+            requested, rep.why = "eager", [f"{DISABLE_ENV} is set: every rewrite is off"]
+        elif old:
+            requested, rep.why = "eager", [old]
+        if requested == "eager":
+            from .backends import lookup_backend
+            self.backend = lookup_backend("eager")()
+        else:
+            self.backend, rep.why = resolve(requested, device)
+        rep.backend = self.backend.name
+        if rep.backend != self.config.backend and self.config.backend != "auto":
+            log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
+                        self.config.backend, rep.backend, "; ".join(rep.why))
+
+        self._autocast = None
+        if self.config.precision in ("fp16", "bf16"):
+            self._autocast = _DTYPES[self.config.precision]
+        elif self.config.precision == "fp32" and self.model_dtype != torch.float32:
+            rep.notes.append(f"precision fp32 needs the model loaded in fp32 (it is {self.model_dtype}); "
+                             f"kept auto. Fix: start ComfyUI with --force-fp32")
+
+        impls = self.backend.impls(self.config)
+        self._shims = []
+        counts: Counter = Counter()
+        for region in self.plan.regions:
+            impl = impls.get((region.family, region.kind))
+            if impl is None:
+                if self.backend.name != "eager":
+                    self.plan.skipped.append((region.kind, region.path, self._no_impl_reason(region)))
+                continue
+            counts[region.kind] += 1
+            self._shims.append((region.module, self._make_shim(region, impl)))
+        rep.regions = {k: counts[k] for k in P.KINDS if counts[k]}
+        rep.skipped = self.plan.skipped_summary()
+        log.info("UNet Compiler: %s", rep.text().replace("\n", " |"))
+
+    def _no_impl_reason(self, region) -> str:
+        if region.kind == P.PROJECTION:
+            return "free-standing convs: prepacking is off" if not self.config.prepack_conv else "no rewrite"
+        return f"{self.backend.name} has no rewrite for this region"
+
+    # ---- per-region shim ------------------------------------------------
+    def _make_shim(self, region, impl):
+        module, kind, leaves = region.module, region.kind, region.leaves
+        original = type(module).forward
+        stats, failed = self.stats, self.failed
+
+        if kind == P.ATTENTION and region.family == "comfy":
+            def shim(x, context=None, value=None, mask=None, transformer_options={}):
+                if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
+                        or any(comfy_compat.has_cast_weights(m) for m in leaves)):
+                    stats["region_eager"] += 1
+                    return original(module, x, context=context, value=value, mask=mask,
+                                    transformer_options=transformer_options)
+                return self._run(kind, impl, module, original, (x, context, value),
+                                 dict(context=context, value=value, mask=mask, transformer_options=transformer_options))
+            return shim
+        if kind == P.ATTENTION:
+            def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
+                if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
+                    stats["region_eager"] += 1
+                    return original(module, hidden_states, encoder_hidden_states, attention_mask, **kw)
+                return self._run(kind, impl, module, original, (hidden_states, encoder_hidden_states),
+                                 dict(encoder_hidden_states=encoder_hidden_states))
+            return shim
+
+        def shim(*args, **kwargs):
+            if kwargs or kind in failed or any(comfy_compat.has_cast_weights(m) for m in leaves):
+                stats["region_eager"] += 1
+                return original(module, *args, **kwargs)
+            return self._run(kind, impl, module, original, args, None)
+        return shim
+
+    def _run(self, kind, impl, module, original, args, eager_kwargs):
+        try:
+            out = impl(module, *args)
+        except Exception as e:
+            if _is_interrupt(e):
+                raise
+            self.failed[kind] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+            msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
+                   f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
+            log.warning(msg, exc_info=True)
+            self.report.notes.append(msg)
+            self.stats["region_eager"] += 1
+            if eager_kwargs is None:
+                return original(module, *args)
+            return original(module, args[0], **eager_kwargs)
+        self.stats[f"ran_{kind}"] += 1
+        return out
+
+    # ---- one UNet call -----------------------------------------------------
+    @contextlib.contextmanager
+    def bypass(self):
+        """Run the model's own code (the eager reference) inside this block."""
+        prev, self._bypass = self._bypass, True
+        try:
+            yield
+        finally:
+            self._bypass = prev
+
+    @contextlib.contextmanager
+    def active(self, weight_epoch=None):
+        if self._bypass or not self._shims:
+            self.stats["eager_calls"] += 1
+            yield
+            return
+        if self.config.prepack_conv:
+            from .passes import prepack_conv
+            prepack_conv.set_weight_epoch(weight_epoch)
+        installed = []
+        before = _graph_count()
+        t0 = time.perf_counter()
+        with contextlib.ExitStack() as stack:
+            for cm in self.backend.dynamo_config(self.config):
+                stack.enter_context(cm)
+            if self._autocast is not None:
+                dev = next(self.root.parameters()).device.type
+                stack.enter_context(torch.autocast(dev, dtype=self._autocast))
+            try:
+                for module, shim in self._shims:
+                    module.__dict__["forward"] = shim
+                    installed.append(module)
+                yield
+            finally:
+                for module in installed:
+                    module.__dict__.pop("forward", None)
+                new = _graph_count() - before
+                self.stats["calls"] += 1
+                if new:
+                    self.stats["graphs_compiled"] += new
+                    self.stats["compile_seconds"] += time.perf_counter() - t0
+                    if self.warmed:
+                        self.stats["recompiles_after_warmup"] += new
+                        log.warning("UNet Compiler: %d graph(s) compiled after warmup (a shape outside the "
+                                    "warmed range?)", new)
+
+    def text(self) -> str:
+        return self.report.text(self.stats)

@@ -1,0 +1,117 @@
+"""Warmup shapes: parse and validate ``BxWxH`` pixel entries, and build
+dummy UNet inputs for them."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+MAX_BATCH = 64
+MIN_SIDE, MAX_SIDE = 64, 8192
+LATENT_SCALE = 8
+_ENTRY = re.compile(r"^(\d+)\s*[xX×]\s*(\d+)\s*[xX×]\s*(\d+)$")
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    width: int
+    height: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.batch}x{self.width}x{self.height}"
+
+
+#: the first shape traced when shapes are dynamic: batch 2, non-square, and at
+#: least 2x2 at the deepest level of an SD UNet (latent / 8)
+PROBE = Shape(2, 128, 192)
+
+
+def probe_shapes(shapes: list[Shape]) -> list[Shape]:
+    """Small shapes that prime every size specialisation inside the warmed box.
+
+    Symbolic shapes still specialise on size 1 below dynamo (fake-tensor
+    strides, inductor guards): batch 1 vs >=2, and a 64 px side (1 at the
+    deepest level of an SD UNet) vs a larger one. One small shape per class
+    present in the box, the generic one first (so it is traced without any
+    size-1 assumption), makes every shape inside the box a cache hit.
+    """
+    b_lo, b_hi = min(s.batch for s in shapes), max(s.batch for s in shapes)
+    w_lo, w_hi = min(s.width for s in shapes), max(s.width for s in shapes)
+    h_lo, h_hi = min(s.height for s in shapes), max(s.height for s in shapes)
+    bs = [2] * (b_hi >= 2) + [1] * (b_lo == 1)
+    ws = [PROBE.width] * (w_hi >= 128) + [64] * (w_lo < 128)
+    hs = [PROBE.height] * (h_hi >= 128) + [64] * (h_lo < 128)
+    return [Shape(b, w, h) for b in bs for w in ws for h in hs]
+
+
+class ShapeError(ValueError):
+    pass
+
+
+def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
+    """Entries ``BxWxH`` (batch x width x height, in pixels) separated by
+    newlines or commas. Raises ShapeError naming the first bad entry."""
+    if not isinstance(text, str):
+        raise ShapeError(f"{name}: expected text like '1x512x512', got {type(text).__name__}")
+    entries = [e.strip() for e in re.split(r"[,\n;]", text) if e.strip()]
+    if not entries:
+        raise ShapeError(f"{name} is empty: give at least one entry like 1x512x512 (batch x width x height in pixels)")
+    out = []
+    for e in entries:
+        m = _ENTRY.match(e)
+        if not m:
+            raise ShapeError(f"{name}: entry {e!r} is not BxWxH (batch x width x height in pixels, e.g. 1x512x512)")
+        b, w, h = (int(g) for g in m.groups())
+        if not 1 <= b <= MAX_BATCH:
+            raise ShapeError(f"{name}: entry {e!r}: batch {b} must be between 1 and {MAX_BATCH}")
+        for side, v in (("width", w), ("height", h)):
+            if not MIN_SIDE <= v <= MAX_SIDE:
+                raise ShapeError(f"{name}: entry {e!r}: {side} {v} must be between {MIN_SIDE} and {MAX_SIDE} px")
+            if v % LATENT_SCALE:
+                raise ShapeError(f"{name}: entry {e!r}: {side} {v} is not divisible by {LATENT_SCALE} "
+                                 f"(the VAE works on 8x8 pixel blocks); use {v - v % 8} or {v - v % 8 + 8}")
+        out.append(Shape(b, w, h))
+    return out
+
+
+def as_shapes(shapes) -> list[Shape]:
+    """Accept a string, Shape objects or (batch, width, height) tuples."""
+    if isinstance(shapes, str):
+        return parse_shapes(shapes)
+    out = []
+    for s in shapes:
+        out.append(s if isinstance(s, Shape) else parse_shapes("x".join(str(int(v)) for v in s))[0])
+    return out
+
+
+def unet_inputs(unet, family: str, shape: Shape, tokens: int, dtype, device) -> tuple[tuple, dict]:
+    """Random (args, kwargs) for one forward of ``unet`` at ``shape``."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*size):
+        return torch.randn(*size, generator=g).to(device=device, dtype=dtype)
+
+    b, lh, lw = shape.batch, shape.height // LATENT_SCALE, shape.width // LATENT_SCALE
+    t = torch.full((b,), 500.0, device=device)
+    if family == "comfy":
+        kwargs = {"context": rnd(b, tokens, context_dim(unet))}
+        if unet.num_classes is not None:
+            kwargs["y"] = rnd(b, unet.adm_in_channels)
+        return (rnd(b, unet.in_channels, lh, lw), t), kwargs
+    cfg = unet.config
+    kwargs = {"encoder_hidden_states": rnd(b, tokens, cfg.cross_attention_dim)}
+    if getattr(cfg, "addition_embed_type", None) == "text_time":
+        n_time = 6
+        text_dim = cfg.projection_class_embeddings_input_dim - n_time * cfg.addition_time_embed_dim
+        kwargs["added_cond_kwargs"] = {"text_embeds": rnd(b, text_dim), "time_ids": rnd(b, n_time)}
+    return (rnd(b, cfg.in_channels, lh, lw), t), kwargs
+
+
+def context_dim(unet) -> int:
+    for m in unet.modules():
+        if type(m).__name__ == "CrossAttention" and m.to_k.in_features != m.to_q.in_features:
+            return m.to_k.in_features
+    return 768
