@@ -1,0 +1,95 @@
+"""Shared fixtures. ComfyUI is found via COMFYUI_PATH, else ~/comfy/ComfyUI;
+without it, the ComfyUI tests skip with one line."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+COMFY_SKIP = "ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI (see DEVELOPERS.md)"
+
+
+def comfy_path() -> Path | None:
+    for p in (os.environ.get("COMFYUI_PATH"), str(Path.home() / "comfy" / "ComfyUI")):
+        if p and (Path(p) / "main.py").is_file():
+            return Path(p)
+    return None
+
+
+@pytest.fixture(scope="session")
+def comfy():
+    """Import ComfyUI in-process on CPU; returns a namespace of its modules."""
+    path = comfy_path()
+    if path is None:
+        pytest.skip(COMFY_SKIP)
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    from comfy.cli_args import args
+    args.cpu = True
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.supported_models
+    import comfy.patcher_extension
+    import comfy.ops
+    import comfy.lora
+    import comfy.utils
+    import comfy.ldm.modules.attention as attention
+    ns = type("Comfy", (), {})()
+    ns.path = path
+    ns.mm, ns.mp, ns.sm = comfy.model_management, comfy.model_patcher, comfy.supported_models
+    ns.ext, ns.ops, ns.lora, ns.utils, ns.attention = (comfy.patcher_extension, comfy.ops, comfy.lora,
+                                                        comfy.utils, attention)
+    return ns
+
+
+def _init_random(module: torch.nn.Module, seed: int = 0):
+    """ComfyUI's disable_weight_init ops leave weights uninitialised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
+            elif name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+TINY = {
+    # SD1.5-shaped: conv proj_in/out, 8-head cross-attention on a CLIP-like context
+    "sd15": dict(cls="SD15", unet=dict(context_dim=64, model_channels=32, use_linear_in_transformer=False,
+                                       adm_in_channels=None, use_temporal_attention=False, in_channels=4,
+                                       out_channels=4, num_res_blocks=[1, 1], channel_mult=[1, 2],
+                                       transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
+                                       transformer_depth_middle=1, num_heads=4, num_head_channels=-1,
+                                       use_spatial_transformer=True, legacy=False, image_size=32)),
+    # SDXL-shaped: linear proj_in/out, head dim 8, label_emb on an ADM vector, deeper middle
+    "sdxl": dict(cls="SDXL", unet=dict(context_dim=64, model_channels=32, use_linear_in_transformer=True,
+                                       adm_in_channels=96, use_temporal_attention=False, in_channels=4,
+                                       out_channels=4, num_res_blocks=[1, 1], channel_mult=[1, 2],
+                                       transformer_depth=[0, 2], transformer_depth_output=[0, 0, 2, 2],
+                                       transformer_depth_middle=2, num_head_channels=8, num_heads=-1,
+                                       use_spatial_transformer=True, legacy=False, image_size=32,
+                                       num_classes="sequential")),
+}
+
+
+@pytest.fixture
+def make_comfy_model(comfy):
+    """Build a random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's
+    own classes, wrapped in a real ModelPatcher on CPU."""
+    def make(kind="sd15", seed=0):
+        spec = TINY[kind]
+        cfg_cls = getattr(comfy.sm, spec["cls"])
+        cfg = cfg_cls(dict(spec["unet"]))
+        cfg.unet_config = dict(spec["unet"])
+        base = cfg.get_model({})
+        _init_random(base.diffusion_model, seed)
+        base.eval()
+        dev = torch.device("cpu")
+        return comfy.mp.ModelPatcher(base, load_device=dev, offload_device=dev)
+    return make

@@ -1,0 +1,122 @@
+"""Fast checks: shape validation, config, backend registry, env switch, clean import."""
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from unet_compiler.compiler.backends import lookup_backend, resolve
+from unet_compiler.compiler.config import CompileConfig
+from unet_compiler.compiler.shapes import Shape, ShapeError, parse_shapes, probe_shapes
+from unet_compiler.nodes.v1 import WarmupShapes as V1Warmup
+
+ROOT = Path(__file__).resolve().parents[1]
+
+BAD = [
+    ("512x", "not BxWxH"),
+    ("0x64x64", "batch 0"),
+    ("-1x64x64", "not BxWxH"),
+    ("abc", "not BxWxH"),
+    ("1x100x64", "not divisible by 8"),
+    ("1x64x68", "not divisible by 8"),
+    ("1x100000x100000", "must be between"),
+    ("1x32x64", "must be between"),
+    ("65x64x64", "batch 65"),
+    ("", "empty"),
+    ("1x64x64, 1x64", "not BxWxH"),
+]
+
+
+@pytest.mark.parametrize("text,why", BAD)
+def test_malformed_shapes_rejected_naming_the_entry(text, why):
+    with pytest.raises(ShapeError) as e:
+        parse_shapes(text)
+    assert why in str(e.value)
+    bad_entry = text.split(",")[-1].strip()
+    if bad_entry:
+        assert repr(bad_entry) in str(e.value)
+    # the node rejects it in validate, before any work
+    msg = V1Warmup.VALIDATE_INPUTS(shapes=text)
+    assert isinstance(msg, str) and why in msg
+
+
+def test_good_shapes_parse():
+    assert parse_shapes("1x512x512\n2x768x512, 4X64x64") == [Shape(1, 512, 512), Shape(2, 768, 512), Shape(4, 64, 64)]
+    assert V1Warmup.VALIDATE_INPUTS(shapes="1x512x512") is True
+
+
+def test_probe_shapes_cover_specialisations_generic_first():
+    probes = probe_shapes([Shape(1, 64, 64), Shape(4, 1024, 1024)])
+    assert probes[0] == Shape(2, 128, 192)
+    assert {p.batch for p in probes} == {1, 2} and {p.width for p in probes} == {64, 128}
+    assert probe_shapes([Shape(2, 512, 512)]) == [Shape(2, 128, 192)]
+
+
+def test_config_rejects_unknown_values():
+    with pytest.raises(ValueError, match="backend='fast'"):
+        CompileConfig(backend="fast")
+    with pytest.raises(ValueError, match="precision"):
+        CompileConfig(precision="fp8")
+    with pytest.raises(TypeError, match="unknown option"):
+        CompileConfig.from_options("auto", dynamc_shapes=True)
+
+
+def test_registry_reports_unavailable_backends_and_falls_back():
+    ok, why = lookup_backend("triton")().available(torch.device("cuda"))
+    assert not ok and "not available yet" in why
+    backend, story = resolve("triton", torch.device("cpu"))
+    assert backend.name == "inductor" and story[0].startswith("triton: not available")
+    backend, story = resolve("auto", torch.device("cpu"))
+    assert backend.name == "inductor"
+    assert any(s.startswith("ipex:") for s in story)
+    with pytest.raises(KeyError):
+        lookup_backend("tensorrt")
+
+
+def _run(code, env_extra=None):
+    import os
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT.parent))
+
+
+def test_pack_imports_without_comfyui_triton_ipex_diffusers():
+    code = f"""
+    import sys, importlib.util, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in ('comfy', 'comfy_api', 'triton', 'intel_extension_for_pytorch', 'diffusers'):
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    spec = importlib.util.spec_from_file_location('some_custom_node_dir', {str(ROOT / '__init__.py')!r},
+                                                  submodule_search_locations=[{str(ROOT)!r}])
+    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+    assert sorted(mod.NODE_CLASS_MAPPINGS) == ['UNetCompiler_CompileUNet', 'UNetCompiler_SelectBackend', 'UNetCompiler_WarmupShapes']
+    assert not hasattr(mod, 'comfy_entrypoint')
+    from some_custom_node_dir.compiler.backends import resolve
+    import torch
+    b, _ = resolve('inductor', torch.device('cpu'))
+    assert 'triton' not in sys.modules and 'intel_extension_for_pytorch' not in sys.modules
+    print('ok', b.name)
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ok inductor" in r.stdout
+
+
+def test_env_switch_turns_everything_off():
+    code = """
+    import torch
+    from diffusers import UNet2DConditionModel
+    from unet_compiler.compiler import compile_unet, report
+    u = UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8, norm_num_groups=8)
+    compile_unet(u, "inductor")
+    print(report(u))
+    """
+    r = _run(code, {"UNET_COMPILER_DISABLE": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "backend eager (asked inductor)" in r.stdout and "UNET_COMPILER_DISABLE is set" in r.stdout
