@@ -99,7 +99,7 @@ def unet_inputs(unet, family: str, shape: Shape, tokens: int, dtype, device) -> 
     if family == "comfy":
         kwargs = {"context": rnd(b, tokens, context_dim(unet))}
         if unet.num_classes is not None:
-            kwargs["y"] = rnd(b, unet.adm_in_channels)
+            kwargs["y"] = rnd(b, unet.label_emb[0][0].in_features)  # SDXL: ADM vector (2816)
         return (rnd(b, unet.in_channels, lh, lw), t), kwargs
     cfg = unet.config
     kwargs = {"encoder_hidden_states": rnd(b, tokens, cfg.cross_attention_dim)}
@@ -111,7 +111,9 @@ def unet_inputs(unet, family: str, shape: Shape, tokens: int, dtype, device) -> 
 
 
 def context_dim(unet) -> int:
+    """Width of the cross-attention context (768 SD1.5, 2048 SDXL): attn2's to_k input."""
     for m in unet.modules():
-        if type(m).__name__ == "CrossAttention" and m.to_k.in_features != m.to_q.in_features:
-            return m.to_k.in_features
-    return 768
+        attn2 = getattr(m, "attn2", None)
+        if attn2 is not None and hasattr(attn2, "to_k"):
+            return attn2.to_k.in_features
+    raise ValueError("no cross-attention (attn2) found: cannot size the warmup context")

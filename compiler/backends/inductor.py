@@ -83,15 +83,15 @@ class InductorBackend(Backend):
     def dynamo_config(self, config):
         if not config.dynamic_shapes:
             return (torch._dynamo.config.patch(recompile_limit=64),)
-        import torch.fx.experimental._config as fx_config
         return (
-            # channel counts symbolic too: blocks that differ only in width share one graph
+            # channel counts symbolic too: blocks that differ only in width share one graph.
+            # Size-1 dims (batch 1, a 1x1 deepest level at 64 px) still specialise; warmup
+            # primes each such class with a small probe shape (shapes.probe_shapes).
+            # (fx backed_size_oblivious was tried: the fake matmul then raises on
+            # context-width vs to_k.in_features instead of guarding.)
             torch._dynamo.config.patch(force_parameter_static_shapes=False,
                                        force_nn_module_property_static_shapes=False,
                                        recompile_limit=64),
-            # no 0/1 specialisation (batch 1 vs 2, a 1x1 deepest level at 64 px) and
-            # no duck sizing (a square first shape must not pin H == W)
-            fx_config.patch(backed_size_oblivious=True, use_duck_shape=False),
         )
 
 

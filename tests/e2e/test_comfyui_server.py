@@ -35,8 +35,9 @@ MAX_ABS_DIFF = 24
 MAX_LATENT_REL_L2 = 1e-3  # eps scaled by 1.001 gives 2e-3 here
 # The same eager graph run again after compiling: nothing may have changed.
 MAX_EAGER_RERUN_REL_L2 = 1e-6
-# Warmup request as the WarmupShapes node spells it: batch x height x width.
-WARMUP_SHAPES = f"1x{SIZE}x{SIZE}"
+# WarmupShapes entries are UNet batch x width x height; with cfg > 1 ComfyUI
+# runs cond and uncond as one batch of 2, so that is the shape KSampler needs.
+WARMUP_SHAPES = f"2x{SIZE}x{SIZE}"
 
 
 def txt2img_prompt(ckpt_name: str, filename_prefix: str, model_ref=("1", 0)) -> dict:
@@ -126,6 +127,8 @@ def test_eager_txt2img(eager_result):
     assert len(np.unique(img)) > 16, "image has too few distinct values"
 
 
+# Tests request this with request.getfixturevalue() from their body, so that a
+# missing node or a failing prompt is reported as a test FAILURE, not a setup error.
 @pytest.fixture(scope="session")
 def compiled_result(comfy_server, sd15_checkpoint, request):
     """Run the graph with the pack's nodes before KSampler; return (history entry, image, latent)."""
@@ -157,8 +160,8 @@ def compiled_result(comfy_server, sd15_checkpoint, request):
     return entry, the_image(comfy_server, entry), the_latent(comfy_server, entry)
 
 
-def test_compiled_matches_eager(compiled_result, eager_result):
-    entry, compiled, compiled_latent = compiled_result
+def test_compiled_matches_eager(eager_result, request):
+    entry, compiled, compiled_latent = request.getfixturevalue("compiled_result")
     eager, eager_latent = eager_result
 
     report = ui_text(entry, "11")
@@ -188,13 +191,14 @@ def test_compiled_matches_eager(compiled_result, eager_result):
 
 
 def test_shared_model_still_eager_after_compile(comfy_server, sd15_checkpoint,
-                                                compiled_result, eager_result):
+                                                eager_result, request):
     """Compiling a clone must leave the loader's MODEL untouched (DESIGN.md rule 1).
 
     ComfyUI caches CheckpointLoaderSimple's output, so this prompt gets the very
     ModelPatcher the compiled prompt cloned. A no-op ModelSamplingDiscrete (eps,
     SD1.5's own schedule) makes KSampler run again instead of hitting the cache.
     """
+    request.getfixturevalue("compiled_result")
     _, eager_latent = eager_result
     prompt = txt2img_prompt(sd15_checkpoint.name, "e2e_eager_again", model_ref=("13", 0))
     prompt["13"] = {"class_type": "ModelSamplingDiscrete",
