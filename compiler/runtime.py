@@ -90,7 +90,7 @@ class Accelerator:
             self._shims.append((region.module, self._make_shim(region, impl)))
         rep.regions = {k: counts[k] for k in P.KINDS if counts[k]}
         rep.skipped = self.plan.skipped_summary()
-        log.info("UNet Compiler: %s", rep.text().replace("\n", " |"))
+        log.info("%s", rep.text().replace("\n", " |"))
 
     def _no_impl_reason(self, region) -> str:
         if region.kind == P.PROJECTION:
