@@ -51,24 +51,25 @@ def report(module) -> str:
 
 
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True):
-    """Run ``run_one(shape, reference: bool)`` for each shape, timing it and
-    counting the graphs each one compiled; compare the first shape against
-    the eager reference. Marks the accelerator warmed (later compiles are
-    counted as recompiles)."""
+    """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
+    probe shapes and then each shape, timing it and counting the graphs each
+    one compiled; compare the first shape against the eager reference. Marks
+    the accelerator warmed (later compiles are counted as recompiles)."""
     rep = accel.report
-    if accel.config.dynamic_shapes and accel.backend.name != "eager":
-        for probe in probe_shapes(shapes):
-            g0 = accel.stats["graphs_compiled"]
-            t0 = time.perf_counter()
-            run_one(probe)
-            rep.warmup.append((f"{probe.label} (probe)", time.perf_counter() - t0,
-                               accel.stats["graphs_compiled"] - g0))
-    for i, shape in enumerate(shapes):
+
+    def timed(shape, label):
         g0 = accel.stats["graphs_compiled"]
         t0 = time.perf_counter()
         out = run_one(shape)
         secs = time.perf_counter() - t0
-        rep.warmup.append((shape.label, secs, accel.stats["graphs_compiled"] - g0))
+        rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
+        return out, secs
+
+    if accel.config.dynamic_shapes and accel.backend.name != "eager":
+        for probe in probe_shapes(shapes):
+            timed(probe, f"{probe.label} (probe)")
+    for i, shape in enumerate(shapes):
+        out, secs = timed(shape, shape.label)
         if i == 0 and compare:
             with accel.bypass():
                 ref = run_one(shape)

@@ -41,9 +41,6 @@ class Plan:
     #: (kind, path, reason) for leaf regions left eager at plan time
     skipped: list = field(default_factory=list)
 
-    def count(self) -> Counter:
-        return Counter(r.kind for r in self.regions)
-
     def skipped_summary(self) -> list[tuple[str, int, str]]:
         c = Counter((k, why) for k, _, why in self.skipped)
         return [(k, n, why) for (k, why), n in sorted(c.items())]

@@ -77,6 +77,15 @@ def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
     return out
 
 
+def validate_shapes_input(text, node: str = "Warmup Shapes"):
+    """ComfyUI validate hook result: True, or the message naming the bad entry."""
+    try:
+        parse_shapes(text)
+    except ShapeError as e:
+        return f"{node}: {e}"
+    return True
+
+
 def as_shapes(shapes) -> list[Shape]:
     """Accept a string, Shape objects or (batch, width, height) tuples."""
     if isinstance(shapes, str):

@@ -3,7 +3,7 @@ Same ids, inputs and outputs as nodes/v3.py."""
 from __future__ import annotations
 
 from ..compiler.config import BACKENDS, PRECISIONS, CompileConfig
-from ..compiler.shapes import ShapeError, parse_shapes
+from ..compiler.shapes import validate_shapes_input
 
 CATEGORY = "UNet Compiler"
 
@@ -54,11 +54,7 @@ class WarmupShapes:
 
     @classmethod
     def VALIDATE_INPUTS(cls, shapes, **kwargs):
-        try:
-            parse_shapes(shapes)
-        except ShapeError as e:
-            return f"Warmup Shapes: {e}"
-        return True
+        return validate_shapes_input(shapes)
 
     def execute(self, model, shapes, context_tokens=77, unique_id=None):
         from . import patcher

@@ -4,7 +4,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io, ui
 
 from ..compiler.config import BACKENDS, PRECISIONS, CompileConfig
-from ..compiler.shapes import ShapeError, parse_shapes
+from ..compiler.shapes import ShapeError, validate_shapes_input
 from . import patcher
 
 UnetBackend = io.Custom("UNET_BACKEND")
@@ -86,11 +86,7 @@ class WarmupShapes(io.ComfyNode):
 
     @classmethod
     def validate_inputs(cls, shapes, **kwargs):
-        try:
-            parse_shapes(shapes)
-        except ShapeError as e:
-            return f"Warmup Shapes: {e}"
-        return True
+        return validate_shapes_input(shapes)
 
     @classmethod
     def execute(cls, model, shapes, context_tokens=77) -> io.NodeOutput:

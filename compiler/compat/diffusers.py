@@ -58,12 +58,6 @@ def classes() -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def blocks_layout() -> str | None:
-    """Which module path the UNet blocks were found at (for reports/tests)."""
-    cls = classes().get("CrossAttnDownBlock2D")
-    return None if cls is None else cls.__module__
-
-
 def is_diffusers_unet(module) -> bool:
     cls = classes().get("UNet2DConditionModel") if type(module).__module__.startswith("diffusers") else None
     return cls is not None and isinstance(module, cls)

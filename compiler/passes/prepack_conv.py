@@ -44,10 +44,6 @@ def set_weight_epoch(epoch) -> None:
         _epoch = epoch
 
 
-def cache_size() -> int:
-    return len(_cache)
-
-
 def _version(t: torch.Tensor):
     try:
         return t._version
@@ -138,7 +134,7 @@ def rewrite_graph(gm: torch.fx.GraphModule) -> int:
         if node.op != "call_function" or node.target not in _CONV_TARGETS:
             continue
         args = dict(_CONV_DEFAULTS)
-        args.update(zip(_CONV_ARGS, node.args))
+        args.update(zip(_CONV_ARGS, node.args, strict=False))  # trailing args may be defaulted
         args.update(node.kwargs)
         x, w = _meta(args["input"]), _meta(args["weight"])
         if x is None or w is None or not check(x, w, args["padding"]):
