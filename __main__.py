@@ -34,6 +34,29 @@ def _time(fn, n):
     return sorted(ts)[len(ts) // 2], out
 
 
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+# (label, batch, latent side): the shape changes users hit between prompts
+TRANSITIONS = (("to 1x64x64", 1, 8), ("batch 1->2 (2x64x64)", 2, 8), ("64->96 px (2x96x96)", 2, 12))
+
+
+def _transitions(fn, dev):
+    """Call ``fn(x, t, c)`` at each transition shape; graphs compiled and seconds per call."""
+    out = []
+    for label, b, lat in TRANSITIONS:
+        with torch.inference_mode():
+            x = torch.randn(b, 4, lat, lat, device=dev)
+            t = torch.full((b,), 500.0, device=dev)
+            c = torch.randn(b, 77, 768, device=dev)
+            g0, t0 = _graphs(), time.perf_counter()
+            fn(x, t, c)
+            out.append((label, _graphs() - g0, time.perf_counter() - t0))
+    return out
+
+
 def bench(args):
     from .compiler import compile_unet, report, warmup
     dev = torch.device(args.device)
@@ -49,15 +72,19 @@ def bench(args):
     rows = []
     eager_s, ref = _time(lambda: unet(x, t, c).sample, args.iters)
     rows.append(("eager", eager_s, 0.0, 0.0))
+    trans = {}
 
     ours = copy.deepcopy(unet)
     t0 = time.perf_counter()
     compile_unet(ours, args.backend)
-    warmup(ours, f"{args.batch}x{lat * 8}x{lat * 8}", compare=False)
+    # warm what this run uses, as a user would with Warmup Shapes: the timed shape and the transitions
+    shapes = [f"{args.batch}x{lat * 8}x{lat * 8}"] + [f"{b}x{s * 8}x{s * 8}" for _, b, s in TRANSITIONS]
+    warmup(ours, ", ".join(shapes), compare=False)
     cold = time.perf_counter() - t0
     s, out = _time(lambda: ours(x, t, c).sample, args.iters)
     rows.append((f"unet_compiler ({report(ours).splitlines()[0].split('backend ')[1].split(',')[0]})", s, cold,
                  float((out - ref).abs().max())))
+    trans["unet_compiler"] = _transitions(lambda *a: ours(*a), dev)
 
     if not args.skip_whole:
         whole = torch.compile(copy.deepcopy(unet))
@@ -67,10 +94,14 @@ def bench(args):
         cold = time.perf_counter() - t0
         s, out = _time(lambda: whole(x, t, c).sample, args.iters)
         rows.append(("whole-model torch.compile (TorchCompileModel)", s, cold, float((out - ref).abs().max())))
+        trans["whole-model torch.compile"] = _transitions(lambda *a: whole(*a), dev)
 
     print(f"\n{'path':48s} {'step s':>8s} {'vs eager':>9s} {'cold s':>8s} {'max|diff|':>10s}")
     for name, s, cold, diff in rows:
         print(f"{name:48s} {s:8.3f} {eager_s / s:8.2f}x {cold:8.1f} {diff:10.2e}")
+    print("\nshape changes after the timed runs (graphs compiled = recompiles; seconds include compiling):")
+    for name, ts in trans.items():
+        print(f"  {name}: " + "; ".join(f"{lbl}: {g} graph(s), {sec:.1f} s" for lbl, g, sec in ts))
     print("\n" + report(ours))
 
 

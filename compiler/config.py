@@ -28,11 +28,13 @@ class CompileConfig:
 
     backend:
         ``auto`` picks the fastest backend that works here (triton on CUDA once
-        it lands, ipex on an Intel CPU with a matching IPEX once it lands,
-        inductor otherwise, eager if nothing works). ``inductor`` is
-        torch.compile of leaf regions; ``eager`` turns every rewrite off for
-        this model (A/B and debugging). Speed only: no backend changes which
-        LoRA, ControlNet or attention patch applies.
+        it lands, ipex on an Intel CPU with a matching IPEX, inductor
+        otherwise, eager if nothing works). ``inductor`` is torch.compile of
+        leaf regions; ``ipex`` runs each leaf region on an ipex.optimize'd
+        copy (prepacked weights, rebuilt when weights change; one extra copy
+        of the weights in memory); ``eager`` turns every rewrite off for this
+        model (A/B and debugging). Speed only: no backend changes which LoRA,
+        ControlNet or attention patch applies.
     precision:
         ``auto`` keeps the dtype ComfyUI / the caller chose for the model:
         bit-for-bit the same math as eager up to kernel rounding. ``fp16`` /

@@ -64,3 +64,15 @@ def feedforward(ff, x):
 
 def sequential(seq, x):
     return torch.nn.Sequential.forward(seq, x)
+
+
+#: (family, region kind) -> body; every backend accelerates these same functions
+BODIES = {
+    ("comfy", "resblock"): comfy_resblock,
+    ("comfy", "attention"): comfy_attention,
+    ("comfy", "feedforward"): feedforward,
+    ("comfy", "groupnorm_silu"): sequential,
+    ("diffusers", "resblock"): diffusers_resblock,
+    ("diffusers", "attention"): diffusers_attention,
+    ("diffusers", "feedforward"): feedforward,
+}

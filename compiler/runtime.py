@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 
 from . import plan as P
+from . import weights
 from .backends import resolve
 from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
@@ -44,6 +45,8 @@ class Accelerator:
         self.plan = P.build_plan(unet)
         self.stats: Counter = Counter()
         self.failed: dict = {}
+        #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
+        self.on_fallback = None
         self.warmed = False
         self._bypass = False
         if device is None:
@@ -140,6 +143,11 @@ class Accelerator:
                    f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
             log.warning(msg, exc_info=True)
             self.report.notes.append(msg)
+            if self.on_fallback is not None:
+                try:
+                    self.on_fallback(kind, self.failed[kind])
+                except Exception:  # a listener must not turn a soft fallback into a crash
+                    log.debug("on_fallback listener failed", exc_info=True)
             self.stats["region_eager"] += 1
             if eager_kwargs is None:
                 return original(module, *args)
@@ -163,9 +171,7 @@ class Accelerator:
             self.stats["eager_calls"] += 1
             yield
             return
-        if self.config.prepack_conv:
-            from .passes import prepack_conv
-            prepack_conv.set_weight_epoch(weight_epoch)
+        weights.set_epoch(weight_epoch)
         installed = []
         before = _graph_count()
         t0 = time.perf_counter()
@@ -194,4 +200,5 @@ class Accelerator:
                                     "warmed range?)", new)
 
     def text(self) -> str:
-        return self.report.text(self.stats)
+        extra = self.backend.status_lines()
+        return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -64,10 +64,10 @@ def test_config_rejects_unknown_values():
 
 
 def test_registry_reports_unavailable_backends_and_falls_back():
-    ok, why = lookup_backend("triton")().available(torch.device("cuda"))
-    assert not ok and "not available yet" in why
     backend, story = resolve("triton", torch.device("cpu"))
-    assert backend.name == "inductor" and story[0].startswith("triton: not available")
+    assert backend.name == "inductor" and story[0].startswith("triton: ")
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in story[0]
     backend, story = resolve("auto", torch.device("cpu"))
     assert backend.name == "inductor"
     assert any(s.startswith("ipex:") for s in story)

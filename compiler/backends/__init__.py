@@ -45,8 +45,17 @@ class Backend:
     def available(self, device) -> tuple[bool, str]:
         return True, ""
 
+    def auto_ok(self, device) -> tuple[bool, str]:
+        """Whether ``auto`` may pick this backend here (it may be usable but
+        not the right default, e.g. IPEX on a non-Intel CPU)."""
+        return True, ""
+
     def impls(self, config) -> dict:
         return {}
+
+    def status_lines(self) -> list[str]:
+        """Extra report lines about what the backend did so far."""
+        return []
 
     def dynamo_config(self, config):
         """Context managers entered around each accelerated UNet call."""
@@ -65,6 +74,9 @@ def resolve(requested: str, device) -> tuple[Backend, list[str]]:
         try:
             backend = lookup_backend(name)()
             ok, why = backend.available(device)
+            if ok and requested == "auto":
+                ok, not_auto = backend.auto_ok(device)
+                why = why if ok else not_auto
         except Exception as e:  # a probe must never take ComfyUI down
             log.warning("probing backend %s failed", name, exc_info=True)
             ok, why = False, f"probe failed: {e}"

@@ -16,20 +16,11 @@ import torch
 
 from .. import regions as R
 from ..compat.torch_version import torch_too_old
-from ..plan import ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION, RESBLOCK
+from ..plan import PROJECTION
 from . import Backend, register_backend
 
 log = logging.getLogger(__name__)
 
-_BODIES = {
-    ("comfy", RESBLOCK): R.comfy_resblock,
-    ("comfy", ATTENTION): R.comfy_attention,
-    ("comfy", FEEDFORWARD): R.feedforward,
-    ("comfy", NORM_ACT): R.sequential,
-    ("diffusers", RESBLOCK): R.diffusers_resblock,
-    ("diffusers", ATTENTION): R.diffusers_attention,
-    ("diffusers", FEEDFORWARD): R.feedforward,
-}
 
 
 def _make_dynamo_backend(prepack: bool):
@@ -74,7 +65,7 @@ class InductorBackend(Backend):
 
     def impls(self, config) -> dict:
         prepack = config.prepack_conv
-        out = {key: compiled_body(body, config.dynamic_shapes, prepack) for key, body in _BODIES.items()}
+        out = {key: compiled_body(body, config.dynamic_shapes, prepack) for key, body in R.BODIES.items()}
         if prepack:
             from ..passes import prepack_conv
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward

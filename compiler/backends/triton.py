@@ -1,8 +1,177 @@
-"""Fused Triton kernels: registered name, kernels land with issue #3."""
+"""The pack's fused Triton kernels on the leaf regions (CUDA).
+
+Region bodies below mirror ComfyUI's / diffusers' own code for the plain
+SD1.5/SDXL case and swap in kernels where they remove memory round trips:
+GroupNorm+SiLU in one pass, the GEGLU epilogue, flash attention, conv bias +
+residual add in one pass. Every weight is read from the live module at call
+time; to_q/to_k/to_v/to_out and the convs/linears stay module calls (LoRA
+and attention patches address them by name; cuBLAS/cuDNN do the GEMMs).
+A variant a body does not cover (scale-shift norm, up/down ResBlocks,
+non-GEGLU feed-forwards) runs the model's own code; a kernel that cannot take
+its inputs raises KernelUnsupported and that call runs the model's own code.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+
+from .. import regions as R
+from ..compat import comfy as comfy_compat
+from ..compat import triton as triton_compat
+from ..plan import ATTENTION, FEEDFORWARD, NORM_ACT, RESBLOCK
 from . import Backend, register_backend
+
+log = logging.getLogger(__name__)
+
+
+def _kernels():
+    from ...kernels import attention, epilogue, geglu, groupnorm
+    return attention, epilogue, geglu, groupnorm
+
+
+def _is(m, name):
+    return type(m).__name__ == name or any(c.__name__ == name for c in type(m).__mro__)
+
+
+class Bodies:
+    """Kernel-backed region bodies; ``fired`` counts kernel launches per kernel."""
+
+    def __init__(self):
+        self.fired: Counter = Counter()
+        self.declined: Counter = Counter()
+        self.KA, self.KE, self.KG, self.KN = _kernels()
+        from ...kernels._common import KernelUnsupported
+        self.Unsupported = KernelUnsupported
+
+    # -- pieces --
+    def gn(self, norm, x, silu):
+        self.fired["groupnorm_silu" if silu else "groupnorm"] += 1
+        return self.KN.groupnorm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu=silu)
+
+    def conv_residual(self, conv, h, residual):
+        """conv(h) + residual with the conv bias folded into the add (one pass)."""
+        if (not isinstance(conv, torch.nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str)
+                or conv._forward_hooks or conv._forward_pre_hooks or comfy_compat.has_cast_weights(conv)):
+            return conv(h) + residual
+        y = F.conv2d(h, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        self.fired["bias_residual"] += 1
+        return self.KE.bias_residual(y, conv.bias, residual, dim=1, out=y)
+
+    def attend(self, q, k, v, heads):
+        b, n, inner = q.shape
+        m, d = k.shape[1], inner // heads
+        self.fired["attention"] += 1
+        out = self.KA.attention(q.view(b, n, heads, d).transpose(1, 2), k.view(b, m, heads, d).transpose(1, 2),
+                                v.view(b, m, heads, d).transpose(1, 2))
+        return out.transpose(1, 2).reshape(b, n, inner)
+
+    # -- region bodies (same signatures as regions.BODIES) --
+    def comfy_resblock(self, block, x, emb):
+        if (block.updown or block.use_scale_shift_norm or block.skip_t_emb
+                or getattr(block, "exchange_temb_dims", False) or len(block.in_layers) != 3
+                or not isinstance(block.in_layers[0], torch.nn.GroupNorm)
+                or not isinstance(block.in_layers[1], torch.nn.SiLU)
+                or len(block.out_layers) != 4 or not isinstance(block.out_layers[1], torch.nn.SiLU)):
+            self.declined["resblock variant"] += 1
+            return type(block)._forward(block, x, emb)
+        h = block.in_layers[2](self.gn(block.in_layers[0], x, True))
+        emb_out = block.emb_layers(emb).type(h.dtype)
+        h = h + emb_out[:, :, None, None]
+        h = block.out_layers[2](self.gn(block.out_layers[0], h, True))  # [2] is Dropout (identity in eval)
+        return self.conv_residual(block.out_layers[3], h, block.skip_connection(x))
+
+    def diffusers_resblock(self, block, x, temb):
+        if (block.upsample is not None or block.downsample is not None or block.time_embedding_norm != "default"
+                or not isinstance(block.nonlinearity, torch.nn.SiLU) or block.output_scale_factor != 1.0
+                or temb is None or block.time_emb_proj is None):
+            self.declined["resblock variant"] += 1
+            return type(block).forward(block, x, temb)
+        h = block.conv1(self.gn(block.norm1, x, True))
+        t = block.time_emb_proj(temb if block.skip_time_act else F.silu(temb))[:, :, None, None]
+        h = self.gn(block.norm2, h + t, True)
+        h = block.dropout(h)
+        skip = block.conv_shortcut(x) if block.conv_shortcut is not None else x
+        return self.conv_residual(block.conv2, h, skip)
+
+    def comfy_attention(self, attn, x, context=None, value=None):
+        q = attn.to_q(x)
+        ctx = x if context is None else context
+        k = attn.to_k(ctx)
+        v = attn.to_v(ctx if value is None else value)
+        return attn.to_out(self.attend(q, k, v, attn.heads))
+
+    def diffusers_attention(self, attn, hidden_states, encoder_hidden_states=None):
+        ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        q, k, v = attn.to_q(hidden_states), attn.to_k(ctx), attn.to_v(ctx)
+        out = self.attend(q, k, v, attn.heads)
+        return attn.to_out[1](attn.to_out[0](out))
+
+    def feedforward(self, ff, x):
+        glu = ff.net[0]
+        proj = getattr(glu, "proj", None)
+        approximate = getattr(glu, "approximate", "none")
+        if not _is(glu, "GEGLU") or proj is None or approximate not in ("none", "tanh"):
+            self.declined["feed-forward without GEGLU"] += 1
+            return type(ff).forward(ff, x)
+        self.fired["geglu"] += 1
+        h = self.KG.geglu(proj(x), approximate=approximate)
+        for m in list(ff.net)[1:]:
+            h = m(h)
+        return h
+
+    def norm_act(self, seq, x):
+        return seq[2](self.gn(seq[0], x, True))
+
+    def table(self) -> dict:
+        return {("comfy", RESBLOCK): self.comfy_resblock, ("diffusers", RESBLOCK): self.diffusers_resblock,
+                ("comfy", ATTENTION): self.comfy_attention, ("diffusers", ATTENTION): self.diffusers_attention,
+                ("comfy", FEEDFORWARD): self.feedforward, ("diffusers", FEEDFORWARD): self.feedforward,
+                ("comfy", NORM_ACT): self.norm_act}
 
 
 @register_backend("triton")
 class TritonBackend(Backend):
+    def __init__(self):
+        self.bodies: Bodies | None = None
+
     def available(self, device):
-        return False, "not available yet: the fused Triton kernels are not in this release (use inductor)"
+        facts = triton_compat.gather()
+        if getattr(device, "type", "cpu") != "cuda" and facts.cuda_available:
+            return False, f"the model is on {device}; the Triton kernels run on CUDA"
+        why = triton_compat.problem(facts)
+        if why:
+            return False, why
+        try:
+            _kernels()
+        except Exception as e:
+            return False, f"triton {facts.triton_version} is installed but the kernels failed to load ({e})"
+        return True, f"fused Triton kernels (triton {facts.triton_version})"
+
+    def impls(self, config) -> dict:
+        self.bodies = Bodies()
+        own = R.BODIES
+        unsupported = self.bodies.Unsupported
+
+        def guarded(key, body):
+            def run(module, *args):
+                try:
+                    return body(module, *args)
+                except unsupported as e:  # a size the kernels cannot do: this call runs the model's code
+                    self.bodies.declined[str(e).split(":")[0]] += 1
+                    log.debug("triton region fallback: %s", e)
+                    return own[key](module, *args) if key in own else module(*args)
+            return run
+        return {key: guarded(key, body) for key, body in self.bodies.table().items()}
+
+    def status_lines(self) -> list[str]:
+        if self.bodies is None or not (self.bodies.fired or self.bodies.declined):
+            return []
+        b = self.bodies
+        lines = ["  triton kernels fired: " + ", ".join(f"{k} x{n}" for k, n in sorted(b.fired.items()))]
+        if b.declined:
+            lines.append("  triton ran the model's own code for: "
+                         + ", ".join(f"{k} x{n}" for k, n in sorted(b.declined.items())))
+        return lines

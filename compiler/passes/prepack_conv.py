@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from .. import weights
 from ..compat.torch_version import mkldnn_conv_available
 
 log = logging.getLogger(__name__)
@@ -30,30 +31,21 @@ log = logging.getLogger(__name__)
 stats: Counter = Counter()
 
 _cache: dict[int, tuple] = {}
-_epoch: object = None
 
 
-def set_weight_epoch(epoch) -> None:
-    """Declare the weights' provenance for this call; a change drops every
-    packed weight (ComfyUI may have rewritten weights in place)."""
-    global _epoch
-    if epoch != _epoch:
-        if _cache:
-            stats["epoch_invalidations"] += 1
-        _cache.clear()
-        _epoch = epoch
+def _drop_all() -> None:
+    """A new weight epoch: ComfyUI may have rewritten weights in place."""
+    if _cache:
+        stats["epoch_invalidations"] += 1
+    _cache.clear()
 
 
-def _version(t: torch.Tensor):
-    try:
-        return t._version
-    except RuntimeError:  # inference tensors carry no version counter
-        return None
+weights.on_epoch_change(_drop_all)
 
 
 def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
     key = id(w)
-    sig = (w.data_ptr(), tuple(w.shape), w.dtype, _version(w), _epoch)
+    sig = weights.signature(w) + (weights.epoch(),)
     hit = _cache.get(key)
     if hit is not None and hit[0] == sig:
         stats["cache_hits"] += 1

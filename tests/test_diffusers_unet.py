@@ -1,0 +1,136 @@
+"""compile_unet on a plain diffusers UNet2DConditionModel (no ComfyUI).
+
+Runs in the default env (newest diffusers, ``diffusers.models.unets.*``), in
+the old-diffusers lane (0.25.1, ``diffusers.models.unet_2d_blocks``) and in
+the IPEX lane, where UNET_COMPILER_TEST_BACKENDS adds ``ipex``."""
+import os
+
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers", reason="diffusers not installed: the diffusers UNet tests skip")
+
+from unet_compiler.compiler import compile_unet, report, warmup  # noqa: E402
+from unet_compiler.compiler.api import accelerator_of  # noqa: E402
+from unet_compiler.compiler.compat import diffusers as dcompat  # noqa: E402
+
+BACKENDS = [b.strip() for b in os.environ.get("UNET_COMPILER_TEST_BACKENDS", "inductor").split(",") if b.strip()]
+
+TINY = {
+    "sd15": dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8, norm_num_groups=8),
+    # SDXL-shaped: linear projections, head dim 8 (attention_head_dim is per-head width there),
+    # text_time added conditioning, 2-deep transformer at the lowest level
+    "sdxl": dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                 up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(4, 8),
+                 transformer_layers_per_block=(1, 2), use_linear_projection=True, norm_num_groups=8,
+                 addition_embed_type="text_time", addition_time_embed_dim=8,
+                 projection_class_embeddings_input_dim=32 + 6 * 8),
+}
+
+
+def _unet(kind, seed=0):
+    torch.manual_seed(seed)
+    u = diffusers.UNet2DConditionModel(**TINY[kind]).eval()
+    with torch.no_grad():  # diffusers zero-inits some outputs: make every weight matter
+        for p in u.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    return u
+
+
+def _inputs(u, b=2, side=8, tokens=77, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, 4, side, side, generator=g)
+    c = torch.randn(b, tokens, u.config.cross_attention_dim, generator=g)
+    kw = {}
+    if u.config.addition_embed_type == "text_time":
+        kw["added_cond_kwargs"] = {"text_embeds": torch.randn(b, 32, generator=g),
+                                   "time_ids": torch.randn(b, 6, generator=g)}
+    return x, torch.full((b,), 500.0), c, kw
+
+
+def _run(u, inputs):
+    x, t, c, kw = inputs
+    with torch.inference_mode():
+        return u(x, t, c, **kw).sample
+
+
+def _close(a, b, tol=2e-4):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+@pytest.fixture(params=["sd15", "sdxl"])
+def kind(request):
+    return request.param
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    return request.param
+
+
+def test_layout_resolved_from_the_installed_diffusers():
+    cls = dcompat.classes()
+    assert {"UNet2DConditionModel", "ResnetBlock2D", "Attention", "FeedForward", "CrossAttnDownBlock2D"} <= set(cls)
+    new_layout = cls["CrossAttnDownBlock2D"].__module__.startswith("diffusers.models.unets.")
+    major, minor = (int(v) for v in diffusers.__version__.split(".")[:2])
+    if (major, minor) >= (0, 29):
+        assert new_layout  # the old path is gone from 0.29
+    if (major, minor) < (0, 26):
+        assert not new_layout  # the new path does not exist yet
+    print(f"diffusers {diffusers.__version__}: blocks from {cls['CrossAttnDownBlock2D'].__module__}")
+
+
+def test_parity_and_regions_fired(kind, backend):
+    u = _unet(kind)
+    inputs = _inputs(u)
+    ref = _run(u, inputs)
+    compile_unet(u, backend)
+    out = _run(u, inputs)
+    _close(out, ref)
+    accel = accelerator_of(u)
+    assert accel.backend.name == backend, report(u)
+    assert accel.stats["ran_resblock"] > 0 and accel.stats["ran_attention"] > 0, dict(accel.stats)
+    assert accel.stats["ran_feedforward"] > 0
+    text = report(u)
+    assert f"backend {backend}" in text and "resblock x" in text and "attention x" in text
+
+
+def test_weight_changes_after_compile_are_seen(backend):
+    """A LoRA merged after compiling (a new Parameter, as ComfyUI writes it) and
+    an in-place strength change (copy_ into the same storage) both show up."""
+    u = _unet("sd15")
+    inputs = _inputs(u)
+    compile_unet(u, backend)
+    _run(u, inputs)  # compiled + packed with the original weights
+    g = torch.Generator().manual_seed(7)
+    targets = [m for m in u.modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
+    with torch.no_grad():
+        for m in targets[::3]:  # 1: replace the Parameter (LoRA merged by a patcher)
+            m.weight = torch.nn.Parameter(m.weight + 0.05 * torch.randn(m.weight.shape, generator=g),
+                                          requires_grad=False)
+    with accelerator_of(u).bypass():
+        ref1 = _run(u, inputs)
+    _close(_run(u, inputs), ref1)
+    with torch.no_grad():
+        for m in targets[1::3]:  # 2: in place (strength change written into the same storage)
+            m.weight.mul_(1.5)
+    with accelerator_of(u).bypass():
+        ref2 = _run(u, inputs)
+    assert (ref2 - ref1).abs().max() > 1e-3  # the change matters
+    _close(_run(u, inputs), ref2)
+
+
+@pytest.mark.parametrize("kind_", ["sd15", "sdxl"])
+def test_zero_recompiles_after_warmup(kind_):
+    u = _unet(kind_)
+    compile_unet(u, "inductor")
+    warmup(u, "1x64x64, 4x128x128", context_tokens=77)
+    accel = accelerator_of(u)
+    assert accel.stats["graphs_compiled"] > 0
+    for b, side, tokens in ((1, 8, 77), (2, 8, 77), (2, 12, 77), (3, 16, 154), (4, 10, 77)):
+        _run(u, _inputs(u, b=b, side=side, tokens=tokens))
+    assert accel.stats["recompiles_after_warmup"] == 0, report(u)
+    assert "recompiles after warmup: 0" in report(u)

@@ -1,0 +1,102 @@
+"""The triton backend's capability probes on simulated platforms: every
+branch gives one sentence with the exact fix, and the model falls back
+visibly instead of raising."""
+import pytest
+import torch
+
+from unet_compiler.compiler.backends import resolve
+from unet_compiler.compiler.compat import triton as T
+
+
+def facts(**kw):
+    base = dict(system="Linux", torch_version="2.8.0+cu128", cuda_available=True, triton_dist="triton",
+                triton_version="3.4.0", torch_requires_triton="3.4.0", base_prefix="/usr", python_version=(3, 12, 7))
+    base.update(kw)
+    return T.Facts(**base)
+
+
+@pytest.mark.parametrize("torch_v, cmd", [
+    ("2.6.0+cu126", 'pip install -U "triton-windows>=3.2,<3.3"'),
+    ("2.7.1+cu128", 'pip install -U "triton-windows>=3.3,<3.4"'),
+    ("2.8.0+cu128", 'pip install -U "triton-windows>=3.4,<3.5"'),
+    ("2.10.0+cu130", 'pip install -U "triton-windows<3.7"'),
+    ("2.13.0", 'pip install -U "triton-windows<3.7"'),
+])
+def test_windows_pip_command_matches_torch(torch_v, cmd):
+    assert T.windows_pip_command(torch_v) == cmd
+
+
+def test_windows_old_torch_is_told_to_upgrade():
+    assert "upgrade torch to 2.6" in T.windows_pip_command("2.5.1")
+
+
+def test_all_good_linux_and_windows():
+    assert T.problem(facts()) is None
+    assert T.problem(facts(system="Windows", triton_dist="triton-windows", triton_version="3.4.0.post20")) is None
+    assert T.problem(facts(system="Windows", torch_version="2.10.0", triton_dist="triton-windows",
+                           triton_version="3.6.0")) is None
+
+
+def test_no_cuda():
+    assert "no CUDA GPU" in T.problem(facts(cuda_available=False))
+
+
+def test_triton_missing_on_windows_gives_the_matching_pip_line():
+    msg = T.problem(facts(system="Windows", torch_version="2.7.0", triton_dist=None, triton_version=None))
+    assert "triton-windows" in msg and 'pip install -U "triton-windows>=3.3,<3.4"' in msg
+
+
+def test_triton_missing_on_linux():
+    msg = T.problem(facts(triton_dist=None, triton_version=None))
+    assert "pip install triton==3.4.0" in msg
+
+
+def test_windows_version_mismatch():
+    msg = T.problem(facts(system="Windows", torch_version="2.8.0", triton_dist="triton-windows",
+                          triton_version="3.2.0.post18"))
+    assert "does not match torch 2.8.0" in msg and '"triton-windows>=3.4,<3.5"' in msg
+    msg = T.problem(facts(system="Windows", torch_version="2.11.0", triton_dist="triton-windows",
+                          triton_version="3.7.1"))
+    assert '"triton-windows<3.7"' in msg
+
+
+def test_linux_version_mismatch():
+    msg = T.problem(facts(triton_version="3.3.1"))
+    assert "triton 3.3.1 does not match torch 2.8.0+cu128" in msg and "pip install triton==3.4.0" in msg
+
+
+def test_windows_portable_python_without_include_and_libs():
+    msg = T.problem(facts(system="Windows", triton_dist="triton-windows", triton_version="3.4.0",
+                          base_prefix=r"C:\ComfyUI_windows_portable\python_embeded", has_include=False,
+                          has_libs=False))
+    assert "no include and libs folder" in msg and "portable" in msg
+    assert r"into C:\ComfyUI_windows_portable\python_embeded" in msg and "Python 3.12.7" in msg
+    msg = T.problem(facts(system="Windows", triton_dist="triton-windows", triton_version="3.4.0", has_libs=False))
+    assert "no libs folder" in msg
+
+
+def test_cuda_malloc_async_blocks_cuda_graphs():
+    assert "--disable-cuda-malloc" in T.cuda_graphs_problem(facts(allocator_backend="cudaMallocAsync"))
+    assert T.cuda_graphs_problem(facts(allocator_backend="native")) is None
+
+
+@pytest.mark.parametrize("sim", [
+    dict(system="Windows", torch_version="2.7.0", triton_dist=None, triton_version=None),
+    dict(system="Windows", triton_dist="triton-windows", triton_version="3.4.0", has_include=False),
+    dict(triton_version="3.1.0"),
+])
+def test_requested_triton_falls_back_visibly(monkeypatch, sim):
+    """On any simulated failure the registry falls back to inductor and the
+    story carries the probe's sentence (what the report and the node show)."""
+    monkeypatch.setattr(T, "gather", lambda: facts(**sim))
+    backend, story = resolve("triton", torch.device("cuda"))
+    assert backend.name == "inductor"
+    assert story[0].startswith("triton: ") and "Fix:" in story[0]
+    assert T.problem(facts(**sim)) in story[0]
+
+
+def test_this_machine_probe_runs():
+    f = T.gather()
+    assert isinstance(f.cuda_available, bool)
+    msg = T.problem(f)
+    assert msg is None or isinstance(msg, str)
