@@ -15,6 +15,7 @@ from ..compiler.config import CompileConfig
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import parse_shapes, unet_inputs
 from ..compiler.api import warmup_runs
+from . import feedback
 
 log = logging.getLogger(__name__)
 
@@ -35,8 +36,9 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
     return unet_compiler_apply_model
 
 
-def compile_model(model, config: CompileConfig | None):
-    """Clone ``model`` and attach the accelerator. Returns (clone, report text)."""
+def compile_model(model, config: CompileConfig | None, node_id=None):
+    """Clone ``model`` and attach the accelerator. Returns (clone, report text).
+    The backend and state go to the node's UI (``node_id``) and the log."""
     import comfy.model_management
     from comfy.patcher_extension import CallbacksMP, WrappersMP
 
@@ -54,7 +56,8 @@ def compile_model(model, config: CompileConfig | None):
     m.remove_callbacks_with_key(CallbacksMP.ON_APPLY_HOOKS, KEY)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _apply_model_wrapper(accel, hooks_epoch))
     m.add_callback_with_key(CallbacksMP.ON_APPLY_HOOKS, KEY, on_apply_hooks)
-    return m, accel.text()
+    facts = feedback.compiled(accel, node_id)
+    return m, accel.text() + f"\n  status: {facts['text']}"
 
 
 def sampling_transformer_options(model) -> dict:
@@ -97,6 +100,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     unet = base.diffusion_model
     total = len(shapes) + 1
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
+    fb = feedback.WarmupFeedback(accel, shapes, node_id)
 
     def run_one(shape):
         with torch.inference_mode():
@@ -108,18 +112,13 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
 
     def tick(i, shape, secs):
         pbar.update_absolute(i + 1, total)
-        _progress_text(f"warmed {shape.label} in {secs:.1f} s ({i + 1}/{len(shapes)})", node_id)
+        fb.shape_done(i, shape, secs)
 
-    warmup_runs(accel, shapes, run_one, on_shape=tick)
-    pbar.update_absolute(total, total)
-    return accel.text()
-
-
-def _progress_text(text: str, node_id) -> None:
+    fb.start()
     try:
-        from server import PromptServer
-        if PromptServer.instance is not None and node_id is not None:
-            PromptServer.instance.send_progress_text(text, node_id)
-    except Exception:  # no server (tests, scripts): the log has it
-        log.debug("progress text not sent", exc_info=True)
-    log.info("UNet Compiler: %s", text)
+        warmup_runs(accel, shapes, fb.wrap(run_one), on_shape=tick)
+    finally:
+        fb.close()
+    pbar.update_absolute(total, total)
+    done = fb.finished()
+    return accel.text() + f"\n  status: {done['text']}"

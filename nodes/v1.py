@@ -31,11 +31,12 @@ class CompileUNet:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",)}, "optional": {"backend": ("UNET_BACKEND",)}}
+        return {"required": {"model": ("MODEL",)}, "optional": {"backend": ("UNET_BACKEND",)},
+                "hidden": {"unique_id": "UNIQUE_ID"}}
 
-    def execute(self, model, backend=None):
+    def execute(self, model, backend=None, unique_id=None):
         from . import patcher
-        m, text = patcher.compile_model(model, backend)
+        m, text = patcher.compile_model(model, backend, node_id=unique_id)
         return {"ui": {"text": [text]}, "result": (m,)}
 
 

@@ -52,12 +52,13 @@ class CompileUNet(io.ComfyNode):
                                   tooltip="From Select Backend. Absent = auto, fp as loaded, dynamic shapes on."),
             ],
             outputs=[io.Model.Output()],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
     def execute(cls, model, backend=None) -> io.NodeOutput:
         try:
-            m, text = patcher.compile_model(model, backend)
+            m, text = patcher.compile_model(model, backend, node_id=cls.hidden.unique_id)
         except TypeError as e:
             raise RuntimeError(f"Compile UNet: {e}") from e
         return io.NodeOutput(m, ui=ui.PreviewText(text))

@@ -71,7 +71,7 @@ class IpexBackend(Backend):
         if ipex is None:
             return False, why
         return True, (f"IPEX {ipex_compat.ipex_version()}: ipex.optimize on each leaf region (oneDNN weight "
-                      f"prepacking, redone when weights change); {NOT_REQUESTED}")
+                      f"prepacking, redone when weights change)")
 
     def auto_ok(self, device):
         if not ipex_compat.is_intel_cpu():
@@ -142,7 +142,7 @@ class IpexBackend(Backend):
             return ["  ipex: regions are prepared on the first call"]
         lines = [f"  ipex: {s['builds']} region copies optimized, {s['prepacked_modules']} conv/linear weights "
                  f"prepacked (oneDNN blocked layout, dtype {str(self.dtype or 'as the model').replace('torch.', '')})"
-                 f"; rebuilt after weight changes: {s['rebuilds_for_weight_change']}"]
+                 f"; rebuilt after weight changes: {s['rebuilds_for_weight_change']}", f"  ipex: {NOT_REQUESTED}"]
         if s["bf16_unsupported"]:
             lines.append("  ipex: bf16 asked for but this CPU's oneDNN has no bf16 support: kept the model dtype")
         if s["ipex_warnings"]:

@@ -1,0 +1,310 @@
+"""Tell the user what the pack did: in the browser, in /history and in the log.
+
+"Is it even working?" is the question users of every earlier accelerator ask.
+This module answers it with the same facts in three places:
+
+- custom websocket events through ComfyUI's ``PromptServer`` (the web
+  extension in ``web/`` draws a badge from them and toasts a fallback);
+- live text on the node (``send_progress_text``, shown by the frontend);
+- one log line per fact, and a ``status:`` line appended to the node's report,
+  which ComfyUI stores in ``/history`` for headless API users.
+
+Without a running ComfyUI server (standalone library use, tests, scripts)
+every send is a no-op: only the log and the report carry the facts.
+
+Events (``PromptServer.send_sync(EVENT_PREFIX + name, data)``), all JSON:
+
+``unet_compiler.compile``
+    ``node_id``, ``backend`` (what runs), ``requested`` (what Select Backend
+    asked for), ``state`` (``compiled`` / ``fallback`` / ``eager``),
+    ``reason`` and ``fix`` (one sentence each, empty when compiled),
+    ``family``, ``regions`` ({kind: count}), ``notes``, ``text``.
+``unet_compiler.warmup``
+    ``node_id``, ``phase`` (``start`` / ``shape`` / ``end``), ``backend``,
+    ``state`` (``compiling`` until the end, then ``compiled`` / ``fallback`` /
+    ``eager``), ``total`` (shapes), ``text``; ``start`` adds ``shapes``
+    (labels); ``shape`` adds ``index`` (1-based), ``shape`` (label),
+    ``seconds`` (that shape), ``elapsed`` (since start); ``end`` adds
+    ``seconds``, ``graphs`` (graphs compiled), ``max_abs_diff``, ``reason``,
+    ``fix``.
+``unet_compiler.fallback``
+    a region kind failed at run time (during warmup or sampling) and now runs
+    eager: ``node_ids`` (the Compile UNet node and the Warmup Shapes nodes
+    that ran the model), ``backend``, ``kind``, ``state`` (``fallback``),
+    ``reason``, ``fix``, ``text``.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import threading
+import time
+
+from ..compiler.config import DISABLE_ENV, disabled_by_env
+from ..compiler.shapes import probe_shapes
+
+log = logging.getLogger(__name__)
+
+EVENT_PREFIX = "unet_compiler."
+#: seconds between live "compiling… 12 s" updates while one warmup shape runs
+TICK_SECONDS = 1.0
+
+
+# ---- transport ----------------------------------------------------------------
+def _server():
+    """ComfyUI's running PromptServer, or None. Never imports anything: inside
+    ComfyUI, main.py has imported ``server`` long before any node runs."""
+    mod = sys.modules.get("server")
+    cls = getattr(mod, "PromptServer", None)
+    return getattr(cls, "instance", None)
+
+
+def send(event: str, data: dict) -> None:
+    """Send a custom event to the client that queued the prompt (all clients
+    when it has none). No-op without a server."""
+    srv = _server()
+    if srv is None:
+        return
+    try:
+        srv.send_sync(EVENT_PREFIX + event, data, getattr(srv, "client_id", None))
+    except Exception:  # feedback must never fail a prompt
+        log.debug("UNet Compiler: event %s not sent", event, exc_info=True)
+
+
+def progress_text(text: str, node_id) -> None:
+    """Live text under the node (ComfyUI's progress-text preview). No-op
+    without a server or a node id."""
+    srv = _server()
+    if srv is None or node_id is None:
+        return
+    try:
+        srv.send_progress_text(text, str(node_id), getattr(srv, "client_id", None))
+    except Exception:
+        log.debug("UNet Compiler: progress text not sent", exc_info=True)
+
+
+# ---- what happened at Compile UNet ------------------------------------------------
+def _split_fix(reason: str, backend: str) -> tuple[str, str]:
+    """(reason, fix) from a backend's one-sentence story."""
+    m = re.search(r"\s*\bFix:\s*", reason)
+    if m:
+        return reason[:m.start()].rstrip(" .;"), reason[m.end():].rstrip(" .")
+    m = re.search(r";\s*(install .+)$", reason)
+    if m:
+        return reason[:m.start()], m.group(1).rstrip(" .") + ", then restart ComfyUI"
+    m = re.search(r"\s*\(use (\w+)\)\s*$", reason)
+    if m:
+        return reason[:m.start()], f"choose {m.group(1)} or auto in Select Backend"
+    if backend == "eager":
+        return reason, "install what the backend above needs, or choose eager in Select Backend to run without the pack"
+    return reason, f"choose {backend} or auto in Select Backend (this is what runs now)"
+
+
+def compile_facts(accel) -> dict:
+    """Backend in use, state and, unless compiled, the reason and the fix."""
+    rep, requested = accel.report, accel.config.backend
+    backend = rep.backend
+    reason = fix = ""
+    if disabled_by_env():
+        state = "eager"
+        reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"
+    elif requested == "eager":
+        state = "eager"
+        reason, fix = "chosen in Select Backend (no rewrites)", "choose auto in Select Backend"
+    elif backend == "eager" or (requested != "auto" and backend != requested):
+        state = "fallback"
+        mine = [w for w in rep.why if w.startswith(f"{requested}:")] if requested != "auto" else []
+        story = mine or [w for w in rep.why if ": chosen" not in w] or ["no backend works here"]
+        parts = [_split_fix(w, backend) for w in story]
+        reason = "; ".join(r for r, _ in parts)
+        # where a candidate names its own fix, that is the one to give; else the generic one
+        named = [f for (r, f), w in zip(parts, story, strict=True) if "Fix:" in w or "; install" in w]
+        fix = "; or ".join(dict.fromkeys(named)) if named else parts[-1][1]
+    elif not rep.regions:
+        state = "fallback"
+        reason = "no region of this UNet matched a rewrite" + (
+            f" ({'; '.join(f'{k} x{n}: {why}' for k, n, why in rep.skipped)})" if rep.skipped else "")
+        fix = "none needed for correctness; the model runs as loaded"
+    else:
+        state = "compiled"
+    return {"backend": backend, "requested": requested, "state": state, "reason": reason, "fix": fix,
+            "family": rep.family, "regions": dict(rep.regions), "notes": list(rep.notes)}
+
+
+def status_line(facts: dict) -> str:
+    """One sentence: what runs, in which state, and for a fallback why and the fix."""
+    backend, state = facts["backend"], facts["state"]
+    if state == "compiled":
+        n = sum(facts.get("regions", {}).values())
+        return f"{backend}: compiled, {n} regions accelerated; graphs build in Warmup Shapes or on the first run"
+    if state == "eager":
+        return f"eager: {facts['reason']}. To accelerate: {facts['fix']}."
+    asked = f" (asked {facts['requested']})" if facts.get("requested") not in (None, "auto", backend) else ""
+    return f"{backend}: {state}{asked}: {facts['reason']}. Fix: {facts['fix']}."
+
+
+def compiled(accel, node_id) -> dict:
+    """Announce the Compile UNet result and remember the node for run-time
+    fallbacks. Returns the facts (their ``text`` is the status line)."""
+    facts = compile_facts(accel)
+    facts["text"] = status_line(facts)
+    attach(accel, node_id)
+    send("compile", {"node_id": _id(node_id), **facts})
+    progress_text(facts["text"], node_id)
+    # the Accelerator already warned for an explicitly requested backend it could not use
+    level = logging.WARNING if facts["state"] == "fallback" and facts["requested"] == "auto" else logging.INFO
+    log.log(level, "UNet Compiler: Compile UNet%s: %s", _where(node_id), facts["text"])
+    return facts
+
+
+# ---- run-time fallbacks ------------------------------------------------------------
+class _FallbackListener:
+    """``Accelerator.on_fallback``: a region kind failed and now runs eager."""
+
+    def __init__(self, accel):
+        self.accel = accel
+        self.node_ids: list[str] = []
+
+    def __call__(self, kind: str, reason: str) -> None:
+        backend = self.accel.backend.name
+        fix = (f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
+               f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
+        text = f"{backend}: fallback: {kind} regions failed ({reason}) and run eager now. Fix: {fix}."
+        send("fallback", {"node_ids": list(self.node_ids), "backend": backend, "kind": kind,
+                          "state": "fallback", "reason": reason, "fix": fix, "text": text})
+        for node_id in self.node_ids:
+            progress_text(text, node_id)
+
+
+def attach(accel, node_id) -> None:
+    """Route the accelerator's run-time fallbacks to ``node_id`` (and to every
+    node later added with this function)."""
+    listener = getattr(accel, "on_fallback", None)
+    if not isinstance(listener, _FallbackListener):
+        listener = _FallbackListener(accel)
+        accel.on_fallback = listener
+    if node_id is not None and _id(node_id) not in listener.node_ids:
+        listener.node_ids.append(_id(node_id))
+
+
+# ---- Warmup Shapes -------------------------------------------------------------------
+class WarmupFeedback:
+    """Progress of one Warmup Shapes run: events, live node text, log lines.
+
+    ``wrap(run_one)`` labels every UNet call warmup makes (priming probes, the
+    listed shapes, the eager reference) and, while a call runs, refreshes the
+    node text every ``TICK_SECONDS`` so a 100 s first compile is visibly alive.
+    """
+
+    def __init__(self, accel, shapes, node_id):
+        self.accel, self.shapes, self.node_id = accel, list(shapes), node_id
+        self.total = len(self.shapes)
+        dynamic = accel.config.dynamic_shapes and accel.backend.name != "eager"
+        self._probes = probe_shapes(self.shapes) if dynamic else []
+        self._calls = 0
+        self._t0 = time.perf_counter()
+        self._graphs0 = accel.stats["graphs_compiled"]
+        self._lock = threading.Lock()
+        self._label = None      # what is running now, for the ticker
+        self._since = 0.0
+        self._stop = threading.Event()
+        self._thread = None
+
+    # -- lifecycle
+    def start(self) -> None:
+        attach(self.accel, self.node_id)
+        labels = [s.label for s in self.shapes]
+        verb = "compiling" if self.accel.backend.name != "eager" else "running"
+        text = f"{self.accel.backend.name}: {verb} {self.total} shape(s): {', '.join(labels)}"
+        self._send("start", text, state="compiling", shapes=labels)
+        log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
+        if _server() is not None and self.node_id is not None:
+            self._thread = threading.Thread(target=self._tick, name="unet-compiler-warmup-ticker", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * TICK_SECONDS)
+
+    def wrap(self, run_one):
+        def labelled(shape):
+            k, self._calls = self._calls, self._calls + 1
+            compiles = self.accel.backend.name != "eager"
+            if getattr(self.accel, "_bypass", False):
+                label, verb = f"eager reference, {shape.label}", "running"
+            elif k < len(self._probes):
+                label, verb = f"priming {k + 1}/{len(self._probes)}, {shape.label}", "compiling"
+            else:
+                i = next((j for j, s in enumerate(self.shapes) if s == shape), None)
+                label = f"shape {i + 1}/{self.total}, {shape.label}" if i is not None else shape.label
+                # after the priming probes every listed shape is a cache hit
+                verb = "compiling" if compiles and not self._probes else "running"
+            self._running(f"{label}: {verb}…")
+            try:
+                return run_one(shape)
+            finally:
+                self._running(None)
+        return labelled
+
+    def shape_done(self, i: int, shape, secs: float) -> None:
+        text = f"shape {i + 1}/{self.total}, {shape.label}, {secs:.1f} s"
+        self._send("shape", text, state="compiling", index=i + 1, shape=shape.label, seconds=round(secs, 3),
+                   elapsed=round(time.perf_counter() - self._t0, 3))
+        log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
+
+    def finished(self) -> dict:
+        accel = self.accel
+        secs = time.perf_counter() - self._t0
+        graphs = accel.stats["graphs_compiled"] - self._graphs0
+        reason = fix = ""
+        if accel.failed:
+            state = "fallback"
+            reason = "; ".join(f"{k} regions failed ({why}) and run eager" for k, why in accel.failed.items())
+            fix = "none needed for correctness; see the log for the error"
+        elif accel.backend.name == "eager":
+            facts = compile_facts(accel)
+            state, reason, fix = facts["state"], facts["reason"], facts["fix"]
+        else:
+            state = "compiled"
+        diff = accel.report.max_abs_diff
+        if state == "eager":
+            text = f"eager: {self.total} shape(s) in {secs:.1f} s, no rewrites: {reason}."
+        else:
+            text = (f"{accel.backend.name}: {state}, {self.total} shape(s) in {secs:.1f} s, {graphs} graph(s) "
+                    f"compiled" + (f", max |compiled - eager| {diff:.2g}" if diff is not None else ""))
+            if state == "fallback":
+                text += f": {reason}. Fix: {fix}."
+        self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, max_abs_diff=diff,
+                   reason=reason, fix=fix)
+        level = logging.WARNING if state == "fallback" else logging.INFO
+        log.log(level, "UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
+        return {"state": state, "text": text, "reason": reason, "fix": fix}
+
+    # -- internals
+    def _send(self, phase, text, **data):
+        with self._lock:
+            send("warmup", {"node_id": _id(self.node_id), "phase": phase, "backend": self.accel.backend.name,
+                            "total": self.total, "text": text, **data})
+            progress_text(text, self.node_id)
+
+    def _running(self, label) -> None:
+        with self._lock:
+            self._label, self._since = label, time.perf_counter()
+            if label is not None:
+                progress_text(label, self.node_id)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(TICK_SECONDS):
+            with self._lock:
+                if self._label is not None:
+                    progress_text(f"{self._label} {time.perf_counter() - self._since:.0f} s", self.node_id)
+
+
+def _id(node_id):
+    return None if node_id is None else str(node_id)
+
+
+def _where(node_id) -> str:
+    return "" if node_id is None else f" (node {node_id})"

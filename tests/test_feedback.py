@@ -1,0 +1,184 @@
+"""nodes/feedback.py: the facts the UI, /history and the log get, and the
+no-op without a ComfyUI server. A fake ``server`` module stands in for
+ComfyUI's PromptServer and records what would go over the websocket."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import types
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+
+from unet_compiler.compiler.config import DISABLE_ENV, CompileConfig
+from unet_compiler.compiler.report import Report
+from unet_compiler.compiler.shapes import parse_shapes
+from unet_compiler.nodes import feedback
+
+
+class FakePromptServer:
+    def __init__(self):
+        self.client_id = "client-1"
+        self.events: list[tuple[str, dict, str | None]] = []
+        self.texts: list[tuple[str, str]] = []
+
+    def send_sync(self, event, data, sid=None):
+        self.events.append((event, data, sid))
+
+    def send_progress_text(self, text, node_id, sid=None):
+        self.texts.append((node_id, text))
+
+    def named(self, name):
+        return [d for e, d, _ in self.events if e == feedback.EVENT_PREFIX + name]
+
+
+@pytest.fixture
+def server(monkeypatch):
+    srv = FakePromptServer()
+    mod = types.ModuleType("server")
+    mod.PromptServer = type("PromptServer", (), {"instance": srv})
+    monkeypatch.setitem(sys.modules, "server", mod)
+    return srv
+
+
+def fake_accel(requested="auto", backend="inductor", why=(), regions=None, failed=None, dynamic=True):
+    rep = Report(backend_requested=requested, backend=backend, why=list(why), family="comfy",
+                 regions={"resblock": 22, "attention": 32} if regions is None else regions)
+    return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
+                           backend=SimpleNamespace(name=backend), stats=Counter(), failed=dict(failed or {}),
+                           warmed=False, _bypass=False, on_fallback=None)
+
+
+def test_no_server_is_a_noop(monkeypatch, caplog):
+    monkeypatch.delitem(sys.modules, "server", raising=False)
+    feedback.send("compile", {"x": 1})
+    feedback.progress_text("hello", "3")
+    with caplog.at_level(logging.INFO, logger=feedback.__name__):
+        facts = feedback.compiled(fake_accel(), "3")
+    assert facts["state"] == "compiled"
+    assert "inductor: compiled, 54 regions accelerated" in caplog.text  # the log still has it
+
+
+def test_unrelated_server_module_is_ignored(monkeypatch):
+    monkeypatch.setitem(sys.modules, "server", types.ModuleType("server"))  # some other package's "server"
+    feedback.send("compile", {})
+    feedback.progress_text("hello", "3")
+
+
+def test_compiled_event_text_and_target(server):
+    facts = feedback.compiled(fake_accel(why=["ipex: not installed", "inductor: chosen (regional torch.compile)"]), 11)
+    (data,) = server.named("compile")
+    assert server.events[0][2] == "client-1"  # to the client that queued the prompt
+    assert data["node_id"] == "11" and data["backend"] == "inductor" and data["state"] == "compiled"
+    assert data["reason"] == "" and data["fix"] == "" and data["regions"] == {"resblock": 22, "attention": 32}
+    assert server.texts == [("11", facts["text"])]
+
+
+@pytest.mark.parametrize("requested, backend, why, state, reason_has, fix_has", [
+    ("triton", "inductor", ["triton: not available yet: the fused Triton kernels are not in this release (use inductor)",
+                            "inductor: chosen (regional torch.compile)"],
+     "fallback", "not available yet", "choose inductor or auto in Select Backend"),
+    ("triton", "inductor", ["triton: no CUDA GPU: the triton backend needs one", "inductor: chosen"],
+     "fallback", "no CUDA GPU", "choose inductor or auto"),
+    ("auto", "eager", ["ipex: not installed", "inductor: no C++ compiler (g++) found for inductor's CPU code; install "
+                       "gcc (Linux) or MSVC Build Tools (Windows)", "eager: chosen (no rewrites)"],
+     "fallback", "no C++ compiler", "install gcc (Linux) or MSVC Build Tools (Windows), then restart ComfyUI"),
+    ("auto", "eager", ["torch 2.1.0 is older than 2.3, which torch.compile regional compilation needs; running eager. "
+                       "Fix: upgrade torch (pip install -U torch)."],
+     "fallback", "older than 2.3", "upgrade torch (pip install -U torch)"),
+    ("eager", "eager", [], "eager", "chosen in Select Backend", "choose auto"),
+])
+def test_fallback_reason_and_fix(server, requested, backend, why, state, reason_has, fix_has):
+    facts = feedback.compiled(fake_accel(requested, backend, why, regions={} if backend == "eager" else None), "4")
+    assert facts["state"] == state, facts
+    assert reason_has in facts["reason"] and fix_has in facts["fix"], facts
+    assert "Fix:" not in facts["reason"]
+    if state == "fallback":
+        assert f"{backend}: fallback" in facts["text"] and f"Fix: {facts['fix']}" in facts["text"]
+
+
+def test_disabled_by_env(server, monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    facts = feedback.compiled(fake_accel("inductor", "eager", regions={}), "4")
+    assert facts["state"] == "eager" and DISABLE_ENV in facts["reason"] and DISABLE_ENV in facts["fix"]
+
+
+def test_warmup_progress_and_ticker(server, monkeypatch):
+    monkeypatch.setattr(feedback, "TICK_SECONDS", 0.02)
+    accel = fake_accel()
+    shapes = parse_shapes("1x64x64, 2x64x64")
+    fb = feedback.WarmupFeedback(accel, shapes, "12")
+    fb.start()
+    calls = []
+
+    def run_one(shape):
+        calls.append(shape)
+        time.sleep(0.15)
+        accel.stats["graphs_compiled"] += 1
+
+    run = fb.wrap(run_one)
+    try:
+        for probe in feedback.probe_shapes(shapes):
+            run(probe)
+        for i, shape in enumerate(shapes):
+            run(shape)
+            fb.shape_done(i, shape, 0.25)
+    finally:
+        fb.close()
+    done = fb.finished()
+
+    phases = [(d["phase"], d["state"]) for d in server.named("warmup")]
+    assert phases == [("start", "compiling"), ("shape", "compiling"), ("shape", "compiling"), ("end", "compiled")]
+    shape2 = server.named("warmup")[2]
+    assert (shape2["index"], shape2["total"], shape2["shape"], shape2["seconds"]) == (2, 2, "2x64x64", 0.25)
+    texts = [t for n, t in server.texts if n == "12"]
+    assert "priming 1/2, 2x64x64: compiling…" in texts and "shape 2/2, 2x64x64: running…" in texts
+    assert "shape 1/2, 1x64x64, 0.2 s" in texts or "shape 1/2, 1x64x64, 0.3 s" in texts
+    assert any(t.startswith("priming 1/2, 2x64x64: compiling… ") and t.endswith(" s") for t in texts), texts
+    assert done["state"] == "compiled" and texts[-1] == done["text"]
+    assert done["text"].startswith("inductor: compiled, 2 shape(s) in ") and "4 graph(s) compiled" in done["text"]
+    assert not fb._thread.is_alive()
+
+
+def test_runtime_fallback_listener(server):
+    accel = fake_accel()
+    feedback.compiled(accel, "11")
+    feedback.attach(accel, "12")
+    feedback.attach(accel, "12")
+    accel.on_fallback("attention", "RuntimeError: boom")
+    (data,) = server.named("fallback")
+    assert data["node_ids"] == ["11", "12"] and data["kind"] == "attention" and data["state"] == "fallback"
+    assert data["reason"] == "RuntimeError: boom" and data["fix"]
+    assert ("11", data["text"]) in server.texts and ("12", data["text"]) in server.texts
+
+
+# ---- through the real nodes' glue and ComfyUI's own UNet (skips without ComfyUI) ----
+@pytest.mark.comfy
+def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, server, monkeypatch):
+    from unet_compiler.compiler.backends import lookup_backend
+    from unet_compiler.nodes import patcher
+
+    def boom(module, *args):
+        raise RuntimeError("simulated kernel failure")
+
+    class AllFail(dict):
+        def get(self, key, default=None):
+            return boom
+
+    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config: AllFail())
+    mp = make_comfy_model("sd15")
+    cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"), node_id="5")
+    assert "status: inductor: compiled" in text
+    (compiled,) = server.named("compile")
+    assert (compiled["node_id"], compiled["state"], compiled["backend"]) == ("5", "compiled", "inductor")
+
+    report = patcher.warmup_model(cm, "1x64x64", 77, node_id="6")
+    kinds = {d["kind"] for d in server.named("fallback")}
+    assert {"resblock", "attention"} <= kinds, server.events
+    assert all(d["node_ids"] == ["5", "6"] for d in server.named("fallback"))
+    end = server.named("warmup")[-1]
+    assert end["phase"] == "end" and end["state"] == "fallback" and "simulated kernel failure" in end["reason"]
+    assert "status: inductor: fallback" in report and "simulated kernel failure" in report  # /history
+    assert any(n == "5" and "fallback" in t for n, t in server.texts)
