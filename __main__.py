@@ -57,6 +57,39 @@ def _transitions(fn, dev):
     return out
 
 
+def _save(args, rows, trans, eager_s):
+    """The measured table as JSON, and a bar chart when matplotlib is installed."""
+    import json
+    from pathlib import Path
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"bench_{args.size}_{args.device}_lat{args.latent}_b{args.batch}"
+    data = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "device": args.device, "size": args.size, "latent": args.latent,
+            "batch": args.batch, "rows": [dict(path=n, step_s=s, speedup=eager_s / s, cold_s=c, max_abs_diff=d)
+                                          for n, s, c, d in rows],
+            "shape_changes": {k: [dict(change=a, graphs=g, seconds=sec) for a, g, sec in v] for k, v in trans.items()}}
+    (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"wrote {out / stem}.json (pip install matplotlib for the plot)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.2))
+    names = [r[0] for r in rows][::-1]
+    ax.barh(names, [r[1] for r in rows][::-1], color=["#888" if n == "eager" else "#2a7" for n in names])
+    for i, r in enumerate(rows[::-1]):
+        ax.text(r[1], i, f" {r[1]:.2f} s ({eager_s / r[1]:.2f}x)", va="center")
+    ax.set_xlabel("seconds per UNet step (lower is better)")
+    ax.set_title(f"SD1.5-arch UNet, {args.device}, latent {args.latent}x{args.latent}, batch {args.batch}", fontsize=9)
+    ax.set_xlim(0, max(r[1] for r in rows) * 1.45)
+    fig.tight_layout()
+    fig.savefig(out / f"{stem}.png", dpi=110)
+    print(f"wrote {out / stem}.json and .png")
+
+
 def bench(args):
     from .compiler import compile_unet, report, warmup
     dev = torch.device(args.device)
@@ -74,17 +107,28 @@ def bench(args):
     rows.append(("eager", eager_s, 0.0, 0.0))
     trans = {}
 
-    ours = copy.deepcopy(unet)
-    t0 = time.perf_counter()
-    compile_unet(ours, args.backend)
+    if args.bf16_eager:
+        low = copy.deepcopy(unet).to(torch.bfloat16)
+        with torch.inference_mode():
+            xb, cb = x.to(torch.bfloat16), c.to(torch.bfloat16)
+        s, out = _time(lambda: low(xb, t, cb).sample, args.iters)
+        rows.append(("eager bf16 weights+activations", s, 0.0, float((out.float() - ref).abs().max())))
+        del low
+
     # warm what this run uses, as a user would with Warmup Shapes: the timed shape and the transitions
     shapes = [f"{args.batch}x{lat * 8}x{lat * 8}"] + [f"{b}x{s * 8}x{s * 8}" for _, b, s in TRANSITIONS]
-    warmup(ours, ", ".join(shapes), compare=False)
-    cold = time.perf_counter() - t0
-    s, out = _time(lambda: ours(x, t, c).sample, args.iters)
-    rows.append((f"unet_compiler ({report(ours).splitlines()[0].split('backend ')[1].split(',')[0]})", s, cold,
-                 float((out - ref).abs().max())))
-    trans["unet_compiler"] = _transitions(lambda *a: ours(*a), dev)
+    ours = None
+    for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
+        ours = copy.deepcopy(unet)
+        t0 = time.perf_counter()
+        compile_unet(ours, backend)
+        warmup(ours, ", ".join(shapes), compare=False)
+        cold = time.perf_counter() - t0
+        s, out = _time(lambda m=ours: m(x, t, c).sample, args.iters)
+        name = f"unet_compiler {report(ours).splitlines()[0].split('backend ')[1].split(',')[0]}"
+        rows.append((name, s, cold, float((out - ref).abs().max())))
+        trans[name] = _transitions(lambda *a, m=ours: m(*a), dev)
+        print("\n" + report(ours), flush=True)
 
     if not args.skip_whole:
         whole = torch.compile(copy.deepcopy(unet))
@@ -96,13 +140,15 @@ def bench(args):
         rows.append(("whole-model torch.compile (TorchCompileModel)", s, cold, float((out - ref).abs().max())))
         trans["whole-model torch.compile"] = _transitions(lambda *a: whole(*a), dev)
 
+    if args.out:
+        _save(args, rows, trans, eager_s)
     print(f"\n{'path':48s} {'step s':>8s} {'vs eager':>9s} {'cold s':>8s} {'max|diff|':>10s}")
     for name, s, cold, diff in rows:
         print(f"{name:48s} {s:8.3f} {eager_s / s:8.2f}x {cold:8.1f} {diff:10.2e}")
     print("\nshape changes after the timed runs (graphs compiled = recompiles; seconds include compiling):")
     for name, ts in trans.items():
         print(f"  {name}: " + "; ".join(f"{lbl}: {g} graph(s), {sec:.1f} s" for lbl, g, sec in ts))
-    print("\n" + report(ours))
+
 
 
 def main(argv=None):
@@ -114,7 +160,9 @@ def main(argv=None):
     b.add_argument("--batch", type=int, default=2)
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    b.add_argument("--backend", default="auto")
+    b.add_argument("--backend", default="auto", help="comma-separated: each gets its own row (e.g. inductor,ipex)")
+    b.add_argument("--out", default="", help="folder for the table as JSON and a PNG plot (e.g. docs)")
+    b.add_argument("--bf16-eager", action="store_true", help="add an eager row with the model in bf16")
     b.add_argument("--skip-whole", action="store_true", help="skip the whole-model torch.compile baseline")
     args = p.parse_args(argv)
     bench(args)

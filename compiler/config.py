@@ -55,12 +55,18 @@ class CompileConfig:
         packed copy is a cache keyed on the live weight (identity, storage,
         version counter, ComfyUI's weight-patch uuid), so LoRA and strength
         changes are honoured.
+    prepack_linear:
+        On CPU, linear layers inside compiled regions use MKL weights packed
+        once (plain sgemm re-packs the weight on every call, which dominates
+        at the small token counts of the deep levels: 1.5-40x per linear).
+        Same live-weight cache key; one extra copy of those weights.
     """
 
     backend: str = "auto"
     precision: str = "auto"
     dynamic_shapes: bool = True
     prepack_conv: bool = True
+    prepack_linear: bool = True
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

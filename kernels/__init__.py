@@ -1,5 +1,20 @@
 """Triton kernels, each beside its PyTorch reference and host launcher.
 
-Empty in this release: the fused CUDA kernels land with the triton backend
-(issue #3). CPU speed comes from compiler/passes (prepacked oneDNN convs)
-and inductor."""
+One module per kernel; each holds the ``@triton.jit`` kernel, a launcher that
+reads the tensors it is given (weights are live: nothing derived is cached)
+and a ``*_reference`` function in plain PyTorch:
+
+  groupnorm   groupnorm(x, num_groups, weight, bias, eps, silu=False)
+  layernorm   layernorm(x, weight, bias, eps)
+  geglu       geglu(h, approximate="none")
+  attention   attention(q, k, v, scale=None)        q/k/v [B, heads, N, d]
+  epilogue    bias_residual(x, bias, residual, dim=1, out=None)
+  qkv         qkv_projection(x, w_q, w_k, w_v, context=None, b_q=None, b_k=None, b_v=None)
+
+Importing this package imports nothing heavy: the kernel modules import
+triton and are imported lazily by the backend. ``_common`` (torch only) holds
+:class:`KernelUnsupported`, the ValueError every launcher raises for inputs it
+cannot run (device, dtype, size, layout); the caller runs that region eager.
+Kernels run on CUDA tensors, or on CPU tensors when TRITON_INTERPRET=1 was
+set before triton was imported (the tests do this).
+"""

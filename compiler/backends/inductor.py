@@ -23,21 +23,24 @@ log = logging.getLogger(__name__)
 
 
 
-def _make_dynamo_backend(prepack: bool):
+def _make_dynamo_backend(prepack: bool, prepack_lin: bool = False):
     def unet_compiler_inductor(gm, example_inputs):
         if prepack:
             from ..passes import prepack_conv
             prepack_conv.rewrite_graph(gm)
+        if prepack_lin:
+            from ..passes import prepack_linear
+            prepack_linear.rewrite_graph(gm)
         from torch._inductor.compile_fx import compile_fx
         return compile_fx(gm, example_inputs)
     return unet_compiler_inductor
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_body(body, dynamic: bool, prepack: bool):
+def compiled_body(body, dynamic: bool, prepack: bool, prepack_lin: bool = False):
     """One torch.compile wrapper per (body, options), shared process-wide so
     every clone / Compile UNet node reuses the same compiled code."""
-    return torch.compile(body, backend=_make_dynamo_backend(prepack), dynamic=dynamic)
+    return torch.compile(body, backend=_make_dynamo_backend(prepack, prepack_lin), dynamic=dynamic)
 
 
 def _cpp_compiler_missing() -> str | None:
@@ -65,7 +68,8 @@ class InductorBackend(Backend):
 
     def impls(self, config) -> dict:
         prepack = config.prepack_conv
-        out = {key: compiled_body(body, config.dynamic_shapes, prepack) for key, body in R.BODIES.items()}
+        lin = config.prepack_linear
+        out = {key: compiled_body(body, config.dynamic_shapes, prepack, lin) for key, body in R.BODIES.items()}
         if prepack:
             from ..passes import prepack_conv
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward

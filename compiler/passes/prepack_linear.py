@@ -1,0 +1,116 @@
+"""CPU linear layers with an MKL-prepacked weight, kept live.
+
+Pattern: ``torch._C._nn.linear`` / ``F.linear`` in a dynamo graph on CPU fp32
+tensors. Replacement: ``unet_compiler::linear_prepacked``, which packs the
+weight into MKL's GEMM layout once (``mkl._mkl_reorder_linear_weight``)
+instead of on every call; at the small token counts of a UNet's deep levels
+plain sgemm spends most of its time re-packing the weight (measured here:
+1280x1280 at 8 rows 9.8 -> 0.25 ms, 768->1280 at 154 rows 3.6 -> 1.2 ms).
+The packed layout does not depend on the row count, so one packed copy
+serves every batch size and resolution.
+Invariant: as in prepack_conv, the packed copy is a cache of the *current*
+weight, keyed on identity, storage, shape, dtype, version counter and the
+weight epoch; any change re-packs before the GEMM runs.
+"""
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Optional
+
+import torch
+
+from .. import weights
+
+#: how often each part of this pass fired (tests read it)
+stats: Counter = Counter()
+
+_cache: dict[int, tuple] = {}
+
+
+def _drop_all() -> None:
+    if _cache:
+        stats["epoch_invalidations"] += 1
+    _cache.clear()
+
+
+weights.on_epoch_change(_drop_all)
+
+
+def available() -> bool:
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight"))
+
+
+def _packed(w: torch.Tensor):
+    key = id(w)
+    sig = weights.signature(w) + (weights.epoch(),)
+    hit = _cache.get(key)
+    if hit is not None and hit[0] == sig:
+        stats["cache_hits"] += 1
+        return hit[1]
+    stats["packs"] += 1
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)  # layout independent of the row count
+    if hit is None:
+        weakref.finalize(w, _cache.pop, key, None)
+    _cache[key] = (sig, packed)
+    return packed
+
+
+@torch.library.custom_op("unet_compiler::linear_prepacked", mutates_args=())
+def linear_prepacked(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 0:
+        return torch.nn.functional.linear(x, weight, bias)
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    out = torch.ops.mkl._mkl_linear(x2, _packed(weight), weight, bias, x2.shape[0])
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+@linear_prepacked.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def check(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+    """False (never raises) when the packed path does not apply."""
+    return (available() and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and weight.dim() == 2
+            and x.dim() >= 2 and (bias is None or (bias.dtype == torch.float32 and bias.dim() == 1)))
+
+
+_TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
+
+
+def _meta(node):
+    if isinstance(node, torch.fx.Node):
+        return node.meta.get("example_value")
+    return node
+
+
+def rewrite_graph(gm: torch.fx.GraphModule) -> int:
+    """Replace every eligible linear call in a dynamo graph; returns how many."""
+    fired = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _TARGETS:
+            continue
+        args = dict(zip(("input", "weight", "bias"), node.args, strict=False))
+        args.update(node.kwargs)
+        args.setdefault("bias", None)
+        x, w, b = _meta(args.get("input")), _meta(args.get("weight")), _meta(args["bias"])
+        if x is None or w is None or not isinstance(x, torch.Tensor) or not check(x, w, b):
+            stats["graph_declined"] += 1
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(torch.ops.unet_compiler.linear_prepacked.default,
+                                         (args["input"], args["weight"], args["bias"]))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        fired += 1
+    if fired:
+        gm.graph.lint()
+        gm.recompile()
+    stats["graph_fired"] += fired
+    return fired

@@ -1,0 +1,115 @@
+"""Shared launcher helpers. Imports torch only, never triton, so the backend can
+catch :class:`KernelUnsupported` without triton installed."""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Offsets inside the kernels are 32-bit; bigger tensors go eager.
+MAX_NUMEL = 2**31 - 1
+
+
+class KernelUnsupported(ValueError):
+    """A launcher cannot run these inputs (size, dtype, device, layout). The
+    message is one sentence naming the input and why; the caller runs that
+    region eager instead."""
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` was built under TRITON_INTERPRET=1 (runs on CPU tensors)."""
+    return type(kernel).__name__ == "InterpretedFunction"
+
+
+def check_tensor(kernel_name: str, arg: str, t, kernel, *, device=None, dtypes=FLOAT_DTYPES,
+                 ndim_min: int = 0) -> None:
+    """Raise KernelUnsupported unless ``t`` is a tensor this kernel can read."""
+    if not isinstance(t, torch.Tensor):
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` is a {type(t).__name__}, not a torch.Tensor.")
+    if t.dtype not in dtypes:
+        names = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` has dtype {str(t.dtype).replace('torch.', '')}; "
+                                f"the kernel supports {names}.")
+    if t.dim() < ndim_min:
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` has {t.dim()} dims; the kernel needs at least {ndim_min}.")
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True) if n > 0)
+    if t.numel() > MAX_NUMEL or span > MAX_NUMEL:
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` spans {span} elements; the kernel uses 32-bit offsets "
+                                f"(at most {MAX_NUMEL}).")
+    if t.requires_grad and torch.is_grad_enabled():
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` requires grad with autograd enabled; the kernels are "
+                                f"forward-only (run under torch.no_grad() or torch.inference_mode()).")
+    if device is not None and t.device != device:
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` is on {t.device} but the input is on {device}.")
+    if t.device.type == "cuda":
+        return
+    if t.device.type == "cpu" and is_interpreted(kernel):
+        return
+    raise KernelUnsupported(f"{kernel_name}: `{arg}` is on {t.device}; the Triton kernels run on CUDA tensors "
+                            f"(CPU tensors only under TRITON_INTERPRET=1, set before triton is imported).")
+
+
+def matmul_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision for fp32 operands: TF32 only where torch itself
+    would use it for an fp32 matmul; half types ignore it."""
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+def dot_upcast(kernel, dtype: torch.dtype) -> bool:
+    """The triton interpreter's tl.dot multiplies bf16 operands as their raw
+    uint16 bit patterns (triton 3.2-3.9 ``create_dot``); under the interpreter
+    bf16 operands are widened to fp32 first, which is exact (bf16 x bf16 fits
+    fp32) and matches the GPU's fp32-accumulated bf16 dot."""
+    return dtype == torch.bfloat16 and is_interpreted(kernel)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: the elements fill exactly numel() consecutive
+    slots from data_ptr() (any dim order: contiguous, channels_last, ...)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+# (kernel name, shape-class key, device index) -> index of the first config that loaded
+_CONFIG_CHOICE: dict = {}
+
+
+def launch_first_fitting(kernel, key: tuple, configs: list[dict], grid_fn, args: tuple, kwargs: dict,
+                         what: str, device: torch.device) -> None:
+    """Launch ``kernel`` with the first of ``configs`` (launch options and block
+    constexprs, biggest first) whose compiled form fits this GPU's shared
+    memory / registers; the choice is remembered per (key, device), so the
+    OutOfResources probe happens once. ``grid_fn(config)`` gives the grid."""
+    from triton.runtime.errors import OutOfResources
+
+    ck = (getattr(kernel, "__name__", repr(kernel)), key, str(device))
+    start = _CONFIG_CHOICE.get(ck, 0)
+    last = None
+    for i in range(start, len(configs)):
+        cfg = configs[i]
+        try:
+            kernel[grid_fn(cfg)](*args, **kwargs, **cfg)
+        except OutOfResources as e:
+            last = e
+            continue
+        _CONFIG_CHOICE[ck] = i
+        return
+    raise KernelUnsupported(f"{what}: no block configuration fits this GPU ({last}).")
+
+
+def check_dot_dtype(kernel_name: str, dtype: torch.dtype, device: torch.device) -> None:
+    """tl.dot on bf16 needs an Ampere-or-newer GPU (sm_80+)."""
+    if dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        raise KernelUnsupported(f"{kernel_name}: bf16 matrix products need a compute capability 8.0+ GPU; "
+                                f"{torch.cuda.get_device_name(device)} is "
+                                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}.")
