@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
+import tempfile
 import time
 
 import torch
@@ -19,17 +21,46 @@ def _unet(size: str):
                                     down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
                                     up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
                                     cross_attention_dim=768, attention_head_dim=8, norm_num_groups=8).eval()
+    if size == "sdxl":  # the SDXL base UNet config
+        return UNet2DConditionModel(
+            sample_size=128, cross_attention_dim=2048, block_out_channels=(320, 640, 1280), layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            attention_head_dim=(5, 10, 20), transformer_layers_per_block=(1, 2, 10), use_linear_projection=True,
+            addition_embed_type="text_time", addition_time_embed_dim=256,
+            projection_class_embeddings_input_dim=2816).eval()
     return UNet2DConditionModel(sample_size=64, cross_attention_dim=768, attention_head_dim=8,  # SD1.5 config
                                 block_out_channels=(320, 640, 1280, 1280), layers_per_block=2).eval()
 
 
-def _time(fn, n):
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _inputs(unet, batch, lat, dev, dtype):
+    from .compiler.shapes import Shape, unet_inputs
+    with torch.inference_mode():
+        return unet_inputs(unet, "diffusers", Shape(batch, lat * 8, lat * 8), 77, dtype, dev)
+
+
+def _flops(unet, args, kwargs) -> float:
+    """FLOPs of one eager forward (torch's own counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with torch.inference_mode(), FlopCounterMode(display=False) as fc:
+        unet(*args, **kwargs)
+    return float(fc.get_total_flops())
+
+
+def _time(fn, n, dev=torch.device("cpu")):
     ts = []
     with torch.inference_mode():
         fn()  # untimed: first-call allocations
         for _ in range(n):
+            _sync(dev)
             t0 = time.perf_counter()
             out = fn()
+            _sync(dev)
             ts.append(time.perf_counter() - t0)
     return sorted(ts)[len(ts) // 2], out
 
@@ -43,16 +74,15 @@ def _graphs() -> int:
 TRANSITIONS = (("to 1x64x64", 1, 8), ("batch 1->2 (2x64x64)", 2, 8), ("64->96 px (2x96x96)", 2, 12))
 
 
-def _transitions(fn, dev):
-    """Call ``fn(x, t, c)`` at each transition shape; graphs compiled and seconds per call."""
+def _transitions(model, dev, dtype):
+    """Call ``model`` at each transition shape; graphs compiled and seconds per call."""
     out = []
     for label, b, lat in TRANSITIONS:
+        a, kw = _inputs(model, b, lat, dev, dtype)
         with torch.inference_mode():
-            x = torch.randn(b, 4, lat, lat, device=dev)
-            t = torch.full((b,), 500.0, device=dev)
-            c = torch.randn(b, 77, 768, device=dev)
             g0, t0 = _graphs(), time.perf_counter()
-            fn(x, t, c)
+            model(*a, **kw)
+            _sync(dev)
             out.append((label, _graphs() - g0, time.perf_counter() - t0))
     return out
 
@@ -93,26 +123,25 @@ def _save(args, rows, trans, eager_s):
 def bench(args):
     from .compiler import compile_unet, report, warmup
     dev = torch.device(args.device)
-    unet = _unet(args.size).to(dev)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    unet = _unet(args.size).to(dev, dtype)
     lat = args.latent
-    with torch.inference_mode():
-        x = torch.randn(args.batch, 4, lat, lat, device=dev)
-        t = torch.full((args.batch,), 500.0, device=dev)
-        c = torch.randn(args.batch, 77, 768, device=dev)
+    a, kw = _inputs(unet, args.batch, lat, dev, dtype)
     print(f"machine: {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, device {dev}")
-    print(f"model: random-weight SD1.5-architecture UNet ({args.size}), latent {lat}x{lat}, batch {args.batch}, fp32")
+          f"torch {torch.__version__}, device {dev}"
+          + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else ""))
+    print(f"model: random-weight {args.size}-architecture UNet, latent {lat}x{lat} ({lat * 8} px), "
+          f"batch {args.batch}, {args.dtype}")
+    flops = _flops(unet, a, kw) if args.peak_tflops else 0.0
     rows = []
-    eager_s, ref = _time(lambda: unet(x, t, c).sample, args.iters)
+    eager_s, ref = _time(lambda: unet(*a, **kw).sample, args.iters, dev)
     rows.append(("eager", eager_s, 0.0, 0.0))
     trans = {}
-
     if args.bf16_eager:
         low = copy.deepcopy(unet).to(torch.bfloat16)
-        with torch.inference_mode():
-            xb, cb = x.to(torch.bfloat16), c.to(torch.bfloat16)
-        s, out = _time(lambda: low(xb, t, cb).sample, args.iters)
-        rows.append(("eager bf16 weights+activations", s, 0.0, float((out.float() - ref).abs().max())))
+        ab, kwb = _inputs(low, args.batch, lat, dev, torch.bfloat16)
+        s, out = _time(lambda: low(*ab, **kwb).sample, args.iters, dev)
+        rows.append(("eager bf16 weights+activations", s, 0.0, float((out.float() - ref.float()).abs().max())))
         del low
 
     # warm what this run uses, as a user would with Warmup Shapes: the timed shape and the transitions
@@ -124,27 +153,34 @@ def bench(args):
         compile_unet(ours, backend)
         warmup(ours, ", ".join(shapes), compare=False)
         cold = time.perf_counter() - t0
-        s, out = _time(lambda m=ours: m(x, t, c).sample, args.iters)
+        s, out = _time(lambda m=ours: m(*a, **kw).sample, args.iters, dev)
         name = f"unet_compiler {report(ours).splitlines()[0].split('backend ')[1].split(',')[0]}"
-        rows.append((name, s, cold, float((out - ref).abs().max())))
-        trans[name] = _transitions(lambda *a, m=ours: m(*a), dev)
+        rows.append((name, s, cold, float((out.float() - ref.float()).abs().max())))
+        trans[name] = _transitions(ours, dev, dtype)
         print("\n" + report(ours), flush=True)
 
     if not args.skip_whole:
         whole = torch.compile(copy.deepcopy(unet))
         t0 = time.perf_counter()
         with torch.inference_mode():
-            whole(x, t, c)
+            whole(*a, **kw)
+        _sync(dev)
         cold = time.perf_counter() - t0
-        s, out = _time(lambda: whole(x, t, c).sample, args.iters)
-        rows.append(("whole-model torch.compile (TorchCompileModel)", s, cold, float((out - ref).abs().max())))
-        trans["whole-model torch.compile"] = _transitions(lambda *a: whole(*a), dev)
+        s, out = _time(lambda: whole(*a, **kw).sample, args.iters, dev)
+        rows.append(("whole-model torch.compile (TorchCompileModel)", s, cold,
+                     float((out.float() - ref.float()).abs().max())))
+        trans["whole-model torch.compile"] = _transitions(whole, dev, dtype)
 
     if args.out:
         _save(args, rows, trans, eager_s)
-    print(f"\n{'path':48s} {'step s':>8s} {'vs eager':>9s} {'cold s':>8s} {'max|diff|':>10s}")
+    mfu = f" {'MFU':>6s}" if flops else ""
+    print(f"\n{'path':48s} {'step ms':>9s} {'vs eager':>9s} {'cold s':>8s} {'max|diff|':>10s}{mfu}")
     for name, s, cold, diff in rows:
-        print(f"{name:48s} {s:8.3f} {eager_s / s:8.2f}x {cold:8.1f} {diff:10.2e}")
+        m = f" {flops / s / (args.peak_tflops * 1e12) * 100:5.1f}%" if flops else ""
+        print(f"{name:48s} {s * 1e3:9.1f} {eager_s / s:8.2f}x {cold:8.1f} {diff:10.2e}{m}")
+    if flops:
+        print(f"(one forward = {flops / 1e12:.2f} TFLOP counted by torch.utils.flop_counter; MFU against "
+              f"{args.peak_tflops:g} TFLOP/s)")
     print("\nshape changes after the timed runs (graphs compiled = recompiles; seconds include compiling):")
     for name, ts in trans.items():
         print(f"  {name}: " + "; ".join(f"{lbl}: {g} graph(s), {sec:.1f} s" for lbl, g, sec in ts))
@@ -155,16 +191,27 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m unet_compiler")
     sub = p.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("bench", help="eager vs compiled vs whole-model torch.compile, same process")
-    b.add_argument("--size", choices=["sd15", "tiny"], default="sd15")
+    b.add_argument("--size", choices=["sd15", "sdxl", "tiny"], default="sd15")
+    b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
+                   help="model + inputs dtype (as ComfyUI would load it); bf16 for the GPU numbers")
+    b.add_argument("--peak-tflops", type=float, default=None,
+                   help="add an MFU column against this peak (default 790 on CUDA: H100 dense bf16)")
     b.add_argument("--latent", type=int, default=16, help="latent side (pixels / 8)")
     b.add_argument("--batch", type=int, default=2)
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--backend", default="auto", help="comma-separated: each gets its own row (e.g. inductor,ipex)")
+    b.add_argument("--reuse-cache", action="store_true",
+                   help="keep inductor's on-disk cache (default: a fresh one, so cold compile seconds are real)")
     b.add_argument("--out", default="", help="folder for the table as JSON and a PNG plot (e.g. docs)")
     b.add_argument("--bf16-eager", action="store_true", help="add an eager row with the model in bf16")
     b.add_argument("--skip-whole", action="store_true", help="skip the whole-model torch.compile baseline")
     args = p.parse_args(argv)
+    if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_bench_")
+    if args.peak_tflops is None:
+        args.peak_tflops = 790.0 if args.device.startswith("cuda") else 0.0
     bench(args)
 
 

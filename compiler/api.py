@@ -14,9 +14,37 @@ log = logging.getLogger(__name__)
 _ATTR = "_unet_compiler"
 
 
+def _as_inference(v):
+    if isinstance(v, torch.Tensor) and not v.is_inference():
+        return v.clone()  # inside inference_mode: an inference tensor
+    if isinstance(v, dict):
+        return {k: _as_inference(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_as_inference(x) for x in v)
+    return v
+
+
 def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
-    with accel.active():
-        return type(module).forward(module, *args, **kwargs)
+    if torch.is_grad_enabled():
+        with accel.active():
+            return type(module).forward(module, *args, **kwargs)
+    # no_grad (diffusers pipelines) or inference_mode: run the way ComfyUI and
+    # warmup() do, on inference tensors under inference_mode, so the graphs
+    # warmup compiled are the ones that run (dynamo guards on inference-ness).
+    outer = torch.is_inference_mode_enabled()
+    with torch.inference_mode():
+        args, kwargs = _as_inference(args), _as_inference(kwargs)
+        with accel.active():
+            out = type(module).forward(module, *args, **kwargs)
+    if outer:
+        return out
+    # back outside inference_mode: hand out normal tensors the caller may modify in place
+    if hasattr(out, "sample"):
+        out.sample = out.sample.clone()
+        return out
+    if isinstance(out, tuple):
+        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
+    return out.clone() if isinstance(out, torch.Tensor) else out
 
 
 def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> torch.nn.Module:

@@ -20,8 +20,8 @@ class SelectBackend(io.ComfyNode):
             description="Choose how Compile UNet accelerates the model.",
             inputs=[
                 io.Combo.Input("backend", options=list(BACKENDS), default="auto",
-                               tooltip="auto: the fastest backend that works here (inductor on this release; triton/ipex "
-                                       "when available). eager: no rewrites (A/B, debugging). Never changes which LoRA "
+                               tooltip="auto: the fastest backend that works here (triton on CUDA, ipex on an Intel CPU "
+                                       "with IPEX beside torch 2.8, inductor otherwise). eager: no rewrites (A/B, debugging). Never changes which LoRA "
                                        "or patch applies."),
                 io.Combo.Input("precision", options=list(PRECISIONS), default="auto",
                                tooltip="auto keeps the dtype ComfyUI chose (same math as eager). fp16/bf16 run under "

@@ -129,8 +129,13 @@ def test_zero_recompiles_after_warmup(kind_):
     compile_unet(u, "inductor")
     warmup(u, "1x64x64, 4x128x128", context_tokens=77)
     accel = accelerator_of(u)
-    assert accel.stats["graphs_compiled"] > 0
+    # compiled code is shared process-wide, so a second model may compile nothing new: check it ran accelerated
+    assert accel.stats["ran_resblock"] > 0 and accel.stats["ran_attention"] > 0
     for b, side, tokens in ((1, 8, 77), (2, 8, 77), (2, 12, 77), (3, 16, 154), (4, 10, 77)):
         _run(u, _inputs(u, b=b, side=side, tokens=tokens))
+        x, t, c, kw = _inputs(u, b=b, side=side, tokens=tokens)
+        with torch.no_grad():  # how diffusers pipelines call the UNet: normal tensors, no inference_mode
+            out = u(x, t, c, **kw).sample
+        out.add_(1.0)  # the caller may modify the output in place (it is not an inference tensor)
     assert accel.stats["recompiles_after_warmup"] == 0, report(u)
     assert "recompiles after warmup: 0" in report(u)

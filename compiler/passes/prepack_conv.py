@@ -16,7 +16,6 @@ opaque to inductor, so the weight stays a graph input (never a constant).
 from __future__ import annotations
 
 import logging
-import weakref
 from collections import Counter
 from typing import Optional
 
@@ -30,35 +29,12 @@ log = logging.getLogger(__name__)
 #: how often each part of this pass fired (tests read it)
 stats: Counter = Counter()
 
-_cache: dict[int, tuple] = {}
-
-
-def _drop_all() -> None:
-    """A new weight epoch: ComfyUI may have rewritten weights in place."""
-    if _cache:
-        stats["epoch_invalidations"] += 1
-    _cache.clear()
-
-
-weights.on_epoch_change(_drop_all)
+_cache = weights.DerivedCache(stats)
 
 
 def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
-    key = id(w)
-    sig = weights.signature(w) + (weights.epoch(),)
-    hit = _cache.get(key)
-    if hit is not None and hit[0] == sig:
-        stats["cache_hits"] += 1
-        return hit[1]
-    stats["packs"] += 1
-    packed = torch._C._nn.mkldnn_reorder_conv2d_weight(
-        w.detach().to_mkldnn(), list(padding), list(stride), list(dilation), groups, list(x_shape))
-    if hit is None:
-        # drop the packed copy when the weight itself dies (a LoRA swap
-        # replaces the Parameter): memory stays one packed copy per live conv
-        weakref.finalize(w, _cache.pop, key, None)
-    _cache[key] = (sig, packed)
-    return packed
+    return _cache.get(w, lambda t: torch._C._nn.mkldnn_reorder_conv2d_weight(
+        t.to_mkldnn(), list(padding), list(stride), list(dilation), groups, list(x_shape)))
 
 
 @torch.library.custom_op("unet_compiler::conv2d_prepacked", mutates_args=())

@@ -14,7 +14,6 @@ weight epoch; any change re-packs before the GEMM runs.
 """
 from __future__ import annotations
 
-import weakref
 from collections import Counter
 from typing import Optional
 
@@ -25,16 +24,7 @@ from .. import weights
 #: how often each part of this pass fired (tests read it)
 stats: Counter = Counter()
 
-_cache: dict[int, tuple] = {}
-
-
-def _drop_all() -> None:
-    if _cache:
-        stats["epoch_invalidations"] += 1
-    _cache.clear()
-
-
-weights.on_epoch_change(_drop_all)
+_cache = weights.DerivedCache(stats)
 
 
 def available() -> bool:
@@ -43,18 +33,7 @@ def available() -> bool:
 
 
 def _packed(w: torch.Tensor):
-    key = id(w)
-    sig = weights.signature(w) + (weights.epoch(),)
-    hit = _cache.get(key)
-    if hit is not None and hit[0] == sig:
-        stats["cache_hits"] += 1
-        return hit[1]
-    stats["packs"] += 1
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), 1)  # layout independent of the row count
-    if hit is None:
-        weakref.finalize(w, _cache.pop, key, None)
-    _cache[key] = (sig, packed)
-    return packed
+    return _cache.get(w, lambda t: torch.ops.mkl._mkl_reorder_linear_weight(t, 1))  # layout independent of rows
 
 
 @torch.library.custom_op("unet_compiler::linear_prepacked", mutates_args=())
