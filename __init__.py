@@ -16,7 +16,11 @@ try:
 except Exception:
     _V3 = False
 
-if _V3:
+if not __package__:
+    # Imported as a bare file, not as a package (pytest collecting the checkout root when its
+    # folder name is not an identifier, e.g. "ci-clone"): nothing to register from here.
+    __all__ = ["WEB_DIRECTORY"]
+elif _V3:
     from .nodes.v3 import comfy_entrypoint  # noqa: F401
 
     __all__ = ["comfy_entrypoint", "WEB_DIRECTORY"]
