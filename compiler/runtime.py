@@ -126,6 +126,9 @@ class Accelerator:
             return shim
 
         def shim(*args, **kwargs):
+            if kwargs.get("scale", 0) in (None, 1.0):
+                # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
+                kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
             if kwargs or kind in failed or any(comfy_compat.has_cast_weights(m) for m in leaves):
                 stats["region_eager"] += 1
                 return original(module, *args, **kwargs)
