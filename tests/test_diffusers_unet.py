@@ -88,8 +88,13 @@ def test_parity_and_regions_fired(kind, backend):
     inputs = _inputs(u)
     ref = _run(u, inputs)
     compile_unet(u, backend)
+    from unet_compiler.compiler.passes import prepack_conv, prepack_linear
+    used = lambda st: st["packs"] + st["cache_hits"]  # noqa: E731
+    conv0, lin0 = used(prepack_conv.stats), used(prepack_linear.stats)
     out = _run(u, inputs)
     _close(out, ref)
+    if backend == "inductor":  # the prepacked CPU convs and linears actually ran
+        assert used(prepack_conv.stats) > conv0 and used(prepack_linear.stats) > lin0
     accel = accelerator_of(u)
     assert accel.backend.name == backend, report(u)
     assert accel.stats["ran_resblock"] > 0 and accel.stats["ran_attention"] > 0, dict(accel.stats)

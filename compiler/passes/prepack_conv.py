@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from .. import weights
+from . import example_value, replace_calls
 from ..compat.torch_version import mkldnn_conv_available
 
 log = logging.getLogger(__name__)
@@ -89,39 +90,20 @@ _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "group
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 
-def _meta(node):
-    if isinstance(node, torch.fx.Node):
-        return node.meta.get("example_value")
-    return None
+def _replacement(node):
+    args = dict(_CONV_DEFAULTS)
+    args.update(zip(_CONV_ARGS, node.args, strict=False))  # trailing args may be defaulted
+    args.update(node.kwargs)
+    x, w = example_value(args["input"]), example_value(args["weight"])
+    if x is None or w is None or not check(x, w, args["padding"]):
+        return None
+    if not all(isinstance(args[k], (int, tuple, list)) for k in ("stride", "padding", "dilation", "groups")):
+        return None
+    return (torch.ops.unet_compiler.conv2d_prepacked.default,
+            (args["input"], args["weight"], args["bias"], _pair(args["stride"]), _pair(args["padding"]),
+             _pair(args["dilation"]), int(args["groups"])))
 
 
 def rewrite_graph(gm: torch.fx.GraphModule) -> int:
     """Replace every eligible conv2d call in a dynamo graph; returns how many."""
-    fired = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _CONV_TARGETS:
-            continue
-        args = dict(_CONV_DEFAULTS)
-        args.update(zip(_CONV_ARGS, node.args, strict=False))  # trailing args may be defaulted
-        args.update(node.kwargs)
-        x, w = _meta(args["input"]), _meta(args["weight"])
-        if x is None or w is None or not check(x, w, args["padding"]):
-            stats["graph_declined"] += 1
-            continue
-        if not all(isinstance(args[k], (int, tuple, list)) for k in ("stride", "padding", "dilation", "groups")):
-            stats["graph_declined"] += 1
-            continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(
-                torch.ops.unet_compiler.conv2d_prepacked.default,
-                (args["input"], args["weight"], args["bias"], _pair(args["stride"]), _pair(args["padding"]),
-                 _pair(args["dilation"]), int(args["groups"])))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        fired += 1
-    if fired:
-        gm.graph.lint()
-        gm.recompile()
-    stats["graph_fired"] += fired
-    return fired
+    return replace_calls(gm, _CONV_TARGETS, _replacement, stats)

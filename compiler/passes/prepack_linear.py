@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 
 from .. import weights
+from . import example_value, replace_calls
 
 #: how often each part of this pass fired (tests read it)
 stats: Counter = Counter()
@@ -62,34 +63,17 @@ def check(x: torch.Tensor, weight: torch.Tensor, bias) -> bool:
 _TARGETS = (torch._C._nn.linear, torch.nn.functional.linear)
 
 
-def _meta(node):
-    if isinstance(node, torch.fx.Node):
-        return node.meta.get("example_value")
-    return node
+def _replacement(node):
+    args = dict(zip(("input", "weight", "bias"), node.args, strict=False))
+    args.update(node.kwargs)
+    args.setdefault("bias", None)
+    x, w = example_value(args.get("input")), example_value(args.get("weight"))
+    b = example_value(args["bias"])
+    if x is None or w is None or not check(x, w, b):
+        return None
+    return torch.ops.unet_compiler.linear_prepacked.default, (args["input"], args["weight"], args["bias"])
 
 
 def rewrite_graph(gm: torch.fx.GraphModule) -> int:
     """Replace every eligible linear call in a dynamo graph; returns how many."""
-    fired = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _TARGETS:
-            continue
-        args = dict(zip(("input", "weight", "bias"), node.args, strict=False))
-        args.update(node.kwargs)
-        args.setdefault("bias", None)
-        x, w, b = _meta(args.get("input")), _meta(args.get("weight")), _meta(args["bias"])
-        if x is None or w is None or not isinstance(x, torch.Tensor) or not check(x, w, b):
-            stats["graph_declined"] += 1
-            continue
-        with gm.graph.inserting_before(node):
-            new = gm.graph.call_function(torch.ops.unet_compiler.linear_prepacked.default,
-                                         (args["input"], args["weight"], args["bias"]))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        gm.graph.erase_node(node)
-        fired += 1
-    if fired:
-        gm.graph.lint()
-        gm.recompile()
-    stats["graph_fired"] += fired
-    return fired
+    return replace_calls(gm, _TARGETS, _replacement, stats)
