@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .plan import ATTENTION, FEEDFORWARD, NORM_ACT, RESBLOCK
+
 
 def _sdpa(q, k, v, heads):
     # explicit sizes, no -1: a view(b, -1, ...) makes dynamo guard on a
@@ -68,11 +70,11 @@ def sequential(seq, x):
 
 #: (family, region kind) -> body; every backend accelerates these same functions
 BODIES = {
-    ("comfy", "resblock"): comfy_resblock,
-    ("comfy", "attention"): comfy_attention,
-    ("comfy", "feedforward"): feedforward,
-    ("comfy", "groupnorm_silu"): sequential,
-    ("diffusers", "resblock"): diffusers_resblock,
-    ("diffusers", "attention"): diffusers_attention,
-    ("diffusers", "feedforward"): feedforward,
+    ("comfy", RESBLOCK): comfy_resblock,
+    ("comfy", ATTENTION): comfy_attention,
+    ("comfy", FEEDFORWARD): feedforward,
+    ("comfy", NORM_ACT): sequential,
+    ("diffusers", RESBLOCK): diffusers_resblock,
+    ("diffusers", ATTENTION): diffusers_attention,
+    ("diffusers", FEEDFORWARD): feedforward,
 }

@@ -16,20 +16,11 @@ from typing import Callable, Iterable
 import torch
 
 _epoch: object = None
-_listeners: list[Callable[[], None]] = []
-
-
-def on_epoch_change(fn: Callable[[], None]) -> None:
-    """Call ``fn()`` whenever the declared epoch changes (caches drop themselves)."""
-    _listeners.append(fn)
 
 
 def set_epoch(epoch) -> None:
     global _epoch
-    if epoch != _epoch:
-        _epoch = epoch
-        for fn in _listeners:
-            fn()
+    _epoch = epoch
 
 
 def epoch():
@@ -50,38 +41,44 @@ def signature(t: torch.Tensor) -> tuple:
 
 
 def fingerprint(tensors: Iterable[torch.Tensor]) -> tuple:
-    """Signature of a group of tensors (a region's parameters) plus the epoch.
-    Identity matters too: a LoRA merge swaps in a new Parameter object."""
-    return tuple((id(t),) + signature(t) for t in tensors) + (_epoch,)
+    """Signature of a group of tensors (a region's parameters). Identity
+    matters too: a LoRA merge swaps in a new Parameter object."""
+    return tuple((id(t),) + signature(t) for t in tensors)
 
 
 class DerivedCache:
-    """``id(weight) -> (signature + epoch, derived tensor)``: a tensor derived
-    from a weight (a prepacked copy), re-derived before use whenever the weight
-    or the epoch changed, and dropped when the weight itself dies (a LoRA swap
-    replaces the Parameter), so memory stays one derived copy per live weight.
-    ``stats`` counts packs, cache_hits and epoch_invalidations."""
+    """``id(owner) -> (signature + epoch, derived)``: something derived from a
+    weight (a prepacked copy) or from a module's weights (an optimized region
+    copy), re-derived before use whenever what it came from or the epoch
+    changed (the epoch is part of the key, so nothing needs dropping when it
+    moves), and dropped when the owner itself dies (a LoRA swap replaces the
+    Parameter), so memory stays one derived copy per live owner.
+    ``stats`` counts packs (every derivation), rederived (a replacement of a
+    stale copy) and cache_hits."""
 
     def __init__(self, stats):
         self.stats = stats
         self._cache: dict[int, tuple] = {}
-        on_epoch_change(self.clear)
 
-    def clear(self) -> None:
-        if self._cache:
-            self.stats["epoch_invalidations"] += 1
-        self._cache.clear()
-
-    def get(self, w: torch.Tensor, derive: Callable[[torch.Tensor], torch.Tensor]):
-        key = id(w)
-        sig = signature(w) + (_epoch,)
+    def derived(self, owner, sig: tuple, make: Callable[[], object]):
+        key = id(owner)
+        sig = sig + (_epoch,)
         hit = self._cache.get(key)
         if hit is not None and hit[0] == sig:
             self.stats["cache_hits"] += 1
             return hit[1]
         self.stats["packs"] += 1
-        derived = derive(w.detach())
         if hit is None:
-            weakref.finalize(w, self._cache.pop, key, None)
-        self._cache[key] = (sig, derived)
-        return derived
+            weakref.finalize(owner, self._cache.pop, key, None)
+        else:
+            self.stats["rederived"] += 1
+        value = make()
+        self._cache[key] = (sig, value)
+        return value
+
+    def get(self, w: torch.Tensor, derive: Callable[[torch.Tensor], torch.Tensor]):
+        """The copy of ``w`` that ``derive(w.detach())`` makes, current for ``w`` now."""
+        return self.derived(w, signature(w), lambda: derive(w.detach()))
+
+    def values(self) -> list:
+        return [v for _, v in self._cache.values()]

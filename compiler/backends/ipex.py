@@ -25,7 +25,6 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
-import weakref
 from collections import Counter
 
 import torch
@@ -61,7 +60,7 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
 class IpexBackend(Backend):
     def __init__(self):
         self.stats: Counter = Counter()
-        self._cache: dict[int, tuple] = {}
+        self._copies = weights.DerivedCache(self.stats)
         self.dtype = None
 
     def available(self, device):
@@ -100,26 +99,11 @@ class IpexBackend(Backend):
         for w in caught:  # summarised in the report; the raw text only at debug level
             log.debug("IPEX: %s", w.message)
             self.stats["ipex_warnings"] += 1
-        packed = sum(1 for m in shadow.modules() if type(m).__name__.startswith("_IPEX"))
-        self.stats["prepacked_modules"] += packed
         return shadow
 
     def shadow(self, module, ipex):
-        fp = weights.fingerprint(module.parameters())
-        key = id(module)
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == fp:
-            return hit[1]
-        if hit is None:
-            weakref.finalize(module, self._cache.pop, key, None)
-            self.stats["builds"] += 1
-        else:
-            self.stats["rebuilds_for_weight_change"] += 1
-            self.stats["prepacked_modules"] -= sum(1 for m in hit[1].modules()
-                                                   if type(m).__name__.startswith("_IPEX"))
-        shadow = self._build(module, ipex)
-        self._cache[key] = (fp, shadow)
-        return shadow
+        return self._copies.derived(module, weights.fingerprint(module.parameters()),
+                                    lambda: self._build(module, ipex))
 
     def impls(self, config) -> dict:
         ipex, why = ipex_compat.load()
@@ -137,12 +121,13 @@ class IpexBackend(Backend):
         return out
 
     def status_lines(self) -> list[str]:
-        s = self.stats
-        if not s["builds"]:
+        s, live = self.stats, self._copies.values()
+        if not live:
             return ["  ipex: regions are prepared on the first call"]
-        lines = [f"  ipex: {s['builds']} region copies optimized, {s['prepacked_modules']} conv/linear weights "
+        packed = sum(1 for shadow in live for m in shadow.modules() if type(m).__name__.startswith("_IPEX"))
+        lines = [f"  ipex: {len(live)} region copies optimized, {packed} conv/linear weights "
                  f"prepacked (oneDNN blocked layout, dtype {str(self.dtype or 'as the model').replace('torch.', '')})"
-                 f"; rebuilt after weight changes: {s['rebuilds_for_weight_change']}", f"  ipex: {NOT_REQUESTED}"]
+                 f"; rebuilt after weight changes: {s['rederived']}", f"  ipex: {NOT_REQUESTED}"]
         if s["bf16_unsupported"]:
             lines.append("  ipex: bf16 asked for but this CPU's oneDNN has no bf16 support: kept the model dtype")
         if s["ipex_warnings"]:

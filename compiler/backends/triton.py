@@ -162,7 +162,7 @@ class TritonBackend(Backend):
                 except unsupported as e:  # a size the kernels cannot do: this call runs the model's code
                     self.bodies.declined[str(e).split(":")[0]] += 1
                     log.debug("triton region fallback: %s", e)
-                    return own[key](module, *args) if key in own else module(*args)
+                    return own[key](module, *args)
             return run
         return {key: guarded(key, body) for key, body in self.bodies.table().items()}
 
