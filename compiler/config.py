@@ -60,6 +60,18 @@ class CompileConfig:
         once (plain sgemm re-packs the weight on every call, which dominates
         at the small token counts of the deep levels: 1.5-40x per linear).
         Same live-weight cache key; one extra copy of those weights.
+    cuda_graphs:
+        On CUDA (triton and inductor backends): each accelerated region is
+        captured as a CUDA graph on its second call at a shape and replayed
+        after that, so its kernels launch in one call instead of one Python
+        dispatch each (the win at SD1.5 sizes, where launches dominate).
+        Costs GPU memory: one input and one output buffer per region per
+        shape (at most 8 shapes per region). ComfyUI's dispatch between
+        regions stays eager, so ControlNet, patches and LoRA behave as without
+        graphs; weights updated in place are read at every replay, replaced
+        weights drop the region's graphs. Needs ComfyUI started with
+        --disable-cuda-malloc (cudaMallocAsync cannot capture); the report
+        says so when it is missing. Ignored on CPU and on ipex/eager.
     """
 
     backend: str = "auto"
@@ -67,6 +79,7 @@ class CompileConfig:
     dynamic_shapes: bool = True
     prepack_conv: bool = True
     prepack_linear: bool = True
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.backend not in BACKENDS:

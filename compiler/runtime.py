@@ -80,6 +80,7 @@ class Accelerator:
             rep.notes.append(f"precision fp32 needs the model loaded in fp32 (it is {self.model_dtype}); "
                              f"kept auto. Fix: start ComfyUI with --force-fp32")
 
+        self.graphs = self._graphs(device)
         impls = self.backend.impls(self.config)
         self._shims = []
         counts: Counter = Counter()
@@ -94,6 +95,25 @@ class Accelerator:
         rep.regions = {k: counts[k] for k in P.KINDS if counts[k]}
         rep.skipped = self.plan.skipped_summary()
         log.info("%s", rep.text().replace("\n", " |"))
+
+    def _graphs(self, device):
+        """The region CUDA graphs, when asked for and possible here; else a note why not."""
+        if not self.config.cuda_graphs:
+            return None
+        from .compat import triton as triton_compat
+        why = None
+        if getattr(device, "type", "cpu") != "cuda":
+            why = f"they need CUDA and the model runs on {device}"
+        elif self.backend.name not in ("triton", "inductor"):
+            why = f"the {self.backend.name} backend does not use them (triton and inductor do)"
+        else:
+            why = triton_compat.cuda_graphs_problem(triton_compat.gather())
+        if why:
+            self.report.notes.append(f"cuda graphs: not used: {why}")
+            log.warning("UNet Compiler: cuda graphs not used: %s", why)
+            return None
+        from .graphs import RegionGraphs
+        return RegionGraphs()
 
     def _no_impl_reason(self, region) -> str:
         if region.kind == P.PROJECTION:
@@ -137,7 +157,7 @@ class Accelerator:
 
     def _run(self, kind, impl, module, original, args, eager_kwargs):
         try:
-            out = impl(module, *args)
+            out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
             if _is_interrupt(e):
                 raise
@@ -203,5 +223,5 @@ class Accelerator:
                                     "warmed range?)", new)
 
     def text(self) -> str:
-        extra = self.backend.status_lines()
+        extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])
         return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -18,10 +18,12 @@ class SelectBackend:
     def INPUT_TYPES(cls):
         return {"required": {"backend": (list(BACKENDS), {"default": "auto"}),
                              "precision": (list(PRECISIONS), {"default": "auto"}),
-                             "dynamic_shapes": ("BOOLEAN", {"default": True})}}
+                             "dynamic_shapes": ("BOOLEAN", {"default": True})},
+                "optional": {"cuda_graphs": ("BOOLEAN", {"default": False})}}
 
-    def execute(self, backend, precision, dynamic_shapes):
-        return (CompileConfig(backend=backend, precision=precision, dynamic_shapes=dynamic_shapes),)
+    def execute(self, backend, precision, dynamic_shapes, cuda_graphs=False):
+        return (CompileConfig(backend=backend, precision=precision, dynamic_shapes=dynamic_shapes,
+                              cuda_graphs=bool(cuda_graphs)),)
 
 
 class CompileUNet:

@@ -29,13 +29,18 @@ class SelectBackend(io.ComfyNode):
                 io.Boolean.Input("dynamic_shapes", default=True,
                                  tooltip="On: new batch sizes / resolutions inside the warmed range reuse compiled "
                                          "code (no recompiles). Off: each new shape compiles again."),
+                io.Boolean.Input("cuda_graphs", default=False, optional=True,
+                                 tooltip="CUDA only (triton, inductor): replay each region as a CUDA graph from its "
+                                         "2nd call at a shape; fewer launches, the SD1.5 win. Costs GPU memory per "
+                                         "shape. Needs ComfyUI started with --disable-cuda-malloc."),
             ],
             outputs=[UnetBackend.Output(display_name="backend")],
         )
 
     @classmethod
-    def execute(cls, backend, precision, dynamic_shapes) -> io.NodeOutput:
-        return io.NodeOutput(CompileConfig(backend=backend, precision=precision, dynamic_shapes=dynamic_shapes))
+    def execute(cls, backend, precision, dynamic_shapes, cuda_graphs=False) -> io.NodeOutput:
+        return io.NodeOutput(CompileConfig(backend=backend, precision=precision, dynamic_shapes=dynamic_shapes,
+                                           cuda_graphs=bool(cuda_graphs)))
 
 
 class CompileUNet(io.ComfyNode):

@@ -147,7 +147,7 @@ def compiled_result(comfy_server, sd15_checkpoint, request):
     prompt = txt2img_prompt(sd15_checkpoint.name, "e2e_compiled", model_ref=("12", 0))
     prompt["10"] = {"class_type": "UNetCompiler_SelectBackend",
                     "inputs": {"backend": "inductor", "precision": "auto",
-                               "dynamic_shapes": True}}
+                               "dynamic_shapes": True, "cuda_graphs": True}}
     prompt["11"] = {"class_type": "UNetCompiler_CompileUNet",
                     "inputs": {"model": ["1", 0], "backend": ["10", 0]}}
     prompt["12"] = {"class_type": "UNetCompiler_WarmupShapes",
@@ -160,6 +160,11 @@ def compiled_result(comfy_server, sd15_checkpoint, request):
     return entry, the_image(comfy_server, entry), the_latent(comfy_server, entry)
 
 
+def torch_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def test_compiled_matches_eager(eager_result, request):
     entry, compiled, compiled_latent = request.getfixturevalue("compiled_result")
     eager, eager_latent = eager_result
@@ -170,6 +175,8 @@ def test_compiled_matches_eager(eager_result, request):
         f"(outputs: {entry.get('outputs', {}).get('11')})"
     )
     assert "inductor" in report.lower(), f"CompileUNet report does not name the backend: {report!r}"
+    if not torch_cuda():  # the optional input went through /prompt; on CPU the report says why it is unused
+        assert "cuda graphs: not used: they need CUDA" in report, report
 
     assert compiled_latent.shape == eager_latent.shape
     assert np.isfinite(compiled_latent).all(), "compiled latent has NaN/inf"

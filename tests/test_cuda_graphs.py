@@ -1,0 +1,242 @@
+"""Region CUDA graphs (compiler/graphs.py).
+
+Without a GPU, RegionGraphs gets a stand-in with the CUDA graph buffer
+contract: capture records without producing a result (its output is filled
+with NaN until a replay), replay recomputes from the static inputs into the
+static output. So the bookkeeping the real graphs depend on is checked
+here: inputs copied in before every replay, outputs copied out (a replay
+must not clobber an earlier result), one graph per shape, a cap per region,
+replaced weights drop graphs, autograd never graphed, a failed capture turns
+graphs off and the call still returns the right answer. With a GPU the last
+tests capture real graphs through the triton and inductor backends.
+"""
+import pytest
+import torch
+
+from unet_compiler.compiler import CompileConfig
+from unet_compiler.compiler.compat import triton as triton_compat
+from unet_compiler.compiler.graphs import RegionGraphs
+from unet_compiler.compiler.runtime import Accelerator
+
+CUDA = torch.cuda.is_available()
+
+
+class StandIn:
+    """CUDA-graph buffer semantics on any device."""
+
+    def __init__(self, fail=None):
+        self.captures = 0
+        self.fail = fail
+
+    def usable(self, tensors):
+        return None
+
+    def capture(self, fn):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        out = fn()
+        out.fill_(float("nan"))  # a capture records work; it does not run it
+        self.captures += 1
+
+        class Graph:
+            def replay(self):
+                out.copy_(fn())
+        return Graph(), out
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.GroupNorm(2, 4)
+        self.conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x, emb):
+        return self.conv(torch.nn.functional.silu(self.norm(x))) + emb[:, :, None, None] + x
+
+
+def body(block, x, emb):
+    return type(block).forward(block, x, emb)
+
+
+def _inputs(b=2, side=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(b, 4, side, side, generator=g), torch.randn(b, 4, generator=g)
+
+
+@torch.inference_mode()
+def test_capture_on_second_call_then_replay_with_fresh_inputs():
+    blk, fake = Block().eval(), StandIn()
+    rg = RegionGraphs(graphs=fake)
+    outs = []
+    for seed in range(4):
+        x, e = _inputs(seed=seed)
+        out = rg.run(body, blk, (x, e))
+        torch.testing.assert_close(out, body(blk, x, e))  # fresh inputs reach the graph every call
+        outs.append((out, body(blk, x, e)))
+    assert fake.captures == 1
+    assert rg.stats["captured"] == 1 and rg.stats["replays"] == 3  # the capture call replays once too
+    for out, ref in outs:  # later replays did not overwrite results already handed out
+        torch.testing.assert_close(out, ref)
+    assert "cuda graphs: 1 captured for 1 region(s), 3 replays" in "\n".join(rg.status_lines())
+
+
+@torch.inference_mode()
+def test_one_graph_per_shape_and_a_cap_per_region():
+    blk, fake = Block().eval(), StandIn()
+    rg = RegionGraphs(max_shapes=2, graphs=fake)
+    for side in (8, 8, 12, 12, 16, 16, 16):
+        x, e = _inputs(side=side)
+        torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert fake.captures == 2
+    assert rg.skipped["more than 2 shapes for one region"] == 2
+    assert "more than 2 shapes for one region x2" in "\n".join(rg.status_lines())
+
+
+@torch.inference_mode()
+def test_replaced_weight_drops_the_region_graphs():
+    blk, fake = Block().eval(), StandIn()
+    rg = RegionGraphs(graphs=fake)
+    x, e = _inputs()
+    for _ in range(3):
+        rg.run(body, blk, (x, e))
+    # ComfyUI's set_attr_param: a new Parameter object in place of the old one
+    blk.conv.weight = torch.nn.Parameter(blk.conv.weight * 2, requires_grad=False)
+    out = rg.run(body, blk, (x, e))
+    torch.testing.assert_close(out, body(blk, x, e))
+    assert rg.stats["dropped for new weights"] == 1
+    rg.run(body, blk, (x, e))
+    assert fake.captures == 2
+    assert "1 dropped when weights were replaced" in "\n".join(rg.status_lines())
+
+
+def test_autograd_calls_are_never_graphed():
+    blk, fake = Block(), StandIn()
+    rg = RegionGraphs(graphs=fake)
+    x, e = _inputs()
+    for _ in range(3):
+        out = rg.run(body, blk, (x, e))
+    assert out.requires_grad and fake.captures == 0 and rg.skipped["autograd on"] == 3
+
+
+@torch.inference_mode()
+def test_failed_capture_turns_graphs_off_and_answers_anyway():
+    blk = Block().eval()
+    rg = RegionGraphs(graphs=StandIn(fail="operation not permitted when stream is capturing"))
+    x, e = _inputs()
+    for _ in range(3):
+        torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert rg.off and "not permitted" in rg.off
+    assert "cuda graphs: off after a failed capture" in "\n".join(rg.status_lines())
+
+
+def _tiny_unet():
+    diffusers = pytest.importorskip("diffusers", reason="diffusers not installed")
+    torch.manual_seed(0)
+    return diffusers.UNet2DConditionModel(
+        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8, norm_num_groups=8).eval()
+
+
+def test_cuda_graphs_refused_with_the_reason(monkeypatch):
+    u = _tiny_unet()
+    a = Accelerator(u, CompileConfig(backend="inductor", cuda_graphs=True),
+                    device=torch.device("cpu"))
+    assert a.graphs is None
+    assert "cuda graphs: not used: they need CUDA and the model runs on cpu" in a.text()
+    a = Accelerator(u, CompileConfig(backend="eager", cuda_graphs=True),
+                    device=torch.device("cuda"))
+    assert a.graphs is None and "the eager backend does not use them" in a.text()
+    # ComfyUI's default allocator: the exact fix in the report
+    monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
+    from unet_compiler.compiler import backends
+    monkeypatch.setattr(backends, "resolve", lambda req, dev: (backends.lookup_backend("inductor")(), []))
+    from unet_compiler.compiler import runtime
+    monkeypatch.setattr(runtime, "resolve", backends.resolve)
+    a = Accelerator(u, CompileConfig(backend="inductor", cuda_graphs=True),
+                    device=torch.device("cuda"))
+    assert a.graphs is None and "--disable-cuda-malloc" in a.text()
+    # off by default: no line at all
+    a = Accelerator(u, CompileConfig(backend="inductor"), device=torch.device("cpu"))
+    assert "cuda graphs" not in a.text()
+
+
+def _graphed_uncompiled(u):
+    """Accelerate ``u`` with the regions' own (uncompiled) bodies routed through
+    RegionGraphs on the stand-in: the runtime's path without a compile."""
+    from unet_compiler.compiler import compile_unet
+    from unet_compiler.compiler import regions as R
+    from unet_compiler.compiler.api import accelerator_of
+    compile_unet(u, "inductor", prepack_conv=False, prepack_linear=False)
+    accel = accelerator_of(u)
+    fake = StandIn()
+    accel.graphs = RegionGraphs(graphs=fake)
+    accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
+                    for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]
+    return accel, fake
+
+
+def test_warmup_captures_each_warmed_shape():
+    from unet_compiler.compiler import warmup
+    u = _tiny_unet()
+    accel, fake = _graphed_uncompiled(u)
+    text = warmup(u, "2x64x64, 1x64x64", context_tokens=77, compare=False)
+    n = len(accel._shims)
+    assert fake.captures == 2 * n, (fake.captures, n)
+    assert "2x64x64 (cuda graph capture)" in text and "1x64x64 (cuda graph capture)" in text
+    with torch.inference_mode():
+        u(torch.randn(2, 4, 8, 8), torch.full((2,), 10.0), torch.randn(2, 77, 32))
+    assert fake.captures == 2 * n  # sampling at a warmed shape only replays
+
+
+def test_tiny_unet_through_region_graphs_matches_eager():
+    """Every region of a real (tiny) diffusers UNet through RegionGraphs: the
+    runtime's routing, static inputs and output copies, per-region keys."""
+    u = _tiny_unet()
+
+    def run(seed, b=2):
+        g = torch.Generator().manual_seed(seed)
+        x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
+        with torch.inference_mode():
+            return u(x, torch.full((b,), 500.0), c).sample
+    refs = [run(s) for s in range(3)] + [run(9, b=1)]
+    accel, fake = _graphed_uncompiled(u)
+    outs = [run(s) for s in range(3)] + [run(9, b=1)]
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    n = len(accel._shims)
+    assert fake.captures == n, (fake.captures, n)          # every region captured at batch 2 on call 2
+    assert accel.graphs.stats["replays"] == 2 * n          # capture call + call 3
+    assert "cuda graphs: %d captured" % n in accel.text()
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA GPU: real CUDA graph capture is tested on GPU machines only")
+@pytest.mark.parametrize("backend", ["triton", "inductor"])
+def test_real_cuda_graphs_on_gpu(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+    from unet_compiler.compiler import compile_unet, report
+    from unet_compiler.compiler.api import accelerator_of
+    u = _tiny_unet().cuda()
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        x, c = torch.randn(2, 4, 8, 8, generator=g).cuda(), torch.randn(2, 77, 32, generator=g).cuda()
+        with torch.inference_mode():
+            return u(x, torch.full((2,), 500.0, device="cuda"), c).sample
+    refs = [run(s) for s in range(3)]
+    compile_unet(u, backend, cuda_graphs=True)
+    accel = accelerator_of(u)
+    if accel.graphs is None:
+        pytest.skip("cuda graphs refused here: " + report(u))
+    outs = [run(s) for s in range(3)]
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    assert accel.graphs.stats["captured"] > 0 and accel.graphs.stats["replays"] > 0, report(u)
+    # in place (same storage): the next replay reads the new values
+    with torch.no_grad():
+        u.down_blocks[0].resnets[0].conv1.weight.mul_(1.5)
+    out = run(7)
+    from unet_compiler.compiler.api import uncompile_unet
+    uncompile_unet(u)
+    torch.testing.assert_close(out, run(7), rtol=2e-3, atol=2e-3)
