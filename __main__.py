@@ -33,6 +33,10 @@ def _unet(size: str):
                                 block_out_channels=(320, 640, 1280, 1280), layers_per_block=2).eval()
 
 
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else ""
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -87,7 +91,7 @@ def _transitions(model, dev, dtype):
     return out
 
 
-def _save(args, rows, trans, eager_s):
+def _save(args, rows, trans, eager_s, kernel_rows=()):
     """The measured table as JSON, and a bar chart when matplotlib is installed."""
     import json
     from pathlib import Path
@@ -98,8 +102,16 @@ def _save(args, rows, trans, eager_s):
             "torch": torch.__version__, "device": args.device, "size": args.size, "latent": args.latent,
             "batch": args.batch, "rows": [dict(path=n, step_s=s, speedup=eager_s / s, cold_s=c, max_abs_diff=d)
                                           for n, s, c, d in rows],
-            "shape_changes": {k: [dict(change=a, graphs=g, seconds=sec) for a, g, sec in v] for k, v in trans.items()}}
+            "shape_changes": {k: [dict(change=a, graphs=g, seconds=sec) for a, g, sec in v] for k, v in trans.items()},
+            "kernels": list(kernel_rows)}
+    if dev_name := _device_name(args.device):
+        data["device_name"] = dev_name
+    if not rows:
+        stem = stem.replace("bench_", "kernels_")
     (out / f"{stem}.json").write_text(json.dumps(data, indent=1))
+    if not rows:
+        print(f"wrote {out / stem}.json")
+        return
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -120,10 +132,34 @@ def _save(args, rows, trans, eager_s):
     print(f"wrote {out / stem}.json and .png")
 
 
+def _kernel_table(args, dev, dtype) -> list[dict]:
+    from .kernels import bench as kb
+    only = None if args.kernels == "all" else {k.strip() for k in args.kernels.split(",") if k.strip()}
+    print(f"\nper-kernel: {args.size} UNet calls at latent {args.latent}x{args.latent}, batch {args.batch}, "
+          f"{args.dtype}; eager = the model's own torch ops, inductor = torch.compile of them")
+    print(kb.header(dev))
+    return kb.run(args.size, args.latent, args.batch, dev, dtype, iters=args.iters, only=only,
+                  inductor=not args.kernels_skip_inductor)
+
+
+def _backend_spec(spec: str) -> tuple[str, dict]:
+    """``triton+graphs`` -> ("triton", {"cuda_graphs": True})."""
+    name, _, extra = spec.partition("+")
+    if extra not in ("", "graphs"):
+        raise SystemExit(f"--backend {spec!r}: the only suffix is +graphs (CUDA graphs), e.g. triton+graphs")
+    return name, ({"cuda_graphs": True} if extra else {})
+
+
 def bench(args):
     from .compiler import compile_unet, report, warmup
+    from .compiler.api import accelerator_of
     dev = torch.device(args.device)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    kernel_rows = _kernel_table(args, dev, dtype) if args.kernels else []
+    if args.kernels_only:
+        if args.out:
+            _save(args, [], {}, 1.0, kernel_rows)
+        return
     unet = _unet(args.size).to(dev, dtype)
     lat = args.latent
     a, kw = _inputs(unet, args.batch, lat, dev, dtype)
@@ -147,14 +183,17 @@ def bench(args):
     # warm what this run uses, as a user would with Warmup Shapes: the timed shape and the transitions
     shapes = [f"{args.batch}x{lat * 8}x{lat * 8}"] + [f"{b}x{s * 8}x{s * 8}" for _, b, s in TRANSITIONS]
     ours = None
-    for backend in [b.strip() for b in args.backend.split(",") if b.strip()]:
+    for spec in [b.strip() for b in args.backend.split(",") if b.strip()]:
+        backend, options = _backend_spec(spec)
         ours = copy.deepcopy(unet)
         t0 = time.perf_counter()
-        compile_unet(ours, backend)
+        compile_unet(ours, backend, **options)
         warmup(ours, ", ".join(shapes), compare=False)
         cold = time.perf_counter() - t0
         s, out = _time(lambda m=ours: m(*a, **kw).sample, args.iters, dev)
         name = f"unet_compiler {report(ours).splitlines()[0].split('backend ')[1].split(',')[0]}"
+        if options and accelerator_of(ours).graphs is not None:
+            name += " + cuda graphs"
         rows.append((name, s, cold, float((out.float() - ref.float()).abs().max())))
         trans[name] = _transitions(ours, dev, dtype)
         print("\n" + report(ours), flush=True)
@@ -172,7 +211,7 @@ def bench(args):
         trans["whole-model torch.compile"] = _transitions(whole, dev, dtype)
 
     if args.out:
-        _save(args, rows, trans, eager_s)
+        _save(args, rows, trans, eager_s, kernel_rows)
     mfu = f" {'MFU':>6s}" if flops else ""
     print(f"\n{'path':48s} {'step ms':>9s} {'vs eager':>9s} {'cold s':>8s} {'max|diff|':>10s}{mfu}")
     for name, s, cold, diff in rows:
@@ -200,7 +239,14 @@ def main(argv=None):
     b.add_argument("--batch", type=int, default=2)
     b.add_argument("--iters", type=int, default=5)
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    b.add_argument("--backend", default="auto", help="comma-separated: each gets its own row (e.g. inductor,ipex)")
+    b.add_argument("--backend", default=None,
+                   help="comma-separated, each gets its own row; a +graphs suffix adds CUDA graphs "
+                        "(default: inductor,triton,triton+graphs on CUDA, auto elsewhere)")
+    b.add_argument("--kernels", nargs="?", const="all", default="",
+                   help="first a per-kernel table (triton vs eager torch vs inductor); optionally a comma list of "
+                        "groupnorm_silu,layernorm,geglu,attention,bias_residual")
+    b.add_argument("--kernels-only", action="store_true", help="only the per-kernel table (implies --kernels)")
+    b.add_argument("--kernels-skip-inductor", action="store_true", help="no inductor column in the kernel table")
     b.add_argument("--reuse-cache", action="store_true",
                    help="keep inductor's on-disk cache (default: a fresh one, so cold compile seconds are real)")
     b.add_argument("--out", default="", help="folder for the table as JSON and a PNG plot (e.g. docs)")
@@ -210,6 +256,12 @@ def main(argv=None):
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_bench_")
+    if args.kernels_only and not args.kernels:
+        args.kernels = "all"
+    if args.backend is None:
+        args.backend = "inductor,triton,triton+graphs" if args.device.startswith("cuda") else "auto"
+    if args.kernels and not args.device.startswith("cuda"):
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
     if args.peak_tflops is None:
         args.peak_tflops = 790.0 if args.device.startswith("cuda") else 0.0
     bench(args)

@@ -1,0 +1,51 @@
+"""The benchmark CLI (python -m unet_compiler bench) runs end to end and writes
+what it measured. Small sizes only: the numbers are not checked, the table's
+structure and the kernels' agreement with eager torch are."""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers", reason="diffusers not installed")
+from unet_compiler.__main__ import main  # noqa: E402
+
+
+def test_kernel_table_runs_every_kernel_and_agrees_with_torch(tmp_path, capsys):
+    pytest.importorskip("triton", reason="triton not installed: the kernel table needs it")
+    main(["bench", "--size", "tiny", "--latent", "4", "--batch", "1", "--iters", "1", "--kernels-only",
+          "--reuse-cache", "--kernels-skip-inductor", "--out", str(tmp_path),
+          "--device", "cuda" if torch.cuda.is_available() else "cpu"])
+    data = json.loads(next(tmp_path.glob("kernels_tiny_*.json")).read_text())
+    kinds = {r["kernel"] for r in data["kernels"]}
+    assert kinds == {"groupnorm_silu", "bias_residual", "layernorm", "geglu", "attention"}, kinds
+    for r in data["kernels"]:
+        assert r["triton_ms"] > 0 and r["eager_ms"] > 0, r
+        assert r["max_abs_diff"] < 1e-4, r
+    out = capsys.readouterr().out
+    assert "attention       cross 1x8h x 16q x 77k, d 4" in out, out
+
+
+def test_kernel_table_inductor_column(tmp_path):
+    pytest.importorskip("triton", reason="triton not installed: the kernel table needs it")
+    main(["bench", "--size", "tiny", "--latent", "2", "--batch", "1", "--iters", "1", "--kernels-only",
+          "--kernels", "bias_residual", "--reuse-cache", "--out", str(tmp_path),
+          "--device", "cuda" if torch.cuda.is_available() else "cpu"])
+    (row,) = json.loads(next(tmp_path.glob("kernels_tiny_*.json")).read_text())["kernels"]
+    assert row["inductor_ms"] > 0 and row["inductor_compile_s"] > 0, row
+
+
+def test_unet_table_rows_and_shape_changes(tmp_path, capsys):
+    main(["bench", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
+          "--skip-whole", "--reuse-cache", "--device", "cpu", "--out", str(tmp_path)])
+    data = json.loads(next(tmp_path.glob("bench_tiny_cpu_lat8_b1.json")).read_text())
+    assert [r["path"] for r in data["rows"]] == ["eager", "unet_compiler eager"]
+    assert data["rows"][1]["max_abs_diff"] == 0.0  # the eager backend is the model's own code
+    assert [c["change"] for c in data["shape_changes"]["unet_compiler eager"]] == \
+        ["to 1x64x64", "batch 1->2 (2x64x64)", "64->96 px (2x96x96)"]
+    assert "vs eager" in capsys.readouterr().out
+
+
+def test_backend_suffix_is_checked():
+    with pytest.raises(SystemExit, match=r"the only suffix is \+graphs"):
+        main(["bench", "--size", "tiny", "--latent", "2", "--backend", "triton+fast", "--skip-whole",
+              "--reuse-cache", "--device", "cpu"])
