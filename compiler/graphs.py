@@ -51,7 +51,7 @@ class CudaGraphs:
         self.pool = None
 
     def usable(self, tensors) -> str | None:
-        if not all(t.is_cuda for t in tensors):
+        if not tensors or not all(t.is_cuda for t in tensors):
             return "inputs not on CUDA"
         if torch.cuda.is_current_stream_capturing():
             return "another capture is in progress"

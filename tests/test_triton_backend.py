@@ -21,6 +21,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def triton_here(monkeypatch):
     if DEV.type == "cpu":
         monkeypatch.setattr(TB.TritonBackend, "available", lambda self, device: (True, "interpreter (test)"))
+    monkeypatch.setenv(TB.CHOICE_ENV, "triton")  # on a GPU: the kernels, not whichever measured faster
 
 
 def _unet(seed=0, **over):
@@ -105,3 +106,43 @@ def test_comfy_unet_parity(triton_here, make_comfy_model):
     torch.testing.assert_close(apply(cm), ref, rtol=2e-4, atol=2e-4)
     fired = patcher.accelerator_of(cm).backend.bodies.fired
     assert fired["groupnorm_silu"] > 0 and fired["attention"] > 0 and fired["geglu"] > 0
+
+
+def test_measured_choice_runs_torch_where_it_is_faster(triton_here, monkeypatch):
+    """The per-signature kernel-vs-torch choice, with timings handed in (on a GPU
+    they come from CUDA events): torch wins attention, the kernels win the rest;
+    each signature is measured once and the report names what torch served."""
+    monkeypatch.setattr(TB, "_measurable", lambda device: True)
+    monkeypatch.setattr(TB, "_CHOICE", {})
+    timed = []
+
+    def fake_ms(fn, reps=5):
+        timed.append(fn)
+        fn()
+        is_kernel = len(timed) % 2 == 1   # pick() times the kernel first, then torch
+        name = fake_ms.current
+        return (2.0 if is_kernel else 1.0) if name == "attention" else (1.0 if is_kernel else 2.0)
+    fake_ms.current = None
+    real_pick = TB.Bodies.pick
+
+    def pick(self, name, tensors, kernel, reference):
+        fake_ms.current = name
+        return real_pick(self, name, tensors, kernel, reference)
+    monkeypatch.setattr(TB, "_measure_ms", fake_ms)
+    monkeypatch.setattr(TB.Bodies, "pick", pick)
+    u = _unet()
+    ref = _run(u)
+    compile_unet(u, "triton")
+    torch.testing.assert_close(_run(u), ref, rtol=2e-4, atol=2e-4)
+    n_measured = len(timed)
+    torch.testing.assert_close(_run(u, seed=5), _ref_of(u, seed=5), rtol=2e-4, atol=2e-4)
+    assert len(timed) == n_measured  # same signatures: measured once
+    b = accelerator_of(u).backend.bodies
+    assert b.torch_faster["attention"] > 0 and b.fired["attention"] == 0
+    assert b.fired["groupnorm_silu"] > 0 and b.fired["geglu"] > 0 and b.fired["bias_residual"] > 0
+    assert "torch measured faster on this GPU, ran instead: attention x" in report(u)
+
+
+def _ref_of(u, seed):
+    with accelerator_of(u).bypass():
+        return _run(u, seed=seed)

@@ -9,10 +9,19 @@ and attention patches address them by name; cuBLAS/cuDNN do the GEMMs).
 A variant a body does not cover (scale-shift norm, up/down ResBlocks,
 non-GEGLU feed-forwards) runs the model's own code; a kernel that cannot take
 its inputs raises KernelUnsupported and that call runs the model's own code.
+
+Kernel choice is measured, not assumed: the first time a kernel meets an
+input signature on a GPU, the kernel and the torch ops it replaces are each
+timed a few times (CUDA events) and the faster one serves that signature from
+then on (remembered per process; the report counts both). So on a GPU where
+cuDNN's attention or a fused torch op beats a kernel at some size, the
+backend is never slower there than eager. UNET_COMPILER_KERNEL_CHOICE=triton
+always runs the kernels (kernel tests, A/B).
 """
 from __future__ import annotations
 
 import logging
+import os
 from collections import Counter
 
 import torch
@@ -36,36 +45,88 @@ def _is(m, name):
     return type(m).__name__ == name or any(c.__name__ == name for c in type(m).__mro__)
 
 
+CHOICE_ENV = "UNET_COMPILER_KERNEL_CHOICE"
+#: (kernel, device, input signature) -> "triton" | "torch", measured once per process
+_CHOICE: dict = {}
+
+
+def _measurable(device) -> bool:
+    """Whether kernel-vs-torch timing is meaningful here (a real GPU, not the interpreter)."""
+    return device.type == "cuda" and os.environ.get(CHOICE_ENV, "measure").strip().lower() != "triton"
+
+
+def _measure_ms(fn, reps: int = 5) -> float:
+    fn()  # first call: compile / config probe, untimed
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 class Bodies:
-    """Kernel-backed region bodies; ``fired`` counts kernel launches per kernel."""
+    """Kernel-backed region bodies; ``fired`` counts kernel launches per kernel,
+    ``torch_faster`` the calls served by torch because it measured faster."""
 
     def __init__(self):
         self.fired: Counter = Counter()
         self.declined: Counter = Counter()
+        self.torch_faster: Counter = Counter()
+        self.measured: dict = {}   # (kernel, signature) -> (triton ms, torch ms) measured by this model
         self.KA, self.KE, self.KG, self.KN = _kernels()
         from ...kernels._common import KernelUnsupported
         self.Unsupported = KernelUnsupported
 
+    def pick(self, name, tensors, kernel, reference):
+        """Run ``kernel()`` or ``reference()`` (same result), whichever measured faster for this signature."""
+        dev = tensors[0].device
+        choice = "triton"
+        if _measurable(dev):
+            sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+            key = (name, str(dev), sig)
+            choice = _CHOICE.get(key)
+            if choice is None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                choice = "triton"  # no timing inside a capture (a graph captures on a signature's 2nd call)
+            elif choice is None:
+                t_kernel, t_torch = _measure_ms(kernel), _measure_ms(reference)
+                choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
+                self.measured[(name, sig)] = (t_kernel, t_torch)
+                log.debug("%s %s: triton %.3f ms, torch %.3f ms -> %s", name, sig, t_kernel, t_torch, choice)
+        if choice == "torch":
+            self.torch_faster[name] += 1
+            return reference()
+        self.fired[name] += 1
+        return kernel()
+
     # -- pieces --
     def gn(self, norm, x, silu):
-        self.fired["groupnorm_silu" if silu else "groupnorm"] += 1
-        return self.KN.groupnorm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu=silu)
+        def reference():
+            y = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
+            return F.silu(y) if silu else y
+        return self.pick("groupnorm_silu" if silu else "groupnorm", (x,),
+                         lambda: self.KN.groupnorm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu=silu),
+                         reference)
 
     def conv_residual(self, conv, h, residual):
         """conv(h) + residual with the conv bias folded into the add (one pass)."""
         if (not isinstance(conv, torch.nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str)
                 or conv._forward_hooks or conv._forward_pre_hooks or comfy_compat.has_cast_weights(conv)):
             return conv(h) + residual
-        y = F.conv2d(h, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-        self.fired["bias_residual"] += 1
-        return self.KE.bias_residual(y, conv.bias, residual, dim=1, out=y)
+
+        def kernel():
+            y = F.conv2d(h, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+            return self.KE.bias_residual(y, conv.bias, residual, dim=1, out=y)
+        return self.pick("bias_residual", (h, residual), kernel, lambda: conv(h) + residual)
 
     def attend(self, q, k, v, heads):
         b, n, inner = q.shape
         m, d = k.shape[1], inner // heads
-        self.fired["attention"] += 1
-        out = self.KA.attention(q.view(b, n, heads, d).transpose(1, 2), k.view(b, m, heads, d).transpose(1, 2),
-                                v.view(b, m, heads, d).transpose(1, 2))
+        qh, kh, vh = (q.view(b, n, heads, d).transpose(1, 2), k.view(b, m, heads, d).transpose(1, 2),
+                      v.view(b, m, heads, d).transpose(1, 2))
+        out = self.pick("attention", (qh, kh, vh), lambda: self.KA.attention(qh, kh, vh),
+                        lambda: F.scaled_dot_product_attention(qh, kh, vh))
         return out.transpose(1, 2).reshape(b, n, inner)
 
     # -- region bodies (same signatures as regions.BODIES) --
@@ -116,8 +177,12 @@ class Bodies:
         if not _is(glu, "GEGLU") or proj is None or approximate not in ("none", "tanh"):
             self.declined["feed-forward without GEGLU"] += 1
             return type(ff).forward(ff, x)
-        self.fired["geglu"] += 1
-        h = self.KG.geglu(proj(x), approximate=approximate)
+        hidden = proj(x)
+
+        def reference():
+            a, gate = hidden.chunk(2, dim=-1)
+            return a * F.gelu(gate, approximate=approximate)
+        h = self.pick("geglu", (hidden,), lambda: self.KG.geglu(hidden, approximate=approximate), reference)
         for m in list(ff.net)[1:]:
             h = m(h)
         return h
@@ -167,10 +232,13 @@ class TritonBackend(Backend):
         return {key: guarded(key, body) for key, body in self.bodies.table().items()}
 
     def status_lines(self) -> list[str]:
-        if self.bodies is None or not (self.bodies.fired or self.bodies.declined):
-            return []
         b = self.bodies
-        lines = ["  triton kernels fired: " + ", ".join(f"{k} x{n}" for k, n in sorted(b.fired.items()))]
+        if b is None or not (b.fired or b.declined or b.torch_faster):
+            return []
+        lines = ["  triton kernels fired: " + (", ".join(f"{k} x{n}" for k, n in sorted(b.fired.items())) or "none")]
+        if b.torch_faster:
+            lines.append("  torch measured faster on this GPU, ran instead: "
+                         + ", ".join(f"{k} x{n}" for k, n in sorted(b.torch_faster.items())))
         if b.declined:
             lines.append("  triton ran the model's own code for: "
                          + ", ".join(f"{k} x{n}" for k, n in sorted(b.declined.items())))
