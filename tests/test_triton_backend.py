@@ -57,6 +57,8 @@ def test_diffusers_unet_parity_and_kernels_fired(triton_here):
     assert fired["groupnorm_silu"] > 0 and fired["attention"] > 0 and fired["geglu"] > 0
     assert fired["bias_residual"] > 0
     assert "triton kernels fired:" in text
+    # where: GroupNorm+SiLU in ResBlocks (and the output norm), attention in attention regions
+    assert "attention x" in text and "(attention " in text and "groupnorm_silu x" in text and "resblock " in text, text
 
 
 def test_live_weights_and_irregular_tokens(triton_here):

@@ -72,6 +72,8 @@ class Bodies:
 
     def __init__(self):
         self.fired: Counter = Counter()
+        self.fired_in: Counter = Counter()   # (kernel, region kind) -> launches
+        self.where = "?"                     # the region kind being run (set per call by the backend)
         self.declined: Counter = Counter()
         self.torch_faster: Counter = Counter()
         self.measured: dict = {}   # (kernel, signature) -> (triton ms, torch ms) measured by this model
@@ -98,6 +100,7 @@ class Bodies:
             self.torch_faster[name] += 1
             return reference()
         self.fired[name] += 1
+        self.fired_in[(name, self.where)] += 1
         return kernel()
 
     # -- pieces --
@@ -222,6 +225,7 @@ class TritonBackend(Backend):
 
         def guarded(key, body):
             def run(module, *args):
+                self.bodies.where = key[1]
                 try:
                     return body(module, *args)
                 except unsupported as e:  # a size the kernels cannot do: this call runs the model's code
@@ -235,7 +239,11 @@ class TritonBackend(Backend):
         b = self.bodies
         if b is None or not (b.fired or b.declined or b.torch_faster):
             return []
-        lines = ["  triton kernels fired: " + (", ".join(f"{k} x{n}" for k, n in sorted(b.fired.items())) or "none")]
+        def where(kernel):
+            places = sorted((w, n) for (k, w), n in b.fired_in.items() if k == kernel)
+            return " (" + ", ".join(f"{w} {n}" for w, n in places) + ")" if places else ""
+        lines = ["  triton kernels fired: "
+                 + (", ".join(f"{k} x{n}{where(k)}" for k, n in sorted(b.fired.items())) or "none")]
         if b.torch_faster:
             lines.append("  torch measured faster on this GPU, ran instead: "
                          + ", ".join(f"{k} x{n}" for k, n in sorted(b.torch_faster.items())))
