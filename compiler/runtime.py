@@ -115,6 +115,10 @@ class Accelerator:
         from .graphs import RegionGraphs
         return RegionGraphs()
 
+    def _compiled(self) -> int:
+        """Dynamo graphs plus the backend's own compiles (Triton kernel variants)."""
+        return _graph_count() + self.backend.compile_count()
+
     def _no_impl_reason(self, region) -> str:
         if region.kind == P.PROJECTION:
             return "free-standing convs: prepacking is off" if not self.config.prepack_conv else "no rewrite"
@@ -196,7 +200,7 @@ class Accelerator:
             return
         weights.set_epoch(weight_epoch)
         installed = []
-        before = _graph_count()
+        before = self._compiled()
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
@@ -212,7 +216,7 @@ class Accelerator:
             finally:
                 for module in installed:
                     module.__dict__.pop("forward", None)
-                new = _graph_count() - before
+                new = self._compiled() - before
                 self.stats["calls"] += 1
                 if new:
                     self.stats["graphs_compiled"] += new

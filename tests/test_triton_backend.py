@@ -148,3 +148,25 @@ def test_measured_choice_runs_torch_where_it_is_faster(triton_here, monkeypatch)
 def _ref_of(u, seed):
     with accelerator_of(u).bypass():
         return _run(u, seed=seed)
+
+
+def test_kernel_compiles_count_as_compiles(triton_here):
+    """Triton specialisations of the pack's kernels count in 'graphs compiled' and, after
+    warmup, as recompiles (the interpreter compiles nothing, so the hook is driven as triton
+    drives it on a GPU)."""
+    from triton import knobs
+    u = _unet()
+    compile_unet(u, "triton")
+    accel = accelerator_of(u)
+    hook = knobs.runtime.jit_post_compile_hook
+    assert hook is not None and hook.__name__ == "unet_compiler_count_compiles"
+    from unet_compiler.kernels import attention as KA
+
+    class Info:  # triton's JitFunctionInfo
+        module, name = KA._attn_fwd_kernel.fn.__module__, "_attn_fwd_kernel"
+    accel.warmed = True
+    with torch.inference_mode(), accel.active():
+        hook(key="k", repr="r", fn=Info(), compile={}, is_manual_warmup=False, already_compiled=False)
+        hook(key="k", repr="r", fn=type("Other", (), {"module": "torch._inductor.x"})(), compile={},
+             is_manual_warmup=False, already_compiled=False)   # not ours: not counted
+    assert accel.stats["recompiles_after_warmup"] == 1, accel.stats

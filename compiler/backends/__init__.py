@@ -57,6 +57,11 @@ class Backend:
         """Extra report lines about what the backend did so far."""
         return []
 
+    def compile_count(self) -> int:
+        """Compiles this backend did outside dynamo so far (e.g. Triton kernel
+        variants); the runtime counts them with dynamo's graphs."""
+        return 0
+
     def dynamo_config(self, config):
         """Context managers entered around each accelerated UNet call."""
         return ()

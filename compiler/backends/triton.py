@@ -50,6 +50,42 @@ CHOICE_ENV = "UNET_COMPILER_KERNEL_CHOICE"
 _CHOICE: dict = {}
 
 
+#: Triton compiles of the pack's kernels in this process (each new specialisation of a kernel:
+#: dtype, block config, an int argument becoming divisible by 16 or equal to 1)
+_KERNEL_COMPILES = [0]
+_COUNTING: list = []   # [True] once the hook is installed, [False] when this triton has no hook
+
+
+def kernel_compiles() -> int:
+    return _KERNEL_COMPILES[0]
+
+
+def count_kernel_compiles() -> bool:
+    """Install (once) a chained ``triton.knobs.runtime.jit_post_compile_hook``
+    that counts compiles of this pack's kernels. False where triton has no
+    such hook (before 3.4): compiles then go uncounted and the report says so."""
+    if _COUNTING:
+        return _COUNTING[0]
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        previous = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        _COUNTING.append(False)
+        return False
+    from ... import kernels
+    prefix = kernels.__name__ + "."
+
+    def unet_compiler_count_compiles(*args, **kwargs):
+        fn = kwargs.get("fn")
+        if str(getattr(fn, "module", "")).startswith(prefix):
+            _KERNEL_COMPILES[0] += 1
+        return previous(*args, **kwargs) if previous is not None else None
+    runtime.jit_post_compile_hook = unet_compiler_count_compiles
+    _COUNTING.append(True)
+    return True
+
+
 def _measurable(device) -> bool:
     """Whether kernel-vs-torch timing is meaningful here (a real GPU, not the interpreter)."""
     return device.type == "cuda" and os.environ.get(CHOICE_ENV, "measure").strip().lower() != "triton"
@@ -204,6 +240,7 @@ class Bodies:
 class TritonBackend(Backend):
     def __init__(self):
         self.bodies: Bodies | None = None
+        self.counting = True
 
     def available(self, device):
         facts = triton_compat.gather()
@@ -218,7 +255,11 @@ class TritonBackend(Backend):
             return False, f"triton {facts.triton_version} is installed but the kernels failed to load ({e})"
         return True, f"fused Triton kernels (triton {facts.triton_version})"
 
+    def compile_count(self) -> int:
+        return kernel_compiles()
+
     def impls(self, config) -> dict:
+        self.counting = count_kernel_compiles()
         self.bodies = Bodies()
         own = R.BODIES
         unsupported = self.bodies.Unsupported
@@ -247,6 +288,12 @@ class TritonBackend(Backend):
         if b.torch_faster:
             lines.append("  torch measured faster on this GPU, ran instead: "
                          + ", ".join(f"{k} x{n}" for k, n in sorted(b.torch_faster.items())))
+        if self.counting and kernel_compiles():
+            lines.append(f"  triton kernel variants compiled in this process: {kernel_compiles()} "
+                         f"(counted in 'graphs compiled' and, after warmup, as recompiles)")
+        if not self.counting:
+            lines.append("  triton kernel compiles are not counted with this triton (no compile hook before 3.4): "
+                         "'graphs compiled' covers dynamo only")
         if b.declined:
             lines.append("  triton ran the model's own code for: "
                          + ", ".join(f"{k} x{n}" for k, n in sorted(b.declined.items())))
