@@ -93,7 +93,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
         return out, secs
 
-    if accel.config.dynamic_shapes and accel.backend.name != "eager":
+    if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
         for probe in probe_shapes(shapes):
             timed(probe, f"{probe.label} (probe)")
     for i, shape in enumerate(shapes):

@@ -240,3 +240,20 @@ def test_real_cuda_graphs_on_gpu(backend):
     from unet_compiler.compiler.api import uncompile_unet
     uncompile_unet(u)
     torch.testing.assert_close(out, run(7), rtol=2e-3, atol=2e-3)
+
+
+def test_probe_shapes_only_for_backends_that_specialise(monkeypatch):
+    """Warmup primes batch-1 / 64 px probe shapes only where code is specialised per
+    shape (inductor graphs, Triton kernel variants), not for ipex's shape-free copies."""
+    from unet_compiler.compiler.api import warmup_runs
+    from unet_compiler.compiler.shapes import as_shapes
+    u = _tiny_unet()
+    accel = Accelerator(u, CompileConfig(backend="inductor"), device=torch.device("cpu"))
+    ran = []
+    warmup_runs(accel, as_shapes("2x128x128"), lambda s: ran.append(s.label) or torch.zeros(1), compare=False)
+    assert len(ran) > 1 and any("probe" in label for label, _, _ in accel.report.warmup)
+    monkeypatch.setattr(type(accel.backend), "specialises_on_shapes", False)
+    ran.clear()
+    accel.report.warmup.clear()
+    warmup_runs(accel, as_shapes("2x128x128"), lambda s: ran.append(s.label) or torch.zeros(1), compare=False)
+    assert ran == ["2x128x128"], ran

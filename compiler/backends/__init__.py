@@ -41,6 +41,9 @@ class Backend:
     ``impls(config)`` -> {region kind: callable(region_module, *inputs)}."""
 
     name = "?"
+    #: whether code is specialised per shape (dynamo graphs, Triton kernel variants), so
+    #: warmup's probe shapes (batch 1, 64 px) are worth running
+    specialises_on_shapes = True
 
     def available(self, device) -> tuple[bool, str]:
         return True, ""

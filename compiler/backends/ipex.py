@@ -58,6 +58,8 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 @register_backend("ipex")
 class IpexBackend(Backend):
+    specialises_on_shapes = False  # ipex.optimize'd copies run any shape; no probe shapes to prime
+
     def __init__(self):
         self.stats: Counter = Counter()
         self._copies = weights.DerivedCache(self.stats)
