@@ -20,13 +20,17 @@ How a region call is served when graphs are on:
   their inputs into the graph's static inputs, replay, and return a copy of
   the static output (a later replay of the same graph would overwrite it:
   ComfyUI may run cond and uncond as two calls of the same shape).
-* At most ``max_shapes`` graphs per region (memory: each holds its output
-  buffer); beyond that, calls run without a graph and the report says so.
+* At most ``max_shapes`` graphs per region (memory: each holds its input and
+  output buffers; the report shows the total); beyond that, calls run without a graph and the report says so.
 * Graphs need CUDA inputs, inference (no autograd) and torch's native caching
   allocator: ComfyUI's default cudaMallocAsync cannot capture, which is
   probed up front (compat.triton.cuda_graphs_problem) with the fix. A capture
   that fails turns graphs off for this model, with the reason in the report;
   the region call then runs normally.
+
+Known limit: a region's parameter slots are listed once, so a submodule
+*replaced* inside a captured region (not a weight: a whole child module) is
+not noticed; ComfyUI's LoRA and weight patches replace parameters, which is.
 
 All captures share one memory pool: regions replay one at a time on one
 stream and every static output stays referenced, so a graph's temporaries may
@@ -45,26 +49,75 @@ log = logging.getLogger(__name__)
 class CudaGraphs:
     """torch.cuda.CUDAGraph capture/replay (the one production implementation;
     tests on machines without a GPU hand :class:`RegionGraphs` a stand-in with
-    the same two methods)."""
+    the same methods).
+
+    Captures run on one dedicated side stream per device, entered and left
+    with ``torch.cuda.stream`` so the caller's stream is restored even when a
+    capture fails, and so the failed capture's allocator routing stays on a
+    stream nothing else uses. A signature's first (eager) call runs on that
+    stream too, so per-stream lazy setup (cuBLAS workspaces) happens before,
+    not inside, the capture. No per-capture ``synchronize``/``empty_cache``
+    as ``torch.cuda.graph`` does: hundreds of regions are captured."""
 
     def __init__(self):
         self.pool = None
+        self.streams: dict = {}
 
     def usable(self, tensors) -> str | None:
         if not tensors or not all(t.is_cuda for t in tensors):
             return "inputs not on CUDA"
+        dev = tensors[0].device
+        if any(t.device != dev for t in tensors) or (dev.index is not None and dev.index != torch.cuda.current_device()):
+            return "inputs not on the current CUDA device"
         if torch.cuda.is_current_stream_capturing():
             return "another capture is in progress"
         return None
 
-    def capture(self, fn):
+    def _on_side_stream(self, device, fn):
+        side = self.streams.get(device)
+        if side is None:
+            side = self.streams[device] = torch.cuda.Stream(device)
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = fn()
+        current.wait_stream(side)
+        return out
+
+    def first_call(self, fn, device):
+        return self._on_side_stream(device, fn)
+
+    def capture(self, fn, device):
         g = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        # thread_local: CUDA work on ComfyUI's other threads (previews) does not abort the capture
-        with torch.cuda.graph(g, pool=self.pool, capture_error_mode="thread_local"):
-            out = fn()
-        return g, out
+
+        def record():
+            # thread_local: CUDA work on ComfyUI's other threads (previews) does not abort the capture
+            g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                return fn()
+            finally:
+                g.capture_end()
+        return g, self._on_side_stream(device, record)
+
+
+def _autocast_state(device_type: str):
+    try:
+        if not torch.is_autocast_enabled(device_type):
+            return None
+        return torch.get_autocast_dtype(device_type)
+    except (TypeError, AttributeError):  # torch < 2.4: CUDA-only autocast queries
+        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
+
+
+def _static_copy(a: torch.Tensor) -> torch.Tensor:
+    """A buffer with ``a``'s exact strides (clone() would make non-dense inputs contiguous)."""
+    return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
+
+
+def _is_interrupt(e: BaseException) -> bool:
+    return type(e).__name__ == "InterruptProcessingException" or isinstance(e, torch.OutOfMemoryError)
 
 
 def _sig(args) -> tuple | None:
@@ -72,17 +125,19 @@ def _sig(args) -> tuple | None:
     for a in args:
         if a is None:
             sig.append(None)
-        elif isinstance(a, torch.Tensor):
-            sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
-        else:
+        elif not isinstance(a, torch.Tensor):
             return None  # a non-tensor input: not graphable
+        elif 0 in a.stride() and a.numel() > 1:
+            return None  # a broadcast (stride-0) input: no static buffer can alias it
+        else:
+            sig.append((tuple(a.shape), a.stride(), a.dtype, a.device, a.requires_grad))
     return tuple(sig)
 
 
-def _autocast_state(device_type: str):
-    if not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
+def _entry_bytes(entry) -> int:
+    _, static_in, static_out = entry
+    return sum(t.numel() * t.element_size() for t in static_in if t is not None) + \
+        static_out.numel() * static_out.element_size()
 
 
 class _Region:
@@ -106,13 +161,14 @@ class _Region:
 
 
 class RegionGraphs:
-    def __init__(self, max_shapes: int = 8, graphs=None):
+    def __init__(self, max_shapes: int = 4, graphs=None):
         self.max_shapes = max_shapes
         self.graphs = graphs if graphs is not None else CudaGraphs()
         self.regions: dict[int, _Region] = {}
         self.stats: Counter = Counter()
         self.skipped: Counter = Counter()
         self.off: str | None = None
+        self.bytes = 0   # static input + output buffers held (the pool's temporaries come on top)
 
     def run(self, impl, module, args):
         """``impl(module, *args)``, through a captured graph where possible."""
@@ -126,7 +182,7 @@ class RegionGraphs:
             why = self.graphs.usable(tensors)
         sig = _sig(args) if why is None else None
         if why is None and sig is None:
-            why = "non-tensor input"
+            why = "non-tensor or broadcast input"
         if why is not None:
             self.skipped[why] += 1
             return impl(module, *args)
@@ -137,40 +193,56 @@ class RegionGraphs:
         if ptrs != reg.ptrs:
             if reg.graphs:
                 self.stats["dropped for new weights"] += len(reg.graphs)
+                self.bytes -= sum(_entry_bytes(e) for e in reg.graphs.values())
             reg.graphs.clear()
             reg.seen.clear()
             reg.ptrs = ptrs
-        key = (sig, _autocast_state(tensors[0].device.type if tensors else "cuda"))
+        device = tensors[0].device
+        key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
         entry = reg.graphs.get(key)
         if entry is not None:
             graph, static_in, static_out = entry
-            for s, a in zip(static_in, args, strict=True):
-                if s is not None:
-                    s.copy_(a)
-            graph.replay()
+            try:
+                for s, a in zip(static_in, args, strict=True):
+                    if s is not None:
+                        s.copy_(a)
+                graph.replay()
+            except Exception as e:
+                if _is_interrupt(e):
+                    raise
+                self._turn_off("replay", e)
+                return impl(module, *args)
             self.stats["replays"] += 1
             return static_out.clone()
-        if key not in reg.seen or len(reg.graphs) >= self.max_shapes:
-            if key in reg.seen:
-                self.skipped[f"more than {self.max_shapes} shapes for one region"] += 1
+        if key not in reg.seen:
             reg.seen.add(key)
+            return self.graphs.first_call(lambda: impl(module, *args), device)
+        if len(reg.graphs) >= self.max_shapes:
+            self.skipped[f"more than {self.max_shapes} shapes for one region"] += 1
             return impl(module, *args)
-        return self._capture(reg, key, impl, module, args)
+        return self._capture(reg, key, impl, module, args, device)
 
-    def _capture(self, reg, key, impl, module, args):
-        static_in = [a.clone() if isinstance(a, torch.Tensor) else None for a in args]
+    def _turn_off(self, what, e):
+        self.off = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        log.warning("UNet Compiler: CUDA graph %s failed (%s); graphs are off for this model and regions run "
+                    "without them", what, self.off, exc_info=True)
+        self.regions.clear()
+        self.bytes = 0
+
+    def _capture(self, reg, key, impl, module, args, device):
+        static_in = [_static_copy(a) if isinstance(a, torch.Tensor) else None for a in args]
         call_args = [s if s is not None else a for s, a in zip(static_in, args, strict=True)]
         try:
-            graph, static_out = self.graphs.capture(lambda: impl(module, *call_args))
+            graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
         except Exception as e:
-            self.off = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            log.warning("UNet Compiler: CUDA graph capture failed (%s); graphs are off for this model and "
-                        "regions run without them", self.off, exc_info=True)
-            self.regions.clear()
+            if isinstance(e, torch.OutOfMemoryError):
+                raise  # ComfyUI frees memory and retries; graphs are not the problem
+            self._turn_off("capture", e)
             return impl(module, *args)
         reg.graphs[key] = (graph, static_in, static_out)
+        self.bytes += _entry_bytes(reg.graphs[key])
         self.stats["captured"] += 1
         # the capture recorded the work without running it: replay once for this call's result
         graph.replay()
@@ -179,12 +251,13 @@ class RegionGraphs:
 
     def status_lines(self) -> list[str]:
         if self.off is not None:
-            return [f"  cuda graphs: off after a failed capture ({self.off})"]
+            return [f"  cuda graphs: off after a failed {self.off}"]
         s = self.stats
         if not (s or self.skipped):
             return ["  cuda graphs: on, nothing captured yet (a region is captured on its 2nd call at a shape)"]
         regions = sum(1 for r in self.regions.values() if r.graphs)
-        line = f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays"
+        line = (f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays, "
+                f"{self.bytes / 2**20:.0f} MiB of static buffers")
         if s["dropped for new weights"]:
             line += f", {s['dropped for new weights']} dropped when weights were replaced"
         lines = [line]

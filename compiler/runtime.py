@@ -207,7 +207,9 @@ class Accelerator:
                 stack.enter_context(cm)
             if self._autocast is not None:
                 dev = next(self.root.parameters()).device.type
-                stack.enter_context(torch.autocast(dev, dtype=self._autocast))
+                # no autocast weight-cast cache under graphs: a cast cached inside one region's capture
+                # lives in the graph pool and would be read by other graphs after it is freed
+                stack.enter_context(torch.autocast(dev, dtype=self._autocast, cache_enabled=self.graphs is None))
             try:
                 for module, shim in self._shims:
                     module.__dict__["forward"] = shim

@@ -31,7 +31,10 @@ class StandIn:
     def usable(self, tensors):
         return None
 
-    def capture(self, fn):
+    def first_call(self, fn, device):
+        return fn()
+
+    def capture(self, fn, device):
         if self.fail:
             raise RuntimeError(self.fail)
         out = fn()
@@ -127,6 +130,47 @@ def test_failed_capture_turns_graphs_off_and_answers_anyway():
         torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
     assert rg.off and "not permitted" in rg.off
     assert "cuda graphs: off after a failed capture" in "\n".join(rg.status_lines())
+
+
+def test_broadcast_inputs_and_failed_replays_are_safe():
+    blk = Block().eval()
+
+    class BadReplay(StandIn):
+        def capture(self, fn, device):
+            g, out = super().capture(fn, device)
+
+            class Broken:
+                calls = 0
+
+                def replay(self):
+                    Broken.calls += 1
+                    if Broken.calls > 1:  # the capture call's replay works, a later one fails
+                        raise RuntimeError("CUDA error: an illegal memory access")
+                    g.replay()
+            return Broken(), out
+    rg = RegionGraphs(graphs=BadReplay())
+    x, e = _inputs()
+    with torch.inference_mode():
+        # an expanded (stride-0) emb cannot get a static buffer: never graphed
+        wide = e[:1].expand(2, 4)
+        for _ in range(3):
+            torch.testing.assert_close(rg.run(body, blk, (x, wide)), body(blk, x, wide))
+        assert rg.skipped["non-tensor or broadcast input"] == 3 and rg.stats["captured"] == 0
+        for _ in range(4):
+            torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert rg.off.startswith("replay: RuntimeError: CUDA error"), rg.off
+    assert rg.bytes == 0 and not rg.regions
+
+
+@torch.inference_mode()
+def test_static_buffers_are_counted():
+    blk = Block().eval()
+    rg = RegionGraphs(graphs=StandIn())
+    x, e = _inputs()
+    rg.run(body, blk, (x, e))
+    rg.run(body, blk, (x, e))
+    assert rg.bytes == (2 * x.numel() + e.numel()) * 4  # x and emb in, one x-sized output
+    assert "MiB of static buffers" in "\n".join(rg.status_lines())
 
 
 def _tiny_unet():

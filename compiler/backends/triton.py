@@ -91,15 +91,22 @@ def _measurable(device) -> bool:
     return device.type == "cuda" and os.environ.get(CHOICE_ENV, "measure").strip().lower() != "triton"
 
 
-def _measure_ms(fn, reps: int = 5) -> float:
+def _measure_ms(fn, reps: int = 10) -> float:
+    """Median device time of ``fn`` in ms. Both candidates are measured the same
+    way: from an idle GPU, with a GPU-side sleep queued first so every launch is
+    queued before the first timed one runs (device time, not Python gaps)."""
     fn()  # first call: compile / config probe, untimed
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(2_000_000)
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 2]
 
 
 class Bodies:
@@ -120,6 +127,12 @@ class Bodies:
     def pick(self, name, tensors, kernel, reference):
         """Run ``kernel()`` or ``reference()`` (same result), whichever measured faster for this signature."""
         dev = tensors[0].device
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):  # triton launches on the current device and its stream
+                return self._pick(name, tensors, dev, kernel, reference)
+        return self._pick(name, tensors, dev, kernel, reference)
+
+    def _pick(self, name, tensors, dev, kernel, reference):
         choice = "triton"
         if _measurable(dev):
             sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
