@@ -237,3 +237,46 @@ def test_eager_backend_is_a_noop(make_comfy_model):
     cm, text = patcher.compile_model(mp, CompileConfig(backend="eager"))
     _close(_apply(cm, "sd15"), _apply(mp, "sd15"), tol=0)
     assert "backend eager" in text and "none (everything runs eager)" in text
+
+
+def test_region_graphs_under_comfyui_dispatch(make_comfy_model, kind):
+    """ComfyUI's UNetModel through Warmup Shapes and sampling-style calls with every
+    region routed through RegionGraphs (the CUDA-graph stand-in from
+    test_cuda_graphs: same buffer contract, runs on CPU). Uncompiled region bodies,
+    so this checks the graph routing of ComfyUI's region inputs (emb, context,
+    value=None, transformer_options kept outside), a ControlNet residual that changes
+    every call, and that warmup captured what sampling replays."""
+    import importlib.util
+    import pathlib
+    spec = importlib.util.spec_from_file_location(
+        "_graphs_standin", pathlib.Path(__file__).with_name("test_cuda_graphs.py"))
+    standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    from unet_compiler.compiler import regions as R
+    from unet_compiler.compiler.graphs import RegionGraphs
+    mp = make_comfy_model(kind)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", prepack_conv=False, prepack_linear=False))
+    accel = patcher.accelerator_of(cm)
+    fake = standin.StandIn()
+    accel.graphs = RegionGraphs(graphs=fake)
+    accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
+                    for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    captured = fake.captures
+    assert captured > 0 and "(cuda graph capture)" in text
+    unet = cm.model.diffusion_model
+    mid = {}
+    hook = unet.middle_block[-1].register_forward_hook(lambda m, i, o: mid.__setitem__("shape", o.shape))
+    plain = _apply(cm, kind, seed=3)
+    hook.remove()
+    for seed in (3, 4):
+        def control(seed=seed):  # ComfyUI pops the residuals it applies: a fresh dict per call
+            return {"middle": [torch.randn(mid["shape"], generator=torch.Generator().manual_seed(seed))]}
+        out = _apply(cm, kind, control=control(), seed=seed)
+        with accel.bypass():
+            ref = _apply(cm, kind, control=control(), seed=seed)
+        _close(out, ref)
+        if seed == 3:
+            assert (out - plain).abs().max() > 1e-3, "the control residual must have mattered"
+    assert fake.captures == captured, "sampling at a warmed shape must replay, not capture"
+    assert accel.graphs.stats["replays"] > 0 and accel.graphs.off is None
