@@ -24,10 +24,26 @@ def _as_inference(v):
     return v
 
 
+def _map_out(out, fn):
+    """Apply ``fn`` to the tensor(s) a UNet forward returns (diffusers output, tuple or tensor)."""
+    if hasattr(out, "sample"):
+        out.sample = fn(out.sample)
+        return out
+    if isinstance(out, tuple):
+        return tuple(fn(o) if isinstance(o, torch.Tensor) else o for o in out)
+    return fn(out) if isinstance(out, torch.Tensor) else out
+
+
 def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
+    # fp16/bf16 precision runs the regions under autocast; the caller gets the model's dtype back
+    # (ComfyUI casts apply_model's output itself; a diffusers scheduler would get bf16 otherwise)
+    dtype = accel.model_dtype if accel._autocast is not None else None
+
+    def in_model_dtype(t):
+        return t.to(dtype) if dtype is not None and t.is_floating_point() else t
     if torch.is_grad_enabled():
         with accel.active():
-            return type(module).forward(module, *args, **kwargs)
+            return _map_out(type(module).forward(module, *args, **kwargs), in_model_dtype)
     # no_grad (diffusers pipelines) or inference_mode: run the way ComfyUI and
     # warmup() do, on inference tensors under inference_mode, so the graphs
     # warmup compiled are the ones that run (dynamo guards on inference-ness).
@@ -35,16 +51,11 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     with torch.inference_mode():
         args, kwargs = _as_inference(args), _as_inference(kwargs)
         with accel.active():
-            out = type(module).forward(module, *args, **kwargs)
+            out = _map_out(type(module).forward(module, *args, **kwargs), in_model_dtype)
     if outer:
         return out
     # back outside inference_mode: hand out normal tensors the caller may modify in place
-    if hasattr(out, "sample"):
-        out.sample = out.sample.clone()
-        return out
-    if isinstance(out, tuple):
-        return tuple(o.clone() if isinstance(o, torch.Tensor) else o for o in out)
-    return out.clone() if isinstance(out, torch.Tensor) else out
+    return _map_out(out, torch.Tensor.clone)
 
 
 def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> torch.nn.Module:

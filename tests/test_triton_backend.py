@@ -170,3 +170,16 @@ def test_kernel_compiles_count_as_compiles(triton_here):
         hook(key="k", repr="r", fn=type("Other", (), {"module": "torch._inductor.x"})(), compile={},
              is_manual_warmup=False, already_compiled=False)   # not ours: not counted
     assert accel.stats["recompiles_after_warmup"] == 1, accel.stats
+
+
+def test_bf16_precision_returns_the_model_dtype(triton_here):
+    """precision bf16 runs the regions under autocast (the kernels get bf16 tensors);
+    a diffusers caller still gets the model's fp32 back, within bf16 error of eager."""
+    u = _unet()
+    ref = _run(u)
+    compile_unet(u, "triton", precision="bf16")
+    out = _run(u)
+    assert out.dtype == torch.float32
+    err = float((out - ref).abs().max())
+    assert 0 < err < 0.1, err  # bf16 rounding, not a different model
+    assert "precision bf16" in report(u) and accelerator_of(u).backend.bodies.fired["attention"] > 0
