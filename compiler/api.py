@@ -89,6 +89,14 @@ def report(module) -> str:
     return accelerator_of(module).text()
 
 
+def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
+    """The probe shapes warmup runs first: only where code is specialised per shape
+    (dynamo graphs, Triton kernel variants) and shapes are dynamic."""
+    if accel.config.dynamic_shapes and accel.backend.name != "eager" and getattr(accel.backend, "specialises_on_shapes", True):
+        return probe_shapes(shapes)
+    return []
+
+
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True):
     """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
     probe shapes and then each shape, timing it and counting the graphs each
@@ -104,9 +112,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
         return out, secs
 
-    if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
-        for probe in probe_shapes(shapes):
-            timed(probe, f"{probe.label} (probe)")
+    for probe in warmup_probes(accel, shapes):
+        timed(probe, f"{probe.label} (probe)")
     for i, shape in enumerate(shapes):
         out, secs = timed(shape, shape.label)
         if accel.graphs is not None:  # a region is captured on its second call at a shape

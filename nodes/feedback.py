@@ -42,7 +42,7 @@ import threading
 import time
 
 from ..compiler.config import DISABLE_ENV, disabled_by_env
-from ..compiler.shapes import probe_shapes
+from ..compiler.api import warmup_probes
 
 log = logging.getLogger(__name__)
 
@@ -200,8 +200,8 @@ class WarmupFeedback:
     def __init__(self, accel, shapes, node_id):
         self.accel, self.shapes, self.node_id = accel, list(shapes), node_id
         self.total = len(self.shapes)
-        dynamic = accel.config.dynamic_shapes and accel.backend.name != "eager"
-        self._probes = probe_shapes(self.shapes) if dynamic else []
+        self._probes = warmup_probes(accel, self.shapes)
+        self._ran: set = set()
         self._calls = 0
         self._t0 = time.perf_counter()
         self._graphs0 = accel.stats["graphs_compiled"]
@@ -241,6 +241,9 @@ class WarmupFeedback:
                 label = f"shape {i + 1}/{self.total}, {shape.label}" if i is not None else shape.label
                 # after the priming probes every listed shape is a cache hit
                 verb = "compiling" if compiles and not self._probes else "running"
+                if shape in self._ran and getattr(self.accel, "graphs", None) is not None:
+                    verb = "capturing CUDA graphs"
+                self._ran.add(shape)
             self._running(f"{label}: {verb}…")
             try:
                 return run_one(shape)

@@ -120,7 +120,7 @@ def test_warmup_progress_and_ticker(server, monkeypatch):
 
     run = fb.wrap(run_one)
     try:
-        for probe in feedback.probe_shapes(shapes):
+        for probe in feedback.warmup_probes(accel, shapes):
             run(probe)
         for i, shape in enumerate(shapes):
             run(shape)
@@ -140,6 +140,20 @@ def test_warmup_progress_and_ticker(server, monkeypatch):
     assert done["state"] == "compiled" and texts[-1] == done["text"]
     assert done["text"].startswith("inductor: compiled, 2 shape(s) in ") and "4 graph(s) compiled" in done["text"]
     assert not fb._thread.is_alive()
+
+
+def test_graph_capture_run_is_labelled(server):
+    accel = fake_accel()
+    accel.graphs = object()  # cuda graphs on: warmup runs each shape a second time to capture
+    shapes = parse_shapes("2x64x64")
+    fb = feedback.WarmupFeedback(accel, shapes, "12")
+    run = fb.wrap(lambda shape: None)
+    for probe in feedback.warmup_probes(accel, shapes):
+        run(probe)
+    run(shapes[0])
+    run(shapes[0])
+    texts = [t for n, t in server.texts if n == "12"]
+    assert texts[-2:] == ["shape 1/1, 2x64x64: running…", "shape 1/1, 2x64x64: capturing CUDA graphs…"], texts
 
 
 def test_runtime_fallback_listener(server):
