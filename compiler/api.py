@@ -89,11 +89,20 @@ def report(module) -> str:
     return accelerator_of(module).text()
 
 
+def _levels(unet) -> int:
+    """Resolution levels of the UNet (SD1.5: 4, SDXL: 3)."""
+    blocks = getattr(unet, "down_blocks", None) or getattr(unet, "channel_mult", None)
+    return len(blocks) if blocks else 4
+
+
 def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     """The probe shapes warmup runs first: only where code is specialised per shape
     (dynamo graphs, Triton kernel variants) and shapes are dynamic."""
     if accel.config.dynamic_shapes and accel.backend.name != "eager" and getattr(accel.backend, "specialises_on_shapes", True):
-        return probe_shapes(shapes)
+        probes = probe_shapes(shapes)
+        extra_probes = getattr(accel.backend, "extra_probes", None)
+        extra = extra_probes(shapes, _levels(getattr(accel, "root", None))) if extra_probes else []
+        return probes + [p for p in extra if p not in probes]
     return []
 
 

@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NQ", "NK", "NUM_M"])
 def _attn_fwd_kernel(Q, K, V, Out, qk_scale, H, NQ, NK, D, NUM_M,
                      sqb, sqh, sqm, sqd, skb, skh, skn, skd,
                      svb, svh, svn, svd, sob, soh, som, sod,
@@ -74,7 +74,7 @@ def _attn_fwd_kernel(Q, K, V, Out, qk_scale, H, NQ, NK, D, NUM_M,
              acc.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
-def _configs(d_pad: int, fp32: bool, nq: int) -> list[dict]:
+def _configs(d_pad: int, fp32: bool) -> list[dict]:
     """Block configs, biggest first; later ones fit GPUs with ~99 KB of shared
     memory per block (RTX 30xx/40xx) and, last, ~64 KB (Turing)."""
     if not fp32:
@@ -92,8 +92,8 @@ def _configs(d_pad: int, fp32: bool, nq: int) -> list[dict]:
         else:
             cfgs = [(64, 32, 8, 2), (64, 32, 8, 1)]
     cfgs.append((32, 32, 4, 1))
-    cap = max(16, next_pow2(nq))  # short queries: no tile rows wasted
-    return [dict(BLOCK_M=min(bm, cap), BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in cfgs]
+    # tiles never depend on the token counts: a new resolution compiles no new variant
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in cfgs]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -139,7 +139,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
     if triton.cdiv(NQ, 16) * BH > 2**31 - 1:
         raise KernelUnsupported(f"{name}: q of shape {tuple(q.shape)} needs more than 2**31 programs.")
-    configs = _configs(d_pad, fp32, NQ)
+    configs = _configs(d_pad, fp32)
     for cfg in configs:  # the kernel's NUM_M depends on the config's BLOCK_M
         cfg["NUM_M"] = triton.cdiv(NQ, cfg["BLOCK_M"])
     launch_first_fitting(

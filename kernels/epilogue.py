@@ -20,7 +20,7 @@ from ._common import KernelUnsupported, check_tensor, is_dense
 BLOCK = 1024
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_c"])
 def _bias_residual_kernel(X, BIAS, R, Y, numel, C, stride_c,
                           HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -21,9 +21,10 @@ from ._common import KernelUnsupported, check_tensor, next_pow2
 
 MAX_CHUNKS = 64
 STATS_BLOCK = 1024
+APPLY_BLOCK_S = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_CHUNKS"])
 def _gn_stats_kernel(X, P_MEAN, P_M2, P_CNT,
                      C, S, G, CPG, CHUNK, NUM_CHUNKS,
                      stride_n, stride_c, stride_s,
@@ -64,7 +65,7 @@ def _gn_stats_kernel(X, P_MEAN, P_M2, P_CNT,
     tl.store(P_CNT + idx, count)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_CHUNKS"])
 def _gn_apply_kernel(X, Y, W, B, P_MEAN, P_M2, P_CNT,
                      C, S, G, CPG, NUM_CHUNKS, eps,
                      sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
@@ -170,11 +171,13 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
         sx_n, sx_c, sx_s, CH_INNER=ch_inner, CONTIG=not ch_inner and sx_s == 1 and sx_c == S,
         BLOCK=STATS_BLOCK, num_warps=4)
 
+    # block sizes from the channel count and layout only, never the spatial size: a new
+    # resolution must not compile a new kernel variant (zero recompiles inside a warmed box)
     if ch_inner:
         block_c = min(128, next_pow2(C))
-        block_s = max(1, min(next_pow2(S), 4096 // block_c))
+        block_s = 4096 // block_c
     else:
-        block_s = min(1024, next_pow2(S))
+        block_s = APPLY_BLOCK_S
         block_c = max(1, min(next_pow2(C), 4096 // block_s))
     grid = (triton.cdiv(S, block_s), triton.cdiv(C, block_c), N)
     if grid[1] > 65535 or grid[2] > 65535:
@@ -188,7 +191,7 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
         p_mean, p_m2, p_cnt, C, S, G, cpg, num_chunks, float(eps),
         sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
         HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
-        BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_CHUNK=next_pow2(num_chunks), num_warps=4)
+        BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_CHUNK=next_pow2(MAX_CHUNKS), num_warps=4)
     return y
 
 

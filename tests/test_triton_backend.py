@@ -183,3 +183,101 @@ def test_bf16_precision_returns_the_model_dtype(triton_here):
     err = float((out - ref).abs().max())
     assert 0 < err < 0.1, err  # bf16 rounding, not a different model
     assert "precision bf16" in report(u) and accelerator_of(u).backend.bodies.fired["attention"] > 0
+
+
+def _variant_key(fn, args, kwargs) -> tuple:
+    """The compiled-variant key Triton derives for a launch: constexprs by value, int
+    arguments by class (== 1, divisible by 16, other) unless do_not_specialize, tensors
+    by dtype and 16-byte alignment, launch options by value."""
+    import inspect
+    import triton.language as tl
+    sig = inspect.signature(fn.fn)
+    skip = set(fn.kwargs.get("do_not_specialize") or ())
+    bound = sig.bind_partial(*args, **{k: v for k, v in kwargs.items() if k in sig.parameters}).arguments
+    key = [fn.fn.__name__]
+    for name, p in sig.parameters.items():
+        v = bound.get(name)
+        if p.annotation is tl.constexpr or "constexpr" in str(p.annotation):
+            key.append((name, v))
+        elif isinstance(v, bool) or name in skip:
+            key.append((name, v if isinstance(v, bool) else "-"))
+        elif isinstance(v, int):
+            key.append((name, "1" if v == 1 else "16" if v % 16 == 0 else "n"))
+        elif isinstance(v, torch.Tensor):
+            key.append((name, str(v.dtype), v.data_ptr() % 16 == 0))
+    key.append(tuple(sorted((k, v) for k, v in kwargs.items() if k not in sig.parameters)))
+    return tuple(key)
+
+
+def test_new_resolutions_inside_the_warmed_box_compile_no_kernel_variants(triton_here, monkeypatch):
+    """Dynamic shapes on the triton backend: after Warmup Shapes, batch and resolution
+    changes inside the box must not compile new Triton kernel variants. On a GPU the
+    compile hook counts real compiles; under the interpreter every launch's variant key
+    (Triton's specialisation rules) is recorded and must already have been seen."""
+    keys: set = set()
+    if DEV.type == "cpu":
+        import triton.runtime.interpreter as TI
+        real_run = TI.InterpretedFunction.run
+
+        def run(self, *args, grid, warmup, **kwargs):
+            keys.add(_variant_key(self, args, kwargs))
+            return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+        monkeypatch.setattr(TI.InterpretedFunction, "run", run)
+    from unet_compiler.compiler import warmup
+    u = _unet()
+    compile_unet(u, "triton")
+    text = warmup(u, "1x64x64, 2x96x96", context_tokens=77, compare=False)
+    assert "80x80 (probe)" in text, text  # (the all-multiple-of-16 probe is 64 px for this 2-level UNet)
+    warmed = set(keys)
+    accel = accelerator_of(u)
+    assert warmed
+    for b, side_w, side_h in [(2, 72, 88), (1, 96, 64)]:
+        g = torch.Generator().manual_seed(b + side_w)
+        x = torch.randn(b, 4, side_h // 8, side_w // 8, generator=g).to(DEV)
+        with torch.inference_mode():
+            u(x, torch.full((b,), 10.0, device=DEV), torch.randn(b, 77, 32, generator=g).to(DEV))
+        new = keys - warmed
+        assert not new, f"{b}x{side_w}x{side_h} compiled new kernel variants: {sorted(new, key=str)[:3]}"
+    assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+def _record_variants(monkeypatch) -> set:
+    import triton.runtime.interpreter as TI
+    keys: set = set()
+    real_run = TI.InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        keys.add(_variant_key(self, args, kwargs))
+        return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
+    monkeypatch.setattr(TI.InterpretedFunction, "run", run)
+    return keys
+
+
+@pytest.mark.skipif(DEV.type != "cpu", reason="variant keys are recorded from the interpreter (GPU: the compile "
+                                              "counter test above)")
+def test_kernel_variants_do_not_depend_on_spatial_or_token_sizes(monkeypatch):
+    """Block sizes come from channels / head dim / layout only, and size arguments that
+    only bound loops are not specialised: across SD-like spatial sizes and prompt
+    lengths each kernel compiles one variant per class of its spatial size (a multiple
+    of 16 or not), however many sizes there are."""
+    from unet_compiler.kernels import attention, epilogue, geglu, groupnorm
+    keys = _record_variants(monkeypatch)
+    # sides whose square is a multiple of 16 (4, 8, 12, 16, 20) and not (3, 5, 9, 10, 11, 18)
+    for s in (4, 8, 12, 16, 20, 3, 5, 9, 10, 11, 18):
+        x = torch.randn(2, 32, s, s)
+        groupnorm.groupnorm(x, 8, torch.ones(32), torch.zeros(32), 1e-5, silu=True)
+        groupnorm.groupnorm(x.to(memory_format=torch.channels_last), 8, None, None, 1e-5)
+        epilogue.bias_residual(x, torch.randn(32), torch.randn_like(x), dim=1)
+        geglu.geglu(torch.randn(2, s * s, 64))
+        for nk in (s * s, 77, 154):  # self-attention and 1-2 prompt chunks, laid out as the UNet's views
+            q, k, v = (torch.randn(2, n, 4, 8).transpose(1, 2) for n in (s * s, nk, nk))
+            attention.attention(q, k, v)
+    per_kernel: dict = {}
+    for k in keys:
+        per_kernel.setdefault(k[0], set()).add(k)
+    # groupnorm: stats + apply kernels, NCHW and channels_last, affine or not: one variant per class each
+    assert len(per_kernel["_attn_fwd_kernel"]) == 1, sorted(per_kernel["_attn_fwd_kernel"], key=str)
+    assert len(per_kernel["_geglu_kernel"]) == 1, sorted(per_kernel["_geglu_kernel"], key=str)
+    assert len(per_kernel["_bias_residual_kernel"]) == 1, sorted(per_kernel["_bias_residual_kernel"], key=str)
+    assert len(per_kernel["_gn_apply_kernel"]) <= 2 * 2 * 2, sorted(per_kernel["_gn_apply_kernel"], key=str)
+    assert len(per_kernel["_gn_stats_kernel"]) <= 2 * 2, sorted(per_kernel["_gn_stats_kernel"], key=str)

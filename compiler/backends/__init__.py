@@ -60,6 +60,11 @@ class Backend:
         """Extra report lines about what the backend did so far."""
         return []
 
+    def extra_probes(self, shapes, levels: int) -> list:
+        """Shapes warmup runs besides the dynamo probes, to compile the backend's other
+        per-shape variants up front."""
+        return []
+
     def compile_count(self) -> int:
         """Compiles this backend did outside dynamo so far (e.g. Triton kernel
         variants); the runtime counts them with dynamo's graphs."""

@@ -271,6 +271,19 @@ class TritonBackend(Backend):
     def compile_count(self) -> int:
         return kernel_compiles()
 
+    def extra_probes(self, shapes, levels: int) -> list:
+        """Triton specialises integer kernel arguments on divisibility by 16 (and == 1); the
+        kernels' block sizes never depend on spatial or token sizes, and the size arguments
+        that only bound loops are not specialised, so what is left varies with whether a
+        level's spatial size is a multiple of 16. The smallest shape where it is at every
+        level (sides a multiple of 4 at the deepest: 256 px for SD1.5, 128 px for SDXL) and
+        one where it is at none (80 px) compile both up front; the dynamo probes already
+        cover size 1 (64 px)."""
+        from ..shapes import Shape
+        b = min(s.batch for s in shapes)
+        side = 8 * 4 * 2 ** (levels - 1)
+        return [Shape(b, side, side), Shape(b, 80, 80)]
+
     def impls(self, config) -> dict:
         self.counting = count_kernel_compiles()
         self.bodies = Bodies()
