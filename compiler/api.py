@@ -98,11 +98,9 @@ def _levels(unet) -> int:
 def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     """The probe shapes warmup runs first: only where code is specialised per shape
     (dynamo graphs, Triton kernel variants) and shapes are dynamic."""
-    if accel.config.dynamic_shapes and accel.backend.name != "eager" and getattr(accel.backend, "specialises_on_shapes", True):
+    if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
         probes = probe_shapes(shapes)
-        extra_probes = getattr(accel.backend, "extra_probes", None)
-        extra = extra_probes(shapes, _levels(getattr(accel, "root", None))) if extra_probes else []
-        return probes + [p for p in extra if p not in probes]
+        return probes + [p for p in accel.backend.extra_probes(shapes, _levels(accel.root)) if p not in probes]
     return []
 
 

@@ -43,6 +43,8 @@ from collections import Counter
 
 import torch
 
+from .runtime import _is_interrupt
+
 log = logging.getLogger(__name__)
 
 
@@ -116,10 +118,6 @@ def _static_copy(a: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
 
 
-def _is_interrupt(e: BaseException) -> bool:
-    return type(e).__name__ == "InterruptProcessingException" or isinstance(e, torch.OutOfMemoryError)
-
-
 def _sig(args) -> tuple | None:
     sig = []
     for a in args:
@@ -168,18 +166,18 @@ class RegionGraphs:
         self.stats: Counter = Counter()
         self.skipped: Counter = Counter()
         self.off: str | None = None
-        self.bytes = 0   # static input + output buffers held (the pool's temporaries come on top)
+
+    @property
+    def bytes(self) -> int:
+        """Static input + output buffers held (the pool's temporaries come on top)."""
+        return sum(_entry_bytes(e) for r in self.regions.values() for e in r.graphs.values())
 
     def run(self, impl, module, args):
         """``impl(module, *args)``, through a captured graph where possible."""
         if self.off is not None:
             return impl(module, *args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        why = None
-        if torch.is_grad_enabled():
-            why = "autograd on"
-        else:
-            why = self.graphs.usable(tensors)
+        why = "autograd on" if torch.is_grad_enabled() else self.graphs.usable(tensors)
         sig = _sig(args) if why is None else None
         if why is None and sig is None:
             why = "non-tensor or broadcast input"
@@ -193,7 +191,6 @@ class RegionGraphs:
         if ptrs != reg.ptrs:
             if reg.graphs:
                 self.stats["dropped for new weights"] += len(reg.graphs)
-                self.bytes -= sum(_entry_bytes(e) for e in reg.graphs.values())
             reg.graphs.clear()
             reg.seen.clear()
             reg.ptrs = ptrs
@@ -227,7 +224,6 @@ class RegionGraphs:
         log.warning("UNet Compiler: CUDA graph %s failed (%s); graphs are off for this model and regions run "
                     "without them", what, self.off, exc_info=True)
         self.regions.clear()
-        self.bytes = 0
 
     def _capture(self, reg, key, impl, module, args, device):
         static_in = [_static_copy(a) if isinstance(a, torch.Tensor) else None for a in args]
@@ -237,12 +233,11 @@ class RegionGraphs:
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
         except Exception as e:
-            if isinstance(e, torch.OutOfMemoryError):
-                raise  # ComfyUI frees memory and retries; graphs are not the problem
+            if _is_interrupt(e):
+                raise  # OOM (ComfyUI frees memory and retries) or a cancel: graphs are not the problem
             self._turn_off("capture", e)
             return impl(module, *args)
         reg.graphs[key] = (graph, static_in, static_out)
-        self.bytes += _entry_bytes(reg.graphs[key])
         self.stats["captured"] += 1
         # the capture recorded the work without running it: replay once for this call's result
         graph.replay()

@@ -39,13 +39,10 @@ class Case:
     flops: float = 0.0              # for attention
 
 
-def _nbytes(*ts) -> int:
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 def cases(size: str, latent: int, batch: int, device, dtype, only: set | None = None) -> list[Case]:
     from . import attention, epilogue, geglu, groupnorm, layernorm
     a = ARCH[size]
+    esize = dtype.itemsize
     out: list[Case] = []
 
     def want(name):
@@ -62,14 +59,14 @@ def cases(size: str, latent: int, batch: int, device, dtype, only: set | None = 
             out.append(Case("groupnorm_silu", f"{batch}x{c}x{side}x{side}, 32 groups", make,
                             lambda x, w, b: groupnorm.groupnorm(x, 32, w, b, 1e-5, silu=True),
                             lambda x, w, b: F.silu(F.group_norm(x, 32, w, b, 1e-5)),
-                            bytes=2 * batch * c * side * side * torch.finfo(dtype).bits // 8))
+                            bytes=2 * batch * c * side * side * esize))
         if lvl == 0 and want("bias_residual"):
             def make(c=c, side=side):
                 return rnd(batch, c, side, side), rnd(c), rnd(batch, c, side, side)
             out.append(Case("bias_residual", f"{batch}x{c}x{side}x{side} + bias + residual", make,
                             lambda x, b, r: epilogue.bias_residual(x, b, r, dim=1),
                             lambda x, b, r: x + b[:, None, None] + r,
-                            bytes=3 * batch * c * side * side * torch.finfo(dtype).bits // 8))
+                            bytes=3 * batch * c * side * side * esize))
         if lvl not in a["attn_levels"]:
             continue
         n = side * side
@@ -81,14 +78,14 @@ def cases(size: str, latent: int, batch: int, device, dtype, only: set | None = 
             out.append(Case("layernorm", f"{batch}x{n}x{c}", make,
                             lambda x, w, b: layernorm.layernorm(x, w, b, 1e-5),
                             lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, 1e-5),
-                            bytes=2 * batch * n * c * torch.finfo(dtype).bits // 8))
+                            bytes=2 * batch * n * c * esize))
         if want("geglu"):
             def make(c=c, n=n):
                 return (rnd(batch, n, 8 * c),)
             out.append(Case("geglu", f"{batch}x{n}x{8 * c} -> {4 * c}", make,
                             lambda h: geglu.geglu(h),
                             lambda h: (lambda x, g: x * F.gelu(g))(*h.chunk(2, dim=-1)),
-                            bytes=(8 * c + 4 * c) * batch * n * torch.finfo(dtype).bits // 8))
+                            bytes=(8 * c + 4 * c) * batch * n * esize))
         for kind, m in (("self", n), ("cross", 77)):
             if not want("attention"):
                 break
@@ -97,7 +94,7 @@ def cases(size: str, latent: int, batch: int, device, dtype, only: set | None = 
                 return rnd(batch, heads, n, d), rnd(batch, heads, m, d), rnd(batch, heads, m, d)
             out.append(Case("attention", f"{kind} {batch}x{heads}h x {n}q x {m}k, d {d}", make,
                             attention.attention, F.scaled_dot_product_attention,
-                            bytes=(2 * n + 2 * m) * batch * heads * d * torch.finfo(dtype).bits // 8,
+                            bytes=(2 * n + 2 * m) * batch * heads * d * esize,
                             flops=4.0 * batch * heads * n * m * d))
     return out
 

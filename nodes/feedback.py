@@ -241,7 +241,7 @@ class WarmupFeedback:
                 label = f"shape {i + 1}/{self.total}, {shape.label}" if i is not None else shape.label
                 # after the priming probes every listed shape is a cache hit
                 verb = "compiling" if compiles and not self._probes else "running"
-                if shape in self._ran and getattr(self.accel, "graphs", None) is not None:
+                if shape in self._ran and self.accel.graphs is not None:
                     verb = "capturing CUDA graphs"
                 self._ran.add(shape)
             self._running(f"{label}: {verb}…")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from unet_compiler.compiler.backends import Backend
 from unet_compiler.compiler.config import DISABLE_ENV, CompileConfig
 from unet_compiler.compiler.report import Report
 from unet_compiler.compiler.shapes import parse_shapes
@@ -46,8 +47,10 @@ def server(monkeypatch):
 def fake_accel(requested="auto", backend="inductor", why=(), regions=None, failed=None, dynamic=True):
     rep = Report(backend_requested=requested, backend=backend, why=list(why), family="comfy",
                  regions={"resblock": 22, "attention": 32} if regions is None else regions)
+    be = Backend()
+    be.name = backend
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
-                           backend=SimpleNamespace(name=backend), stats=Counter(), failed=dict(failed or {}),
+                           backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
                            warmed=False, _bypass=False, on_fallback=None)
 
 

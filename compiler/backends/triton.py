@@ -119,7 +119,6 @@ class Bodies:
         self.where = "?"                     # the region kind being run (set per call by the backend)
         self.declined: Counter = Counter()
         self.torch_faster: Counter = Counter()
-        self.measured: dict = {}   # (kernel, signature) -> (triton ms, torch ms) measured by this model
         self.KA, self.KE, self.KG, self.KN = _kernels()
         from ...kernels._common import KernelUnsupported
         self.Unsupported = KernelUnsupported
@@ -143,7 +142,6 @@ class Bodies:
             elif choice is None:
                 t_kernel, t_torch = _measure_ms(kernel), _measure_ms(reference)
                 choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
-                self.measured[(name, sig)] = (t_kernel, t_torch)
                 log.debug("%s %s: triton %.3f ms, torch %.3f ms -> %s", name, sig, t_kernel, t_torch, choice)
         if choice == "torch":
             self.torch_faster[name] += 1
