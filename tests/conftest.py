@@ -98,3 +98,52 @@ def make_comfy_model(comfy):
         dev = torch.device("cpu")
         return comfy.mp.ModelPatcher(base, load_device=dev, offload_device=dev)
     return make
+
+
+class GraphStandIn:
+    """CUDA-graph buffer semantics on any device, for compiler.graphs.RegionGraphs:
+    a capture records without producing a result (its output is NaN until a
+    replay); a replay recomputes from the static inputs into the static output."""
+
+    def __init__(self, fail=None):
+        self.captures = 0
+        self.fail = fail
+
+    def usable(self, tensors):
+        return None
+
+    def first_call(self, fn, device):
+        return fn()
+
+    def capture(self, fn, device):
+        if self.fail:
+            raise RuntimeError(self.fail)
+        out = fn()
+        out.fill_(float("nan"))  # a capture records work; it does not run it
+        self.captures += 1
+
+        class Graph:
+            def replay(self):
+                out.copy_(fn())
+        return Graph(), out
+
+
+@pytest.fixture
+def graph_standin():
+    return GraphStandIn
+
+
+@pytest.fixture
+def tiny_unet():
+    """Factory of a random-weight tiny SD-shaped diffusers UNet (2 levels, cross-attention
+    on a 32-wide context), eval mode, on CPU."""
+    diffusers = pytest.importorskip("diffusers", reason="diffusers not installed")
+
+    def make(seed=0, **over):
+        torch.manual_seed(seed)
+        cfg = dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                   down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                   up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8, norm_num_groups=8)
+        cfg.update(over)
+        return diffusers.UNet2DConditionModel(**cfg).eval()
+    return make

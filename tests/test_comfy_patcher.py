@@ -239,25 +239,19 @@ def test_eager_backend_is_a_noop(make_comfy_model):
     assert "backend eager" in text and "none (everything runs eager)" in text
 
 
-def test_region_graphs_under_comfyui_dispatch(make_comfy_model, kind):
+def test_region_graphs_under_comfyui_dispatch(make_comfy_model, kind, graph_standin):
     """ComfyUI's UNetModel through Warmup Shapes and sampling-style calls with every
-    region routed through RegionGraphs (the CUDA-graph stand-in from
-    test_cuda_graphs: same buffer contract, runs on CPU). Uncompiled region bodies,
+    region routed through RegionGraphs (conftest's CUDA-graph stand-in: same
+    buffer contract, runs on CPU). Uncompiled region bodies,
     so this checks the graph routing of ComfyUI's region inputs (emb, context,
     value=None, transformer_options kept outside), a ControlNet residual that changes
     every call, and that warmup captured what sampling replays."""
-    import importlib.util
-    import pathlib
-    spec = importlib.util.spec_from_file_location(
-        "_graphs_standin", pathlib.Path(__file__).with_name("test_cuda_graphs.py"))
-    standin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(standin)
     from unet_compiler.compiler import regions as R
     from unet_compiler.compiler.graphs import RegionGraphs
     mp = make_comfy_model(kind)
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", prepack_conv=False, prepack_linear=False))
     accel = patcher.accelerator_of(cm)
-    fake = standin.StandIn()
+    fake = graph_standin()
     accel.graphs = RegionGraphs(graphs=fake)
     accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
                     for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]

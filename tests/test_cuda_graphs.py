@@ -1,6 +1,6 @@
 """Region CUDA graphs (compiler/graphs.py).
 
-Without a GPU, RegionGraphs gets a stand-in with the CUDA graph buffer
+Without a GPU, RegionGraphs gets a stand-in (conftest.GraphStandIn) with the CUDA graph buffer
 contract: capture records without producing a result (its output is filled
 with NaN until a replay), replay recomputes from the static inputs into the
 static output. So the bookkeeping the real graphs depend on is checked
@@ -19,32 +19,6 @@ from unet_compiler.compiler.graphs import RegionGraphs
 from unet_compiler.compiler.runtime import Accelerator
 
 CUDA = torch.cuda.is_available()
-
-
-class StandIn:
-    """CUDA-graph buffer semantics on any device."""
-
-    def __init__(self, fail=None):
-        self.captures = 0
-        self.fail = fail
-
-    def usable(self, tensors):
-        return None
-
-    def first_call(self, fn, device):
-        return fn()
-
-    def capture(self, fn, device):
-        if self.fail:
-            raise RuntimeError(self.fail)
-        out = fn()
-        out.fill_(float("nan"))  # a capture records work; it does not run it
-        self.captures += 1
-
-        class Graph:
-            def replay(self):
-                out.copy_(fn())
-        return Graph(), out
 
 
 class Block(torch.nn.Module):
@@ -67,8 +41,8 @@ def _inputs(b=2, side=8, seed=0):
 
 
 @torch.inference_mode()
-def test_capture_on_second_call_then_replay_with_fresh_inputs():
-    blk, fake = Block().eval(), StandIn()
+def test_capture_on_second_call_then_replay_with_fresh_inputs(graph_standin):
+    blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(graphs=fake)
     outs = []
     for seed in range(4):
@@ -84,8 +58,8 @@ def test_capture_on_second_call_then_replay_with_fresh_inputs():
 
 
 @torch.inference_mode()
-def test_one_graph_per_shape_and_a_cap_per_region():
-    blk, fake = Block().eval(), StandIn()
+def test_one_graph_per_shape_and_a_cap_per_region(graph_standin):
+    blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(max_shapes=2, graphs=fake)
     for side in (8, 8, 12, 12, 16, 16, 16):
         x, e = _inputs(side=side)
@@ -96,8 +70,8 @@ def test_one_graph_per_shape_and_a_cap_per_region():
 
 
 @torch.inference_mode()
-def test_replaced_weight_drops_the_region_graphs():
-    blk, fake = Block().eval(), StandIn()
+def test_replaced_weight_drops_the_region_graphs(graph_standin):
+    blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(graphs=fake)
     x, e = _inputs()
     for _ in range(3):
@@ -112,8 +86,8 @@ def test_replaced_weight_drops_the_region_graphs():
     assert "1 dropped when weights were replaced" in "\n".join(rg.status_lines())
 
 
-def test_autograd_calls_are_never_graphed():
-    blk, fake = Block(), StandIn()
+def test_autograd_calls_are_never_graphed(graph_standin):
+    blk, fake = Block(), graph_standin()
     rg = RegionGraphs(graphs=fake)
     x, e = _inputs()
     for _ in range(3):
@@ -122,9 +96,9 @@ def test_autograd_calls_are_never_graphed():
 
 
 @torch.inference_mode()
-def test_failed_capture_turns_graphs_off_and_answers_anyway():
+def test_failed_capture_turns_graphs_off_and_answers_anyway(graph_standin):
     blk = Block().eval()
-    rg = RegionGraphs(graphs=StandIn(fail="operation not permitted when stream is capturing"))
+    rg = RegionGraphs(graphs=graph_standin(fail="operation not permitted when stream is capturing"))
     x, e = _inputs()
     for _ in range(3):
         torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
@@ -132,10 +106,10 @@ def test_failed_capture_turns_graphs_off_and_answers_anyway():
     assert "cuda graphs: off after a failed capture" in "\n".join(rg.status_lines())
 
 
-def test_broadcast_inputs_and_failed_replays_are_safe():
+def test_broadcast_inputs_and_failed_replays_are_safe(graph_standin):
     blk = Block().eval()
 
-    class BadReplay(StandIn):
+    class BadReplay(graph_standin):
         def capture(self, fn, device):
             g, out = super().capture(fn, device)
 
@@ -163,9 +137,9 @@ def test_broadcast_inputs_and_failed_replays_are_safe():
 
 
 @torch.inference_mode()
-def test_static_buffers_are_counted():
+def test_static_buffers_are_counted(graph_standin):
     blk = Block().eval()
-    rg = RegionGraphs(graphs=StandIn())
+    rg = RegionGraphs(graphs=graph_standin())
     x, e = _inputs()
     rg.run(body, blk, (x, e))
     rg.run(body, blk, (x, e))
@@ -173,17 +147,8 @@ def test_static_buffers_are_counted():
     assert "MiB of static buffers" in "\n".join(rg.status_lines())
 
 
-def _tiny_unet():
-    diffusers = pytest.importorskip("diffusers", reason="diffusers not installed")
-    torch.manual_seed(0)
-    return diffusers.UNet2DConditionModel(
-        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        attention_head_dim=8, norm_num_groups=8).eval()
-
-
-def test_cuda_graphs_refused_with_the_reason(monkeypatch):
-    u = _tiny_unet()
+def test_cuda_graphs_refused_with_the_reason(monkeypatch, tiny_unet):
+    u = tiny_unet()
     a = Accelerator(u, CompileConfig(backend="inductor", cuda_graphs=True),
                     device=torch.device("cpu"))
     assert a.graphs is None
@@ -205,7 +170,7 @@ def test_cuda_graphs_refused_with_the_reason(monkeypatch):
     assert "cuda graphs" not in a.text()
 
 
-def _graphed_uncompiled(u):
+def _graphed_uncompiled(u, standin):
     """Accelerate ``u`` with the regions' own (uncompiled) bodies routed through
     RegionGraphs on the stand-in: the runtime's path without a compile."""
     from unet_compiler.compiler import compile_unet
@@ -213,17 +178,17 @@ def _graphed_uncompiled(u):
     from unet_compiler.compiler.api import accelerator_of
     compile_unet(u, "inductor", prepack_conv=False, prepack_linear=False)
     accel = accelerator_of(u)
-    fake = StandIn()
+    fake = standin()
     accel.graphs = RegionGraphs(graphs=fake)
     accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
                     for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]
     return accel, fake
 
 
-def test_warmup_captures_each_warmed_shape():
+def test_warmup_captures_each_warmed_shape(tiny_unet, graph_standin):
     from unet_compiler.compiler import warmup
-    u = _tiny_unet()
-    accel, fake = _graphed_uncompiled(u)
+    u = tiny_unet()
+    accel, fake = _graphed_uncompiled(u, graph_standin)
     text = warmup(u, "2x64x64, 1x64x64", context_tokens=77, compare=False)
     n = len(accel._shims)
     assert fake.captures == 2 * n, (fake.captures, n)
@@ -233,10 +198,10 @@ def test_warmup_captures_each_warmed_shape():
     assert fake.captures == 2 * n  # sampling at a warmed shape only replays
 
 
-def test_tiny_unet_through_region_graphs_matches_eager():
+def test_tiny_unet_through_region_graphs_matches_eager(tiny_unet, graph_standin):
     """Every region of a real (tiny) diffusers UNet through RegionGraphs: the
     runtime's routing, static inputs and output copies, per-region keys."""
-    u = _tiny_unet()
+    u = tiny_unet()
 
     def run(seed, b=2):
         g = torch.Generator().manual_seed(seed)
@@ -244,7 +209,7 @@ def test_tiny_unet_through_region_graphs_matches_eager():
         with torch.inference_mode():
             return u(x, torch.full((b,), 500.0), c).sample
     refs = [run(s) for s in range(3)] + [run(9, b=1)]
-    accel, fake = _graphed_uncompiled(u)
+    accel, fake = _graphed_uncompiled(u, graph_standin)
     outs = [run(s) for s in range(3)] + [run(9, b=1)]
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -256,12 +221,12 @@ def test_tiny_unet_through_region_graphs_matches_eager():
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA GPU: real CUDA graph capture is tested on GPU machines only")
 @pytest.mark.parametrize("backend", ["triton", "inductor"])
-def test_real_cuda_graphs_on_gpu(backend):
+def test_real_cuda_graphs_on_gpu(backend, tiny_unet):
     if backend == "triton":
         pytest.importorskip("triton")
     from unet_compiler.compiler import compile_unet, report
     from unet_compiler.compiler.api import accelerator_of
-    u = _tiny_unet().cuda()
+    u = tiny_unet().cuda()
 
     def run(seed):
         g = torch.Generator().manual_seed(seed)
@@ -286,12 +251,12 @@ def test_real_cuda_graphs_on_gpu(backend):
     torch.testing.assert_close(out, run(7), rtol=2e-3, atol=2e-3)
 
 
-def test_probe_shapes_only_for_backends_that_specialise(monkeypatch):
+def test_probe_shapes_only_for_backends_that_specialise(monkeypatch, tiny_unet):
     """Warmup primes batch-1 / 64 px probe shapes only where code is specialised per
     shape (inductor graphs, Triton kernel variants), not for ipex's shape-free copies."""
     from unet_compiler.compiler.api import warmup_runs
     from unet_compiler.compiler.shapes import as_shapes
-    u = _tiny_unet()
+    u = tiny_unet()
     accel = Accelerator(u, CompileConfig(backend="inductor"), device=torch.device("cpu"))
     ran = []
     warmup_runs(accel, as_shapes("2x128x128"), lambda s: ran.append(s.label) or torch.zeros(1), compare=False)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="triton not installed: the triton backend tests skip")
-diffusers = pytest.importorskip("diffusers", reason="diffusers not installed")
+pytest.importorskip("diffusers", reason="diffusers not installed")
 
 from unet_compiler.compiler import compile_unet, report  # noqa: E402
 from unet_compiler.compiler.api import accelerator_of  # noqa: E402
@@ -24,13 +24,8 @@ def triton_here(monkeypatch):
     monkeypatch.setenv(TB.CHOICE_ENV, "triton")  # on a GPU: the kernels, not whichever measured faster
 
 
-def _unet(seed=0, **over):
-    torch.manual_seed(seed)
-    cfg = dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-               down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-               up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8, norm_num_groups=8)
-    cfg.update(over)
-    u = diffusers.UNet2DConditionModel(**cfg).eval().to(DEV)
+def _unet(make, seed=0, **over):
+    u = make(seed, **over).to(DEV)
     with torch.no_grad():
         for p in u.parameters():
             p.add_(0.02 * torch.randn_like(p))
@@ -45,8 +40,8 @@ def _run(u, b=2, side=8, tokens=77, seed=1):
         return u(x, torch.full((b,), 500.0, device=DEV), c).sample
 
 
-def test_diffusers_unet_parity_and_kernels_fired(triton_here):
-    u = _unet()
+def test_diffusers_unet_parity_and_kernels_fired(tiny_unet, triton_here):
+    u = _unet(tiny_unet)
     ref = _run(u)
     compile_unet(u, "triton")
     out = _run(u)
@@ -61,8 +56,8 @@ def test_diffusers_unet_parity_and_kernels_fired(triton_here):
     assert "attention x" in text and "(attention " in text and "groupnorm_silu x" in text and "resblock " in text, text
 
 
-def test_live_weights_and_irregular_tokens(triton_here):
-    u = _unet()
+def test_live_weights_and_irregular_tokens(tiny_unet, triton_here):
+    u = _unet(tiny_unet)
     compile_unet(u, "triton")
     _run(u)
     with torch.no_grad():  # a LoRA merged after compiling: new Parameters
@@ -74,14 +69,14 @@ def test_live_weights_and_irregular_tokens(triton_here):
     torch.testing.assert_close(_run(u, b=1, side=6, tokens=154), ref, rtol=2e-4, atol=2e-4)
 
 
-def test_kernel_refusal_runs_the_models_own_code(triton_here, monkeypatch):
+def test_kernel_refusal_runs_the_models_own_code(tiny_unet, triton_here, monkeypatch):
     from unet_compiler.kernels import attention as KA
     from unet_compiler.kernels._common import KernelUnsupported
 
     def refuse(*a, **k):
         raise KernelUnsupported("attention: test refusal")
     monkeypatch.setattr(KA, "attention", refuse)
-    u = _unet()
+    u = _unet(tiny_unet)
     ref = _run(u)
     compile_unet(u, "triton")
     torch.testing.assert_close(_run(u), ref, rtol=2e-4, atol=2e-4)
@@ -110,7 +105,7 @@ def test_comfy_unet_parity(triton_here, make_comfy_model):
     assert fired["groupnorm_silu"] > 0 and fired["attention"] > 0 and fired["geglu"] > 0
 
 
-def test_measured_choice_runs_torch_where_it_is_faster(triton_here, monkeypatch):
+def test_measured_choice_runs_torch_where_it_is_faster(tiny_unet, triton_here, monkeypatch):
     """The per-signature kernel-vs-torch choice, with timings handed in (on a GPU
     they come from CUDA events): torch wins attention, the kernels win the rest;
     each signature is measured once and the report names what torch served."""
@@ -132,7 +127,7 @@ def test_measured_choice_runs_torch_where_it_is_faster(triton_here, monkeypatch)
         return real_pick(self, name, tensors, kernel, reference)
     monkeypatch.setattr(TB, "_measure_ms", fake_ms)
     monkeypatch.setattr(TB.Bodies, "pick", pick)
-    u = _unet()
+    u = _unet(tiny_unet)
     ref = _run(u)
     compile_unet(u, "triton")
     torch.testing.assert_close(_run(u), ref, rtol=2e-4, atol=2e-4)
@@ -150,12 +145,12 @@ def _ref_of(u, seed):
         return _run(u, seed=seed)
 
 
-def test_kernel_compiles_count_as_compiles(triton_here):
+def test_kernel_compiles_count_as_compiles(tiny_unet, triton_here):
     """Triton specialisations of the pack's kernels count in 'graphs compiled' and, after
     warmup, as recompiles (the interpreter compiles nothing, so the hook is driven as triton
     drives it on a GPU)."""
     from triton import knobs
-    u = _unet()
+    u = _unet(tiny_unet)
     compile_unet(u, "triton")
     accel = accelerator_of(u)
     hook = knobs.runtime.jit_post_compile_hook
@@ -172,10 +167,10 @@ def test_kernel_compiles_count_as_compiles(triton_here):
     assert accel.stats["recompiles_after_warmup"] == 1, accel.stats
 
 
-def test_bf16_precision_returns_the_model_dtype(triton_here):
+def test_bf16_precision_returns_the_model_dtype(tiny_unet, triton_here):
     """precision bf16 runs the regions under autocast (the kernels get bf16 tensors);
     a diffusers caller still gets the model's fp32 back, within bf16 error of eager."""
-    u = _unet()
+    u = _unet(tiny_unet)
     ref = _run(u)
     compile_unet(u, "triton", precision="bf16")
     out = _run(u)
@@ -209,7 +204,7 @@ def _variant_key(fn, args, kwargs) -> tuple:
     return tuple(key)
 
 
-def test_new_resolutions_inside_the_warmed_box_compile_no_kernel_variants(triton_here, monkeypatch):
+def test_new_resolutions_inside_the_warmed_box_compile_no_kernel_variants(tiny_unet, triton_here, monkeypatch):
     """Dynamic shapes on the triton backend: after Warmup Shapes, batch and resolution
     changes inside the box must not compile new Triton kernel variants. On a GPU the
     compile hook counts real compiles; under the interpreter every launch's variant key
@@ -224,7 +219,7 @@ def test_new_resolutions_inside_the_warmed_box_compile_no_kernel_variants(triton
             return real_run(self, *args, grid=grid, warmup=warmup, **kwargs)
         monkeypatch.setattr(TI.InterpretedFunction, "run", run)
     from unet_compiler.compiler import warmup
-    u = _unet()
+    u = _unet(tiny_unet)
     compile_unet(u, "triton")
     text = warmup(u, "1x64x64, 2x96x96", context_tokens=77, compare=False)
     assert "80x80 (probe)" in text, text  # (the all-multiple-of-16 probe is 64 px for this 2-level UNet)
