@@ -6,8 +6,17 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
-# Offsets inside the kernels are 32-bit; bigger tensors go eager.
-MAX_NUMEL = 2**31 - 1
+# Offsets inside the kernels are 32-bit; bigger tensors go eager. The margin leaves room
+# for the masked lanes of a last block, whose offsets run up to one block past the end:
+# a 1-D block (<= 4096 elements) always fits; a tile of rows is checked by check_row_block.
+OFFSET_MARGIN = 2**24
+MAX_NUMEL = 2**31 - 1 - OFFSET_MARGIN
+
+
+# (major, minor) of a GPU to compile for on a machine without one (kernels/targets.py sets it,
+# with a driver that turns launches into compiles): launchers then take CPU tensors and choose
+# as they would on that GPU. None (always, outside that script): the tensors' own device decides.
+COMPILE_TARGET: tuple[int, int] | None = None
 
 
 class KernelUnsupported(ValueError):
@@ -23,6 +32,14 @@ def next_pow2(n: int) -> int:
 def is_interpreted(kernel) -> bool:
     """True when ``kernel`` was built under TRITON_INTERPRET=1 (runs on CPU tensors)."""
     return type(kernel).__name__ == "InterpretedFunction"
+
+
+def gpu_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability the kernels compile for on ``device``; None off CUDA
+    (the interpreter)."""
+    if COMPILE_TARGET is not None:
+        return COMPILE_TARGET
+    return tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda" else None
 
 
 def check_tensor(kernel_name: str, arg: str, t, kernel, *, device=None, dtypes=FLOAT_DTYPES,
@@ -47,16 +64,39 @@ def check_tensor(kernel_name: str, arg: str, t, kernel, *, device=None, dtypes=F
         raise KernelUnsupported(f"{kernel_name}: `{arg}` is on {t.device} but the input is on {device}.")
     if t.device.type == "cuda":
         return
-    if t.device.type == "cpu" and is_interpreted(kernel):
+    if t.device.type == "cpu" and (is_interpreted(kernel) or COMPILE_TARGET is not None):
         return
     raise KernelUnsupported(f"{kernel_name}: `{arg}` is on {t.device}; the Triton kernels run on CUDA tensors "
                             f"(CPU tensors only under TRITON_INTERPRET=1, set before triton is imported).")
 
 
+def tf32_matmuls_allowed() -> bool:
+    """Whether torch itself would run an fp32 CUDA matmul in TF32. torch >= 2.9 has
+    ``fp32_precision`` (it also reflects the legacy setters); reading the legacy
+    ``allow_tf32`` there raises RuntimeError once anything used the new API."""
+    matmul = torch.backends.cuda.matmul
+    try:
+        return matmul.fp32_precision == "tf32"
+    except AttributeError:  # torch < 2.9: only the legacy flag
+        pass
+    try:
+        return bool(matmul.allow_tf32)
+    except RuntimeError:
+        return False
+
+
+def check_row_block(kernel_name: str, arg: str, block_rows: int, row_stride: int) -> None:
+    """A last tile's masked rows reach ``block_rows`` rows past the end; their 32-bit
+    offsets must stay within the margin MAX_NUMEL leaves."""
+    if block_rows * abs(row_stride) > OFFSET_MARGIN:
+        raise KernelUnsupported(f"{kernel_name}: `{arg}` has row stride {row_stride}; tiles of {block_rows} rows "
+                                f"would pass the kernel's 32-bit offsets.")
+
+
 def matmul_precision(dtype: torch.dtype) -> str:
     """tl.dot input precision for fp32 operands: TF32 only where torch itself
     would use it for an fp32 matmul; half types ignore it."""
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+    if dtype == torch.float32 and tf32_matmuls_allowed():
         return "tf32"
     return "ieee"
 
@@ -109,7 +149,8 @@ def launch_first_fitting(kernel, key: tuple, configs: list[dict], grid_fn, args:
 
 def check_dot_dtype(kernel_name: str, dtype: torch.dtype, device: torch.device) -> None:
     """tl.dot on bf16 needs an Ampere-or-newer GPU (sm_80+)."""
-    if dtype == torch.bfloat16 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+    cap = gpu_capability(device)
+    if dtype == torch.bfloat16 and cap is not None and cap < (8, 0):
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "the target"
         raise KernelUnsupported(f"{kernel_name}: bf16 matrix products need a compute capability 8.0+ GPU; "
-                                f"{torch.cuda.get_device_name(device)} is "
-                                f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}.")
+                                f"{gpu} is {'.'.join(map(str, cap))}.")

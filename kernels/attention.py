@@ -5,8 +5,10 @@ strided views ComfyUI/diffusers make (``t.view(B, N, H, d).transpose(1, 2)``)
 go in without a copy. The output is returned as [B, H, Nq, d] whose memory is
 [B, Nq, H, d] contiguous: ``out.transpose(1, 2).reshape(B, Nq, H * d)`` is free.
 
-Head dims up to 256 are padded to the next power of two (at least 16) with
-masks; key/query lengths of any size (77*k context) are masked per tile.
+Head dims up to 256 are held as a power-of-two block plus a power-of-two tail
+(40 = 32 + 16, 80 = 64 + 16, on Hopper 160 = 128 + 32) with masks; key/query lengths of
+any size (77*k context) are masked per tile. fp32 runs under the interpreter
+only: on CUDA the launcher declines it and the caller runs SDPA.
 Matches ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask,
 not causal, no dropout).
 """
@@ -16,17 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_dot_dtype, check_tensor, dot_upcast, launch_first_fitting, matmul_precision, next_pow2
+from ._common import (KernelUnsupported, check_dot_dtype, check_row_block, check_tensor, dot_upcast, gpu_capability,
+                      launch_first_fitting, matmul_precision, next_pow2)
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
 
 
 @triton.jit(do_not_specialize=["NQ", "NK", "NUM_M"])
-def _attn_fwd_kernel(Q, K, V, Out, qk_scale, H, NQ, NK, D, NUM_M,
-                     sqb, sqh, sqm, sqd, skb, skh, skn, skd,
-                     svb, svh, svn, svd, sob, soh, som, sod,
-                     PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _attn_fwd_kernel(Q, K, V, Out, qk_scale, H, NQ, NK, NUM_M,
+                     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+                     D: tl.constexpr, ALIGN: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DT: tl.constexpr):
+    """Reads one BLOCK_M-row tile of q, every key/value row of its (b, h); writes
+    that tile of the output. The head dim is held as BLOCK_D columns plus, when
+    BLOCK_DT > 0, a tail of BLOCK_DT columns (160 = 128 + 32, 80 = 64 + 16), so
+    no power-of-two padding is multiplied."""
     pid = tl.program_id(0)
     pid_m = pid % NUM_M
     bh = pid // NUM_M  # programs of one (b, h) are adjacent: K/V stay in L2
@@ -37,70 +44,127 @@ def _attn_fwd_kernel(Q, K, V, Out, qk_scale, H, NQ, NK, D, NUM_M,
     offs_d = tl.arange(0, BLOCK_D)
     mmask = offs_m < NQ
     dmask = offs_d < D
-
-    q = tl.load(Q + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
-                mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if BLOCK_DT > 0:
+        offs_t = BLOCK_D + tl.arange(0, BLOCK_DT)  # the tail's columns
+        tmask = offs_t < D
+    q_off, k_off, v_off, q_row = b * sqb + h * sqh, b * skb + h * skh, b * svb + h * svh, offs_m * sqm
+    if ALIGN > 1:  # the launcher checked: these strides are multiples of ALIGN elements (16 bytes)
+        q_off, k_off, v_off = tl.multiple_of(q_off, ALIGN), tl.multiple_of(k_off, ALIGN), tl.multiple_of(v_off, ALIGN)
+        q_row = tl.multiple_of(q_row, ALIGN)
+    q_rows = Q + q_off + q_row[:, None]
+    q = tl.load(q_rows + offs_d[None, :] * sqd, mask=mmask[:, None] & dmask[None, :], other=0.0)
+    if BLOCK_DT > 0:
+        q_t = tl.load(q_rows + offs_t[None, :] * sqd, mask=mmask[:, None] & tmask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    k_base = K + b * skb + h * skh
-    v_base = V + b * svb + h * svh
+        if BLOCK_DT > 0:
+            q_t = q_t.to(tl.float32)
+    k_base = K + k_off
+    v_base = V + v_off
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if BLOCK_DT > 0:
+        acc_t = tl.zeros([BLOCK_M, BLOCK_DT], dtype=tl.float32)
     for start_n in range(0, NK, BLOCK_N):
         n = start_n + offs_n
         nmask = n < NK
-        kt = tl.load(k_base + n[None, :] * skn + offs_d[:, None] * skd,
+        k_row, v_row = n * skn, n * svn
+        if ALIGN > 1:
+            k_row, v_row = tl.multiple_of(k_row, ALIGN), tl.multiple_of(v_row, ALIGN)
+        k_rows = k_base + k_row[None, :]
+        kt = tl.load(k_rows + offs_d[:, None] * skd,
                      mask=dmask[:, None] & nmask[None, :], other=0.0)  # [BLOCK_D, BLOCK_N]
         if UPCAST:
             kt = kt.to(tl.float32)
         qk = tl.dot(q, kt, input_precision=PREC)
+        if BLOCK_DT > 0:
+            kt_t = tl.load(k_rows + offs_t[:, None] * skd,
+                           mask=tmask[:, None] & nmask[None, :], other=0.0)
+            if UPCAST:
+                kt_t = kt_t.to(tl.float32)
+            qk = tl.dot(q_t, kt_t, qk, input_precision=PREC)
         qk = tl.where(nmask[None, :], qk * qk_scale, float("-inf"))  # log2 domain
         m_new = tl.maximum(m_i, tl.max(qk, axis=1))  # finite: every tile has a valid key
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + n[:, None] * svn + offs_d[None, :] * svd,
-                    mask=nmask[:, None] & dmask[None, :], other=0.0)
         p = p.to(V.dtype.element_ty)  # the PV product runs in the input dtype (fp32 accumulate)
         if UPCAST:
             p = p.to(tl.float32)
+        v_rows = v_base + v_row[:, None]
+        v = tl.load(v_rows + offs_d[None, :] * svd, mask=nmask[:, None] & dmask[None, :], other=0.0)
+        if UPCAST:
             v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PREC)
+        if BLOCK_DT > 0:
+            v_t = tl.load(v_rows + offs_t[None, :] * svd, mask=nmask[:, None] & tmask[None, :], other=0.0)
+            if UPCAST:
+                v_t = v_t.to(tl.float32)
+            acc_t = tl.dot(p, v_t, acc_t * alpha[:, None], input_precision=PREC)
         m_i = m_new
-    acc = acc / l_i[:, None]
-    tl.store(Out + b * sob + h * soh + offs_m[:, None] * som + offs_d[None, :] * sod,
-             acc.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    # out is [B, NQ, H, D] contiguous (made by the launcher): row (b, m, h) starts at ((b*NQ + m)*H + h)*D
+    o_rows = Out + ((b * NQ + offs_m[:, None]) * H + h) * D
+    omask = mmask[:, None]
+    tl.store(o_rows + offs_d[None, :], (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=omask & dmask[None, :])
+    if BLOCK_DT > 0:
+        tl.store(o_rows + offs_t[None, :], (acc_t / l_i[:, None]).to(Out.dtype.element_ty),
+                 mask=omask & tmask[None, :])
 
 
-def _configs(d_pad: int, fp32: bool) -> list[dict]:
-    """Block configs, biggest first; later ones fit GPUs with ~99 KB of shared
-    memory per block (RTX 30xx/40xx) and, last, ~64 KB (Turing)."""
-    if not fp32:
-        if d_pad <= 64:
-            cfgs = [(64, 64, 4, 3), (64, 32, 4, 1)]
-        elif d_pad <= 128:
-            cfgs = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 1)]
-        else:
-            cfgs = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 1)]
+def head_dim_blocks(d: int, capability: tuple[int, int] | None) -> tuple[int, int]:
+    """(BLOCK_D, BLOCK_DT): head dim ``d`` held as a power-of-two block plus a
+    power-of-two tail (0: none) when that pads less than the next power of two:
+    40 -> 32 + 16, 80 -> 64 + 16, 160 -> 128 + 32 (Hopper only: with mma.sync a
+    128-wide block beside a tail needs more registers than one 256-wide block),
+    64 -> 64. tl.dot needs >= 16."""
+    whole = max(16, next_pow2(d))
+    lead = max(16, 1 << (d.bit_length() - 1))  # the largest power of two <= d
+    if d <= lead or (lead > 64 and not (capability is not None and capability[0] == 9)):
+        return whole, 0
+    tail = max(16, next_pow2(d - lead))
+    return (lead, tail) if lead + tail < whole else (whole, 0)
+
+
+def _configs(d_held: int, capability: tuple[int, int] | None) -> list[dict]:
+    """Block configs (BLOCK_M, BLOCK_N, warps, stages), biggest first; later ones fit
+    GPUs with ~99 KB of shared memory per block (RTX 30xx/40xx/50xx) and, last, ~64 KB
+    (Turing). Hopper (sm_90) gets 128-row tiles on 8 warps (two warpgroups) first."""
+    if d_held <= 64:
+        cfgs = [(64, 64, 4, 3), (64, 32, 4, 1)]
+    elif d_held <= 128:
+        cfgs = [(64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 1)]
     else:
-        if d_pad <= 64:
-            cfgs = [(64, 64, 4, 2), (64, 32, 4, 1)]
-        elif d_pad <= 128:
-            cfgs = [(64, 64, 4, 2), (64, 32, 4, 2), (64, 32, 4, 1)]
-        else:
-            cfgs = [(64, 32, 8, 2), (64, 32, 8, 1)]
+        cfgs = [(64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 4, 1)]
+    if capability is not None and capability[0] == 9 and d_held <= 128:
+        cfgs.insert(0, (128, 64, 8, 3))
     cfgs.append((32, 32, 4, 1))
     # tiles never depend on the token counts: a new resolution compiles no new variant
     return [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in cfgs]
+
+
+def fp32_declined(dtype: torch.dtype, capability: tuple[int, int] | None) -> bool:
+    """fp32 attention runs only under the interpreter. Compiled for a GPU, its IEEE
+    fp32 tiles spill 14-19 KB per thread in the key loop (sm_90a); tf32x3 with 64x32
+    tiles still spills there (d 80 on sm_89, d 160 on sm_90a) and d 160 fits no
+    99 KB GPU (kernels/targets.py measured both). On CUDA the region runs SDPA."""
+    return dtype == torch.float32 and capability is not None
+
+
+def _alignment(tensors, D: int) -> int:
+    """ALIGN for the kernel: the elements in 16 bytes when every q/k/v stride but the
+    head dim's (which is 1) and D itself are multiples of it, else 1 (no claim)."""
+    align = 16 // tensors[0].element_size()
+    ok = D % align == 0 and all(t.stride(3) == 1 and all(st % align == 0 for st in t.stride()[:3]) for t in tensors)
+    return align if ok else 1
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """softmax(q @ k^T * scale) @ v for q [B, H, Nq, d], k/v [B, H, Nk, d]
     (3-D [BH, N, d] also accepted), one float dtype for all three, d <= 256,
     Nk >= 1. ``scale`` defaults to d**-0.5. Returns [B, H, Nq, d] in q's dtype
-    (memory laid out as [B, Nq, H, d])."""
+    (memory laid out as [B, Nq, H, d]). fp32 runs under the interpreter only."""
     name = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, arg, t, _attn_fwd_kernel, device=q.device if arg != "q" else None)
@@ -110,6 +174,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
             raise KernelUnsupported(f"{name}: `{arg}` is {t.dtype} but q is {q.dtype}; one dtype for q, k, v.")
     if not (q.dim() == k.dim() == v.dim()):
         raise KernelUnsupported(f"{name}: q, k, v have {q.dim()}, {k.dim()}, {v.dim()} dims; they must match.")
+    capability = gpu_capability(q.device)
+    if fp32_declined(q.dtype, capability):
+        raise KernelUnsupported(f"{name}: fp32 attention is not compiled for the GPU (its fp32 tiles spill "
+                                f"registers); SDPA runs it (fp16/bf16 models use the kernel).")
     check_dot_dtype(name, q.dtype, q.device)
     squeeze = q.dim() == 3
     if squeeze:
@@ -125,13 +193,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     NK = k.shape[2]
     if NK == 0:
         raise KernelUnsupported(f"{name}: k and v have no keys (length 0).")
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        check_row_block(name, arg, 128, t.stride(2))  # BLOCK_M / BLOCK_N <= 128
     out = torch.empty((B, NQ, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     if out.numel() == 0:
         return out.squeeze(0) if squeeze else out
     if scale is None:
         scale = D ** -0.5
-    d_pad = max(16, next_pow2(D))
-    fp32 = q.dtype == torch.float32
+    block_d, block_dt = head_dim_blocks(D, capability)
     BH = B * H
 
     def grid(cfg):
@@ -139,17 +208,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
     if triton.cdiv(NQ, 16) * BH > 2**31 - 1:
         raise KernelUnsupported(f"{name}: q of shape {tuple(q.shape)} needs more than 2**31 programs.")
-    configs = _configs(d_pad, fp32)
+    configs = _configs(block_d + block_dt, capability)
     for cfg in configs:  # the kernel's NUM_M depends on the config's BLOCK_M
         cfg["NUM_M"] = triton.cdiv(NQ, cfg["BLOCK_M"])
     launch_first_fitting(
-        _attn_fwd_kernel, (d_pad, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
-        (q, k, v, out, float(scale) * LOG2E, H, NQ, NK, D),
+        _attn_fwd_kernel, (D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
+        (q, k, v, out, float(scale) * LOG2E, H, NQ, NK),
         dict(sqb=q.stride(0), sqh=q.stride(1), sqm=q.stride(2), sqd=q.stride(3),
              skb=k.stride(0), skh=k.stride(1), skn=k.stride(2), skd=k.stride(3),
              svb=v.stride(0), svh=v.stride(1), svn=v.stride(2), svd=v.stride(3),
-             sob=out.stride(0), soh=out.stride(1), som=out.stride(2), sod=out.stride(3),
-             PREC=matmul_precision(q.dtype), UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=d_pad),
+             D=D, ALIGN=_alignment((q, k, v), D), PREC=matmul_precision(q.dtype),
+             UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=block_d, BLOCK_DT=block_dt),
         name, q.device)
     return out.squeeze(0) if squeeze else out
 

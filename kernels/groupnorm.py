@@ -1,12 +1,18 @@
 """GroupNorm (+ optional fused SiLU) for NCHW-contiguous and channels_last inputs.
 
-Two launches:
-  1. ``_gn_stats_kernel``: grid (N*G, chunks). Each program reduces one chunk of
-     one (sample, group) with a per-block two-pass mean/M2 merged by Chan's
-     formula (no sum-of-squares cancellation), writing (mean, M2, count).
-  2. ``_gn_apply_kernel``: grid over (spatial tiles, channel tiles, N). Each
-     program merges the chunk partials of the groups its channels belong to,
-     folds rstd/weight/bias into a per-channel scale/shift and writes
+Three launches:
+  1. statistics, in fp32 partials (mean, M2, count) merged by Chan's formula (no
+     sum-of-squares cancellation):
+     ``_gn_stats_kernel`` (a group's values are one run, or strided per channel):
+     grid (N*G, chunks), one partial per (sample, group, chunk);
+     ``_gn_stats_cl_kernel`` (channels_last: channels vary fastest): grid (chunks,
+     channel blocks, N), whole-row [spatial, channel] tiles reduced per channel,
+     one partial per (sample, channel, chunk).
+     Either way a group's partials are contiguous.
+  2. ``_gn_finalize_kernel``: grid (N*G,), merges a group's partials once into
+     (mean, rstd).
+  3. ``_gn_apply_kernel``: grid over (spatial tiles, channel tiles, N), folds
+     rstd/weight/bias into a per-channel scale/shift and writes
      ``x * scale + shift`` (then SiLU), in the input's memory layout.
 
 Weight and bias are read from the tensors passed on every call (live LoRA safe).
@@ -17,18 +23,31 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_tensor, next_pow2
+from ._common import KernelUnsupported, check_tensor, gpu_capability, next_pow2
 
 MAX_CHUNKS = 64
-STATS_BLOCK = 1024
+STATS_BLOCK = 1024      # values per step of _gn_stats_kernel
+CL_TILE = 4096          # values per [rows, channels] tile of _gn_stats_cl_kernel (8 warps)
+CL_BLOCK_C = 64         # its channels per tile: 128 B rows in 16-bit; SD's channel counts are multiples of 64
 APPLY_BLOCK_S = 256
+FINAL_BLOCK = 64
+
+
+@triton.jit
+def _chan_merge(mean, m2, count, bmean, bm2, bcnt):
+    """Chan's parallel formula: (mean, M2, count) of two disjoint sets merged."""
+    tot = count + bcnt
+    delta = bmean - mean
+    frac = tl.where(tot > 0, bcnt / tl.maximum(tot, 1.0), 0.0)
+    return mean + delta * frac, m2 + bm2 + delta * delta * count * frac, tot
 
 
 @triton.jit(do_not_specialize=["NUM_CHUNKS"])
 def _gn_stats_kernel(X, P_MEAN, P_M2, P_CNT,
-                     C, S, G, CPG, CHUNK, NUM_CHUNKS,
+                     S, G, CPG, CHUNK, NUM_CHUNKS,
                      stride_n, stride_c, stride_s,
-                     CH_INNER: tl.constexpr, CONTIG: tl.constexpr, BLOCK: tl.constexpr):
+                     CONTIG: tl.constexpr, BLOCK: tl.constexpr):
+    """Reads one chunk of one (sample, group); writes its (mean, M2, count)."""
     ng = tl.program_id(0)
     chunk = tl.program_id(1)
     n = ng // G
@@ -45,32 +64,79 @@ def _gn_stats_kernel(X, P_MEAN, P_M2, P_CNT,
         mask = i < end
         if CONTIG:  # NCHW-contiguous: the group is one contiguous run
             ptrs = base + i
-        elif CH_INNER:  # channels_last: the group's channels vary fastest
-            ptrs = base + (i % CPG) * stride_c + (i // CPG) * stride_s
         else:
             ptrs = base + (i // S) * stride_c + (i % S) * stride_s
         x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
         bcnt = tl.sum(mask.to(tl.float32), axis=0)
         bmean = tl.sum(x, axis=0) / bcnt
         d = tl.where(mask, x - bmean, 0.0)
-        bm2 = tl.sum(d * d, axis=0)
-        tot = count + bcnt
-        delta = bmean - mean
-        mean = mean + delta * (bcnt / tot)
-        m2 = m2 + bm2 + delta * delta * (count * bcnt / tot)
-        count = tot
+        mean, m2, count = _chan_merge(mean, m2, count, bmean, tl.sum(d * d, axis=0), bcnt)
     idx = ng * NUM_CHUNKS + chunk
     tl.store(P_MEAN + idx, mean)
     tl.store(P_M2 + idx, m2)
     tl.store(P_CNT + idx, count)
 
 
-@triton.jit(do_not_specialize=["NUM_CHUNKS"])
-def _gn_apply_kernel(X, Y, W, B, P_MEAN, P_M2, P_CNT,
-                     C, S, G, CPG, NUM_CHUNKS, eps,
+@triton.jit(do_not_specialize=["S", "CHUNK", "NUM_CHUNKS"])
+def _gn_stats_cl_kernel(X, P_MEAN, P_M2, P_CNT,
+                        C, S, CHUNK, NUM_CHUNKS, stride_n, stride_s,
+                        BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Reads rows [chunk*CHUNK, +CHUNK) x BLOCK_C channels of one sample (each row
+    a contiguous run of channels); writes each channel's (mean, M2, count)."""
+    chunk = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n = tl.program_id(2)
+    cmask = c < C
+    base = X + n.to(tl.int64) * stride_n
+    start = chunk * CHUNK
+    end = tl.minimum(start + CHUNK, S)
+    mean = tl.zeros([BLOCK_C], dtype=tl.float32)
+    m2 = tl.zeros([BLOCK_C], dtype=tl.float32)
+    count = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for off in range(start, end, BLOCK_S):
+        r = off + tl.arange(0, BLOCK_S)
+        mask = (r < end)[:, None] & cmask[None, :]
+        x = tl.load(base + r[:, None] * stride_s + c[None, :], mask=mask, other=0.0).to(tl.float32)
+        bcnt = tl.sum(mask.to(tl.float32), axis=0)
+        bmean = tl.sum(x, axis=0) / tl.maximum(bcnt, 1.0)
+        d = tl.where(mask, x - bmean[None, :], 0.0)
+        mean, m2, count = _chan_merge(mean, m2, count, bmean, tl.sum(d * d, axis=0), bcnt)
+    idx = (n * C + c) * NUM_CHUNKS + chunk
+    tl.store(P_MEAN + idx, mean, mask=cmask)
+    tl.store(P_M2 + idx, m2, mask=cmask)
+    tl.store(P_CNT + idx, count, mask=cmask)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _gn_finalize_kernel(P_MEAN, P_M2, P_CNT, MEAN, RSTD, K, eps, BLOCK: tl.constexpr):
+    """Reads the K contiguous partials of one (sample, group); writes its mean and rstd."""
+    ng = tl.program_id(0)
+    base = ng.to(tl.int64) * K
+    mean = tl.zeros([], dtype=tl.float32)
+    m2 = tl.zeros([], dtype=tl.float32)
+    count = tl.zeros([], dtype=tl.float32)
+    for off in range(0, K, BLOCK):
+        k = off + tl.arange(0, BLOCK)
+        mask = k < K
+        pm = tl.load(P_MEAN + base + k, mask=mask, other=0.0)
+        pv = tl.load(P_M2 + base + k, mask=mask, other=0.0)
+        pc = tl.load(P_CNT + base + k, mask=mask, other=0.0)
+        bcnt = tl.sum(pc, axis=0)
+        bmean = tl.sum(pc * pm, axis=0) / tl.maximum(bcnt, 1.0)
+        dm = pm - bmean
+        mean, m2, count = _chan_merge(mean, m2, count, bmean, tl.sum(pv + pc * dm * dm, axis=0), bcnt)
+    tl.store(MEAN + ng, mean)
+    tl.store(RSTD + ng, 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps))
+
+
+@triton.jit
+def _gn_apply_kernel(X, Y, W, B, MEAN, RSTD,
+                     C, S, G, CPG,
                      sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
-                     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CHUNK: tl.constexpr):
+                     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Reads a [BLOCK_C, BLOCK_S] tile of x and its channels' group mean/rstd,
+    weight and bias; writes the tile of y."""
     pid_s = tl.program_id(0)
     pid_c = tl.program_id(1)
     n = tl.program_id(2)
@@ -79,24 +145,11 @@ def _gn_apply_kernel(X, Y, W, B, P_MEAN, P_M2, P_CNT,
     cmask = c < C
     smask = s < S
 
-    # merge the chunk partials of each channel's group (Chan's parallel formula)
-    g = tl.where(cmask, c // CPG, 0)
-    k = tl.arange(0, BLOCK_CHUNK)
-    pidx = (n * G + g)[:, None] * NUM_CHUNKS + k[None, :]
-    pmask = cmask[:, None] & (k[None, :] < NUM_CHUNKS)
-    pm = tl.load(P_MEAN + pidx, mask=pmask, other=0.0)
-    pv = tl.load(P_M2 + pidx, mask=pmask, other=0.0)
-    pc = tl.load(P_CNT + pidx, mask=pmask, other=0.0)
-    cnt = tl.maximum(tl.sum(pc, axis=1), 1.0)
-    mean = tl.sum(pc * pm, axis=1) / cnt
-    dm = pm - mean[:, None]
-    m2 = tl.sum(pv + pc * dm * dm, axis=1)
-    rstd = 1.0 / tl.sqrt(m2 / cnt + eps)
-
-    scale = rstd
+    ng = n * G + tl.where(cmask, c // CPG, 0)
+    scale = tl.load(RSTD + ng)
     if HAS_W:
         scale = scale * tl.load(W + c, mask=cmask, other=1.0).to(tl.float32)
-    shift = -mean * scale
+    shift = -tl.load(MEAN + ng) * scale
     if HAS_B:
         shift = shift + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
 
@@ -108,11 +161,14 @@ def _gn_apply_kernel(X, Y, W, B, P_MEAN, P_M2, P_CNT,
     tl.store(Y + n * sy_n + c[:, None] * sy_c + s[None, :] * sy_s, y.to(Y.dtype.element_ty), mask=mask)
 
 
-def _chunks_per_group(elems: int, groups_total: int, cuda: bool) -> int:
-    """How many stats programs share one (sample, group) of ``elems`` values."""
+def _chunks(blocks: int, reductions: int, cuda: bool) -> int:
+    """How many stats programs share one reduction of ``blocks`` blocks when
+    ``reductions`` such reductions run side by side (1..min(MAX_CHUNKS, blocks))."""
     if cuda:  # aim for ~1k stats programs, each at least 4 blocks long
-        return min(-(-1024 // groups_total), -(-elems // (4 * STATS_BLOCK)))
-    return -(-elems // (64 * STATS_BLOCK))  # interpreter: fewer, longer programs are faster
+        want = min(-(-1024 // reductions), -(-blocks // 4))
+    else:  # interpreter: fewer, longer programs are faster
+        want = -(-blocks // 64)
+    return max(1, min(MAX_CHUNKS, blocks, want))
 
 
 def _as_ncs(t: torch.Tensor) -> torch.Tensor:
@@ -158,18 +214,36 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     sx_n, sx_c, sx_s = x3.stride()
     if S == 1:
         sx_s = 1
-    ch_inner = sx_c == 1 and C > 1 and S > 1
-    elems = cpg * S
-    want = max(1, min(MAX_CHUNKS, _chunks_per_group(elems, N * G, x.is_cuda)))
-    chunk = -(-elems // want)
-    chunk = -(-chunk // STATS_BLOCK) * STATS_BLOCK
-    num_chunks = -(-elems // chunk)
-    part = torch.empty((3, N * G * num_chunks), device=x.device, dtype=torch.float32)
-    p_mean, p_m2, p_cnt = part[0], part[1], part[2]
-    _gn_stats_kernel[(N * G, num_chunks)](
-        x3, p_mean, p_m2, p_cnt, C, S, G, cpg, chunk, num_chunks,
-        sx_n, sx_c, sx_s, CH_INNER=ch_inner, CONTIG=not ch_inner and sx_s == 1 and sx_c == S,
-        BLOCK=STATS_BLOCK, num_warps=4)
+    cuda = gpu_capability(x.device) is not None
+    f32 = dict(device=x.device, dtype=torch.float32)
+    ch_inner = sx_c == 1 and C > 1 and S > 1  # channels_last: channels vary fastest
+    if ch_inner:  # reduce whole rows, per channel
+        block_c = min(CL_BLOCK_C, next_pow2(C))
+        block_s = CL_TILE // block_c
+        rows = triton.cdiv(S, block_s)
+        num_chunks = _chunks(rows, N * triton.cdiv(C, block_c), cuda)
+        chunk = triton.cdiv(rows, num_chunks) * block_s
+        num_chunks = triton.cdiv(S, chunk)
+        part = torch.empty((3, N * C * num_chunks), **f32)
+        per_group = cpg * num_chunks
+        stats_grid = (num_chunks, triton.cdiv(C, block_c), N)
+        if stats_grid[1] > 65535 or N > 65535:
+            raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
+        _gn_stats_cl_kernel[stats_grid](x3, part[0], part[1], part[2], C, S, chunk, num_chunks, sx_n, sx_s,
+                                        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8)
+    else:
+        elems = cpg * S
+        num_chunks = _chunks(triton.cdiv(elems, STATS_BLOCK), N * G, cuda)
+        chunk = triton.cdiv(triton.cdiv(elems, num_chunks), STATS_BLOCK) * STATS_BLOCK
+        num_chunks = triton.cdiv(elems, chunk)
+        part = torch.empty((3, N * G * num_chunks), **f32)
+        per_group = num_chunks
+        _gn_stats_kernel[(N * G, num_chunks)](
+            x3, part[0], part[1], part[2], S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s,
+            CONTIG=sx_s == 1 and sx_c == S, BLOCK=STATS_BLOCK, num_warps=4)
+    stats = torch.empty((2, N * G), **f32)
+    _gn_finalize_kernel[(N * G,)](part[0], part[1], part[2], stats[0], stats[1], per_group, float(eps),
+                                  BLOCK=FINAL_BLOCK, num_warps=1)
 
     # block sizes from the channel count and layout only, never the spatial size: a new
     # resolution must not compile a new kernel variant (zero recompiles inside a warmed box)
@@ -185,13 +259,12 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     sy_n, sy_c, sy_s = y3.stride()
     if S == 1:
         sy_s = 1
-    dummy = p_mean
+    dummy = stats
     _gn_apply_kernel[grid](
         x3, y3, weight if weight is not None else dummy, bias if bias is not None else dummy,
-        p_mean, p_m2, p_cnt, C, S, G, cpg, num_chunks, float(eps),
-        sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
+        stats[0], stats[1], C, S, G, cpg, sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
         HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
-        BLOCK_C=block_c, BLOCK_S=block_s, BLOCK_CHUNK=next_pow2(MAX_CHUNKS), num_warps=4)
+        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4)
     return y
 
 

@@ -13,7 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_dot_dtype, check_tensor, dot_upcast, launch_first_fitting, matmul_precision
+from ._common import (KernelUnsupported, check_dot_dtype, check_row_block, check_tensor, dot_upcast, launch_first_fitting,
+                      matmul_precision)
 
 
 @triton.jit
@@ -117,6 +118,8 @@ def qkv_projection(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
     if min(KX, KC) == 0:
         raise KernelUnsupported(f"{name}: inner dim is 0 (x {tuple(x.shape)}, context {tuple(ctx.shape)}).")
 
+    for arg, t in (("x", x2), ("context", c2), ("w_q", w_q), ("w_k", w_k), ("w_v", w_v)):
+        check_row_block(name, arg, 64, t.stride(0))  # BLOCK_M / BLOCK_N <= 64
     n_max, m_max = max(NQ, NK, NV), max(MX, MC)
     if triton.cdiv(n_max, 32) > 65535:
         raise KernelUnsupported(f"{name}: output width {n_max} is beyond the launch grid.")

@@ -106,6 +106,56 @@ def test_unsupported_device_and_size_raise():
         layernorm.layernorm(huge)
 
 
+def test_max_numel_leaves_room_for_the_last_block():
+    """The masked lanes of a last block compute offsets up to a block past the end:
+    a tensor just under 2**31 elements would overflow them, so it is declined."""
+    assert _common.MAX_NUMEL + 4096 < 2**31 - 1
+    near = torch.empty(1, device="meta").as_strided((2**31 - 2**20,), (1,))
+    with pytest.raises(KernelUnsupported, match="32-bit"):
+        epilogue.bias_residual(near)
+    with pytest.raises(KernelUnsupported, match="row stride"):
+        _common.check_row_block("geglu", "h", 256, 2**17)
+
+
+class _Matmul:
+    """A stand-in for torch.backends.cuda.matmul: the new API's value, or an AttributeError
+    (torch < 2.9); the legacy flag, or the RuntimeError torch >= 2.9 raises once the new
+    API was used."""
+
+    def __init__(self, new, legacy):
+        self.new, self.legacy = new, legacy
+
+    def __getattr__(self, name):
+        value = {"fp32_precision": self.new, "allow_tf32": self.legacy}[name]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+
+@pytest.mark.parametrize("new,legacy,expected", [
+    ("tf32", RuntimeError("mix of the legacy and new APIs"), "tf32"),
+    ("ieee", RuntimeError("mix of the legacy and new APIs"), "ieee"),
+    ("none", False, "ieee"),
+    (AttributeError("Unknown attribute fp32_precision"), True, "tf32"),
+    (AttributeError("Unknown attribute fp32_precision"), False, "ieee"),
+], ids=["new-tf32", "new-ieee", "default", "legacy-tf32", "legacy-ieee"])
+def test_matmul_precision_reads_the_fp32_precision_api(monkeypatch, new, legacy, expected):
+    monkeypatch.setattr(torch.backends.cuda, "matmul", _Matmul(new, legacy))
+    assert _common.matmul_precision(torch.float32) == expected
+    assert _common.matmul_precision(torch.float16) == "ieee"
+
+
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch < 2.9: no fp32_precision API")
+def test_matmul_precision_after_the_new_api_was_used():
+    """In a fresh process (the setting is global): once ``fp32_precision`` is set, torch's
+    legacy ``allow_tf32`` read raises; the launchers' read must not."""
+    code = ("import torch; from unet_compiler.kernels._common import matmul_precision as p; "
+            "m = torch.backends.cuda.matmul; m.fp32_precision = 'tf32'; assert p(torch.float32) == 'tf32'; "
+            "m.fp32_precision = 'ieee'; assert p(torch.float32) == 'ieee'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_autograd_inputs_raise_and_no_grad_runs():
     w = torch.ones(64, device=DEV, requires_grad=True)  # an nn.Parameter-like weight
     x = _rand(1, 64, 2, 2)
@@ -180,11 +230,12 @@ def test_groupnorm_sd_channels(channels_last):
 @pytest.mark.parametrize("split", ["one_program", "one_block_per_program"])
 def test_groupnorm_many_blocks_large_mean(monkeypatch, channels_last, split):
     """Groups of 3280 values: reduced as several blocks inside one program, or
-    as one-block programs merged by the apply kernel; both merges use Chan's
-    formula. The mean (~100, ramping along H) dwarfs the std, and block
-    means differ: a merge missing its between-block term fails here."""
-    chunks = 1 if split == "one_program" else -(-3280 // groupnorm.STATS_BLOCK)
-    monkeypatch.setattr(groupnorm, "_chunks_per_group", lambda elems, ng, cuda: chunks)
+    as one-block programs merged by the finalize kernel (channels_last: per
+    channel, then the group's channels); every merge uses Chan's formula. The
+    mean (~100, ramping along H) dwarfs the std, and block means differ: a
+    merge missing its between-block term fails here."""
+    monkeypatch.setattr(groupnorm, "_chunks",
+                        lambda blocks, reductions, cuda: 1 if split == "one_program" else blocks)
     ramp = torch.linspace(0.0, 8.0, 40, device=DEV).view(1, 1, 40, 1)
     x = _rand(1, 64, 40, 41, scale=1.0, offset=100.0) + ramp
     if channels_last:
@@ -353,6 +404,57 @@ def test_attention_large_logits_stay_finite():
 def test_attention_reference_matches_sdpa():
     q, k, v = _rand(2, 2, 10, 40), _rand(2, 2, 77, 40, seed=1), _rand(2, 2, 77, 40, seed=2)
     _close(attention.attention_reference(q, k, v), _sdpa(q, k, v), TOL_MM[torch.float32])
+
+
+def test_attention_head_dim_40_unaligned_strides():
+    """Head dim 40 (SD1.5's first level): the kernel is told its strides are 16-byte
+    multiples only when the launcher checked them; views with odd strides (and an
+    odd storage offset) still run, with no claim, and match SDPA."""
+    dt = torch.float16
+    big = _rand(2, 60, 8 * 40 + 3, dtype=dt)
+    q = big[..., 1:321].view(2, 60, 8, 40).transpose(1, 2)  # row stride 323, offset 1 element
+    k = _rand(2, 77, 8, 40, dtype=dt, seed=1).transpose(1, 2)
+    v = _rand(2, 77, 8, 40, dtype=dt, seed=2).transpose(1, 2)
+    assert attention._alignment((q, k, v), 40) == 1
+    assert attention._alignment((k, k, v), 40) == 8
+    assert attention._alignment((k.float(), k.float(), v.float()), 40) == 4
+    _close(attention.attention(q, k, v), _sdpa(q, k, v), TOL_MM[dt])
+
+
+def test_attention_head_dim_blocks_and_configs():
+    hopper, ada = (9, 0), (8, 9)
+    assert attention.head_dim_blocks(40, None) == (32, 16)
+    assert attention.head_dim_blocks(80, ada) == (64, 16)
+    assert attention.head_dim_blocks(64, hopper) == (64, 0)
+    assert attention.head_dim_blocks(8, None) == (16, 0)
+    assert attention.head_dim_blocks(100, hopper) == (128, 0)  # 64 + 64 pads as much as 128
+    assert attention.head_dim_blocks(160, hopper) == (128, 32)
+    assert attention.head_dim_blocks(160, ada) == (256, 0)  # mma.sync: one block uses fewer registers
+    first = attention._configs(48, hopper)[0]
+    assert (first["BLOCK_M"], first["num_warps"]) == (128, 8)
+    assert attention._configs(48, ada)[0]["BLOCK_M"] == 64
+    assert attention._configs(160, hopper)[0]["BLOCK_M"] == 64
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d.values[0] != torch.float32])
+def test_attention_as_on_hopper(monkeypatch, dtype):
+    """The Hopper path (head dim 160 as 128 + 32, 128-row tiles first) under the interpreter."""
+    monkeypatch.setattr(attention, "gpu_capability", lambda device: (9, 0))
+    q = _rand(1, 2, 130, 160, dtype=dtype)
+    k, v = _rand(1, 2, 77, 160, dtype=dtype, seed=1), _rand(1, 2, 77, 160, dtype=dtype, seed=2)
+    _close(attention.attention(q, k, v), _sdpa(q, k, v), TOL_MM[dtype])
+
+
+def test_attention_declines_fp32_on_cuda(monkeypatch):
+    """Compiled fp32 attention spills registers in its key loop on every target: on CUDA
+    the launcher declines it (the region runs SDPA); the interpreter keeps running it."""
+    assert attention.fp32_declined(torch.float32, (8, 6))
+    assert not attention.fp32_declined(torch.float16, (9, 0))
+    assert not attention.fp32_declined(torch.float32, None)
+    q = _rand(1, 2, 8, 40)
+    monkeypatch.setattr(attention, "gpu_capability", lambda device: (8, 9))
+    with pytest.raises(KernelUnsupported, match="SDPA runs it"):
+        attention.attention(q, q, q)
 
 
 def test_attention_unsupported():
