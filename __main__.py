@@ -69,6 +69,24 @@ def _time(fn, n, dev=torch.device("cpu")):
     return sorted(ts)[len(ts) // 2], out
 
 
+def _time_pair(eager, compiled, n, dev):
+    """Median seconds of ``eager`` and ``compiled``, timed interleaved (alternating calls,
+    alternating which goes first): a concurrent load on a shared machine then slows both
+    alike instead of whichever happened to run during it. Returns (eager s, compiled s,
+    eager output, compiled output)."""
+    te, tc = [], []
+    with torch.inference_mode():
+        ref, out = eager(), compiled()  # untimed: first-call allocations
+        for i in range(n):
+            for fn, ts in ((eager, te), (compiled, tc)) if i % 2 == 0 else ((compiled, tc), (eager, te)):
+                _sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                _sync(dev)
+                ts.append(time.perf_counter() - t0)
+    return sorted(te)[len(te) // 2], sorted(tc)[len(tc) // 2], ref, out
+
+
 def _graphs() -> int:
     """Dynamo graphs plus compiles of the pack's Triton kernels (inductor's own kernels are part
     of its graphs)."""
@@ -82,12 +100,14 @@ def _graphs() -> int:
 TRANSITIONS = (("to 1x64x64", 1, 8), ("batch 1->2 (2x64x64)", 2, 8), ("64->96 px (2x96x96)", 2, 12))
 
 
-def _transitions(model, dev, dtype):
-    """Call ``model`` at each transition shape; graphs compiled and seconds per call."""
+def _transitions(model, unet, dev, dtype):
+    """Call ``model`` (a callable taking ``unet``'s inputs) at each transition shape;
+    graphs compiled and seconds per call."""
     out = []
     for label, b, lat in TRANSITIONS:
-        a, kw = _inputs(model, b, lat, dev, dtype)
+        a, kw = _inputs(unet, b, lat, dev, dtype)
         with torch.inference_mode():
+            _sync(dev)
             g0, t0 = _graphs(), time.perf_counter()
             model(*a, **kw)
             _sync(dev)
@@ -95,18 +115,21 @@ def _transitions(model, dev, dtype):
     return out
 
 
-def _save(args, rows, trans, eager_s, kernel_rows=()):
+def _save(args, rows, kernel_rows=()):
     """The measured table as JSON, and a bar chart when matplotlib is installed."""
     import json
     from pathlib import Path
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"bench_{args.size}_{args.device}_lat{args.latent}_b{args.batch}"
+    ok = [r for r in rows if not r.get("failed")]
     data = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "device": args.device, "size": args.size, "latent": args.latent,
-            "batch": args.batch, "rows": [dict(path=n, step_s=s, speedup=eager_s / s, cold_s=c, max_abs_diff=d)
-                                          for n, s, c, d in rows],
-            "shape_changes": {k: [dict(change=a, graphs=g, seconds=sec) for a, g, sec in v] for k, v in trans.items()},
+            "batch": args.batch, "dtype": args.dtype,
+            "rows": [dict({k: v for k, v in r.items() if k not in ("report", "shape_changes")},
+                          **({"speedup": r["eager_s"] / r["step_s"]} if not r.get("failed") else {}))
+                     for r in rows],
+            "shape_changes": {r["path"]: r["shape_changes"] for r in ok if r["shape_changes"]},
             "kernels": list(kernel_rows)}
     if dev_name := _device_name(args.device):
         data["device_name"] = dev_name
@@ -123,14 +146,15 @@ def _save(args, rows, trans, eager_s, kernel_rows=()):
     except ImportError:
         print(f"wrote {out / stem}.json (pip install matplotlib for the plot)")
         return
-    fig, ax = plt.subplots(figsize=(7, 0.6 * len(rows) + 1.2))
-    names = [r[0] for r in rows][::-1]
-    ax.barh(names, [r[1] for r in rows][::-1], color=["#888" if n == "eager" else "#2a7" for n in names])
-    for i, r in enumerate(rows[::-1]):
-        ax.text(r[1], i, f" {r[1]:.2f} s ({eager_s / r[1]:.2f}x)", va="center")
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(ok) + 1.2))
+    names = [r["path"] for r in ok][::-1]
+    ax.barh(names, [r["step_s"] for r in ok][::-1], color=["#888" if n == "eager" else "#2a7" for n in names])
+    for i, r in enumerate(ok[::-1]):
+        ax.text(r["step_s"], i, f" {r['step_s']:.3g} s ({r['eager_s'] / r['step_s']:.2f}x)", va="center")
     ax.set_xlabel("seconds per UNet step (lower is better)")
-    ax.set_title(f"SD1.5-arch UNet, {args.device}, latent {args.latent}x{args.latent}, batch {args.batch}", fontsize=9)
-    ax.set_xlim(0, max(r[1] for r in rows) * 1.45)
+    ax.set_title(f"{args.size}-arch UNet, {args.device}, latent {args.latent}x{args.latent}, batch {args.batch}",
+                 fontsize=9)
+    ax.set_xlim(0, max(r["step_s"] for r in ok) * 1.45)
     fig.tight_layout()
     fig.savefig(out / f"{stem}.png", dpi=110)
     print(f"wrote {out / stem}.json and .png")
@@ -154,16 +178,110 @@ def _backend_spec(spec: str) -> tuple[str, dict]:
     return name, ({"cuda_graphs": True} if extra else {})
 
 
-def bench(args):
+ROW_TAG = "UNET_COMPILER_ROW "
+#: the whole-model rows: (spec, label, torch.compile mode)
+WHOLE = {"whole": ("whole-model torch.compile (TorchCompileModel)", None),
+         "whole-max-autotune": ("whole-model torch.compile max-autotune-no-cudagraphs", "max-autotune-no-cudagraphs")}
+CUDNN = "eager+cudnn-benchmark"
+
+
+def _peak_mib(dev):
+    return torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
+
+
+def bench_row(args):
+    """One row of the table in this (fresh) process: compile + warm up with the caches
+    the parent made fresh for it (cold), synchronised; then eager and the row timed
+    interleaved on the same module; then the shape changes. Prints one JSON line."""
+    import json
     from .compiler import compile_unet, report, warmup
     from .compiler.api import accelerator_of
     dev = torch.device(args.device)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
-    kernel_rows = _kernel_table(args, dev, dtype) if args.kernels else []
-    if args.kernels_only:
-        if args.out:
-            _save(args, [], {}, 1.0, kernel_rows)
-        return
+    unet = _unet(args.size).to(dev, dtype)
+    lat, spec = args.latent, args.row
+    a, kw = _inputs(unet, args.batch, lat, dev, dtype)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    text, compiled_model = "", unet
+
+    def eager():
+        return unet(*a, **kw).sample
+    _sync(dev)
+    t0 = time.perf_counter()
+    if spec in WHOLE:
+        name, mode = WHOLE[spec]
+        compiled_model = torch.compile(unet, mode=mode)   # the same module: one copy of the weights
+        with torch.inference_mode():
+            compiled_model(*a, **kw)
+    elif spec == CUDNN:
+        name = "eager, torch.backends.cudnn.benchmark (ComfyUI --fast autotune)"
+
+        def compiled_model(*args_, **kwargs_):
+            prev, torch.backends.cudnn.benchmark = torch.backends.cudnn.benchmark, True
+            try:
+                return unet(*args_, **kwargs_)
+            finally:
+                torch.backends.cudnn.benchmark = prev
+        with torch.inference_mode():
+            compiled_model(*a, **kw)
+    else:
+        backend, options = _backend_spec(spec)
+        compile_unet(unet, backend, **options)
+        # warm what this run uses, as a user would with Warmup Shapes: the timed shape and the transitions
+        shapes = [f"{args.batch}x{lat * 8}x{lat * 8}"] + [f"{b}x{s * 8}x{s * 8}" for _, b, s in TRANSITIONS]
+        warmup(unet, ", ".join(shapes), compare=False)
+        accel = accelerator_of(unet)
+        name = f"unet_compiler {accel.backend.name}" + (" + cuda graphs" if accel.graphs is not None else "")
+
+        def eager():
+            with accel.bypass():
+                return unet(*a, **kw).sample
+    _sync(dev)
+    cold = time.perf_counter() - t0
+    eager_s, step_s, ref, out = _time_pair(eager, lambda: compiled_model(*a, **kw).sample, args.iters, dev)
+    peak = _peak_mib(dev)
+    trans = _transitions(compiled_model, unet, dev, dtype)
+    if spec not in WHOLE and spec != CUDNN:
+        text = report(unet)
+    row = dict(path=name, spec=spec, step_s=step_s, eager_s=eager_s, cold_s=cold,
+               max_abs_diff=float((out.float() - ref.float()).abs().max()), peak_mib=peak,
+               shape_changes=[dict(change=lbl, graphs=g, seconds=sec) for lbl, g, sec in trans], report=text,
+               pid=os.getpid(), caches={k: os.environ.get(v) for k, v in (
+                   ("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))})
+    print(ROW_TAG + json.dumps(row), flush=True)
+
+
+def _run_row(args, spec) -> dict:
+    """``bench_row`` for ``spec`` in a fresh process with fresh inductor and Triton caches
+    (unless --reuse-cache): nothing an earlier row or the kernel table compiled is reused,
+    so 'cold' is cold."""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ)
+    if not args.reuse_cache:
+        fresh = tempfile.mkdtemp(prefix="unet_compiler_bench_row_")
+        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
+        env["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+    cmd = [sys.executable, "-m", __package__ or "unet_compiler", "bench", *args.argv, "--row", spec]
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    row = None
+    for line in proc.stdout.splitlines():
+        if line.startswith(ROW_TAG):
+            row = json.loads(line[len(ROW_TAG):])
+        else:
+            print(line)
+    if row is None or proc.returncode:
+        print(f"row {spec}: failed (exit {proc.returncode}); see the output above", flush=True)
+        return dict(path=f"{spec} (failed, exit {proc.returncode})", spec=spec, failed=True)
+    if row["report"]:
+        print("\n" + row["report"], flush=True)
+    return row
+
+
+def _eager_rows(args, dev, dtype):
+    """The eager rows, timed in this process (the model is freed on return)."""
     unet = _unet(args.size).to(dev, dtype)
     lat = args.latent
     a, kw = _inputs(unet, args.batch, lat, dev, dtype)
@@ -173,61 +291,75 @@ def bench(args):
     print(f"model: random-weight {args.size}-architecture UNet, latent {lat}x{lat} ({lat * 8} px), "
           f"batch {args.batch}, {args.dtype}")
     flops = _flops(unet, a, kw) if args.peak_tflops else 0.0
-    rows = []
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
     eager_s, ref = _time(lambda: unet(*a, **kw).sample, args.iters, dev)
-    rows.append(("eager", eager_s, 0.0, 0.0))
-    trans = {}
+    rows = [dict(path="eager", spec="eager", step_s=eager_s, eager_s=eager_s, cold_s=0.0, max_abs_diff=0.0,
+                 peak_mib=_peak_mib(dev), shape_changes=[])]
     if args.bf16_eager:
         low = copy.deepcopy(unet).to(torch.bfloat16)
         ab, kwb = _inputs(low, args.batch, lat, dev, torch.bfloat16)
         s, out = _time(lambda: low(*ab, **kwb).sample, args.iters, dev)
-        rows.append(("eager bf16 weights+activations", s, 0.0, float((out.float() - ref.float()).abs().max())))
+        rows.append(dict(path="eager bf16 weights+activations", spec="eager-bf16", step_s=s, eager_s=eager_s,
+                         cold_s=0.0, max_abs_diff=float((out.float() - ref.float()).abs().max()), peak_mib=None,
+                         shape_changes=[]))
         del low
+    return rows, flops
 
-    # warm what this run uses, as a user would with Warmup Shapes: the timed shape and the transitions
-    shapes = [f"{args.batch}x{lat * 8}x{lat * 8}"] + [f"{b}x{s * 8}x{s * 8}" for _, b, s in TRANSITIONS]
-    ours = None
-    for spec in [b.strip() for b in args.backend.split(",") if b.strip()]:
-        backend, options = _backend_spec(spec)
-        ours = copy.deepcopy(unet)
-        t0 = time.perf_counter()
-        compile_unet(ours, backend, **options)
-        warmup(ours, ", ".join(shapes), compare=False)
-        cold = time.perf_counter() - t0
-        s, out = _time(lambda m=ours: m(*a, **kw).sample, args.iters, dev)
-        name = f"unet_compiler {report(ours).splitlines()[0].split('backend ')[1].split(',')[0]}"
-        if options and accelerator_of(ours).graphs is not None:
-            name += " + cuda graphs"
-        rows.append((name, s, cold, float((out.float() - ref.float()).abs().max())))
-        trans[name] = _transitions(ours, dev, dtype)
-        print("\n" + report(ours), flush=True)
 
+def bench(args):
+    if args.row:
+        return bench_row(args)
+    dev = torch.device(args.device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
+    kernel_rows = _kernel_table(args, dev, dtype) if args.kernels else []
+    if args.kernels_only:
+        if args.out:
+            _save(args, [], kernel_rows)
+        return
+    rows, flops = _eager_rows(args, dev, dtype)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    specs = [b.strip() for b in args.backend.split(",") if b.strip()]
+    for spec in specs:
+        _backend_spec(spec)  # a bad suffix fails before any row runs
+    if dev.type == "cuda":
+        specs.insert(0, CUDNN)
     if not args.skip_whole:
-        whole = torch.compile(copy.deepcopy(unet))
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            whole(*a, **kw)
-        _sync(dev)
-        cold = time.perf_counter() - t0
-        s, out = _time(lambda: whole(*a, **kw).sample, args.iters, dev)
-        rows.append(("whole-model torch.compile (TorchCompileModel)", s, cold,
-                     float((out.float() - ref.float()).abs().max())))
-        trans["whole-model torch.compile"] = _transitions(whole, dev, dtype)
-
+        specs += ["whole", "whole-max-autotune"] if dev.type == "cuda" else ["whole"]
+    rows += [_run_row(args, spec) for spec in specs]
+    _print_table(args, rows, flops)
     if args.out:
-        _save(args, rows, trans, eager_s, kernel_rows)
+        _save(args, rows, kernel_rows)
+
+
+def _print_table(args, rows, flops):
+    ok = [r for r in rows if not r.get("failed")]
+    whole = next((r for r in ok if r["spec"] == "whole"), None)
     mfu = f" {'MFU':>6s}" if flops else ""
-    print(f"\n{'path':48s} {'step ms':>9s} {'vs eager':>9s} {'cold s':>8s} {'max|diff|':>10s}{mfu}")
-    for name, s, cold, diff in rows:
-        m = f" {flops / s / (args.peak_tflops * 1e12) * 100:5.1f}%" if flops else ""
-        print(f"{name:48s} {s * 1e3:9.1f} {eager_s / s:8.2f}x {cold:8.1f} {diff:10.2e}{m}")
+    print(f"\n{'path':58s} {'step ms':>9s} {'vs eager':>9s} {'vs TCM':>7s} {'cold s':>8s} {'max|diff|':>10s} "
+          f"{'peak MiB':>9s}{mfu}")
+    for r in rows:
+        if r.get("failed"):
+            print(f"{r['path']:58s}")
+            continue
+        speed = r["eager_s"] / r["step_s"]
+        vs_whole = f"{speed / (whole['eager_s'] / whole['step_s']):6.2f}x" if whole else f"{'-':>7s}"
+        peak = f"{r['peak_mib']:9.0f}" if r.get("peak_mib") is not None else f"{'-':>9s}"
+        m = f" {flops / r['step_s'] / (args.peak_tflops * 1e12) * 100:5.1f}%" if flops else ""
+        print(f"{r['path']:58s} {r['step_s'] * 1e3:9.1f} {speed:8.2f}x {vs_whole} {r['cold_s']:8.1f} "
+              f"{r['max_abs_diff']:10.2e} {peak}{m}")
+    print("vs eager: each row's median step against eager timed interleaved with it in that row's own process; "
+          "vs TCM: against whole-model torch.compile (what ComfyUI's TorchCompileModel does); cold: compile + "
+          "warmup in a fresh process with fresh inductor/Triton caches, GPU synchronised")
     if flops:
         print(f"(one forward = {flops / 1e12:.2f} TFLOP counted by torch.utils.flop_counter; MFU against "
               f"{args.peak_tflops:g} TFLOP/s)")
     print("\nshape changes after the timed runs (graphs compiled = recompiles; seconds include compiling):")
-    for name, ts in trans.items():
-        print(f"  {name}: " + "; ".join(f"{lbl}: {g} graph(s), {sec:.1f} s" for lbl, g, sec in ts))
-
+    for r in ok:
+        if r["shape_changes"]:
+            print(f"  {r['path']}: " + "; ".join(f"{c['change']}: {c['graphs']} graph(s), {c['seconds']:.1f} s"
+                                                   for c in r["shape_changes"]))
 
 
 def main(argv=None):
@@ -257,7 +389,11 @@ def main(argv=None):
     b.add_argument("--out", default="", help="folder for the table as JSON and a PNG plot (e.g. docs)")
     b.add_argument("--bf16-eager", action="store_true", help="add an eager row with the model in bf16")
     b.add_argument("--skip-whole", action="store_true", help="skip the whole-model torch.compile baseline")
+    b.add_argument("--row", default="", help=argparse.SUPPRESS)  # internal: one row, in a fresh process
+    import sys
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    args.argv = argv[1:]  # what a row's process is started with (after the 'bench' command)
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_bench_")

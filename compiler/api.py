@@ -115,6 +115,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         g0 = accel.stats["graphs_compiled"]
         t0 = time.perf_counter()
         out = run_one(shape)
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            torch.cuda.synchronize(out.device)  # the seconds are the GPU's, not the launch queue's
         secs = time.perf_counter() - t0
         rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
         return out, secs

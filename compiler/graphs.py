@@ -16,7 +16,9 @@ How a region call is served when graphs are on:
   hooks) are seen by the next replay; a parameter *replaced* by a new tensor
   changes the key, and the region's old graphs are dropped (rule 3).
 * The first call with a key runs normally (it compiles / picks kernel configs,
-  which cannot happen inside a capture); the second captures; later calls copy
+  which cannot happen inside a capture); the second runs once more on the
+  static input buffers (Triton specialises on their alignment) and then
+  captures on them; later calls copy
   their inputs into the graph's static inputs, replay, and return a copy of
   the static output (a later replay of the same graph would overwrite it:
   ComfyUI may run cond and uncond as two calls of the same shape).
@@ -229,6 +231,10 @@ class RegionGraphs:
         static_in = [_static_copy(a) if isinstance(a, torch.Tensor) else None for a in args]
         call_args = [s if s is not None else a for s, a in zip(static_in, args, strict=True)]
         try:
+            # one eager call on the static buffers first: Triton specialises on pointer alignment
+            # (the buffers are 512-byte aligned; the signature's first call may have seen less), and a
+            # variant first met inside the capture cannot be compiled and loaded there
+            self.graphs.first_call(lambda: impl(module, *call_args), device)
             graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")

@@ -44,6 +44,8 @@ class Accelerator:
         self.config = config or CompileConfig()
         self.plan = P.build_plan(unet)
         self.stats: Counter = Counter()
+        #: what the caller's patches did to the regions ("<patch>: <effect>" -> UNet calls), for the report
+        self.patches_seen: Counter = Counter()
         self.failed: dict = {}
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
@@ -230,4 +232,5 @@ class Accelerator:
 
     def text(self) -> str:
         extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])
+        extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(self.patches_seen.items())]
         return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -257,7 +257,9 @@ class WarmupFeedback:
                    elapsed=round(time.perf_counter() - self._t0, 3))
         log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
 
-    def finished(self) -> dict:
+    def finished(self, problem: str | None = None) -> dict:
+        """The end event and status; ``problem``: what warmup itself could not do (the model
+        still runs: a patch left out of warmup, or a model warmup could not call)."""
         accel = self.accel
         secs = time.perf_counter() - self._t0
         graphs = accel.stats["graphs_compiled"] - self._graphs0
@@ -279,6 +281,8 @@ class WarmupFeedback:
                     f"compiled" + (f", max |compiled - eager| {diff:.2g}" if diff is not None else ""))
             if state == "fallback":
                 text += f": {reason}. Fix: {fix}."
+        if problem:
+            text += f"; {problem}"
         self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, max_abs_diff=diff,
                    reason=reason, fix=fix)
         level = logging.WARNING if state == "fallback" else logging.INFO

@@ -12,7 +12,7 @@ import logging
 import torch
 
 from ..compiler.config import CompileConfig
-from ..compiler.runtime import Accelerator
+from ..compiler.runtime import Accelerator, _is_interrupt
 from ..compiler.shapes import parse_shapes, unet_inputs
 from ..compiler.api import warmup_runs
 from . import feedback
@@ -29,6 +29,10 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
             # another node swapped the diffusion model (e.g. TorchCompileModel): run it as given
             accel.stats["eager_calls"] += 1
             return executor(*args, **kwargs)
+        # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
+        to = args[5] if len(args) > 5 else kwargs.get("transformer_options") or {}
+        for name in patch_effects(to):
+            accel.patches_seen[name] += 1
         epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0])
         with accel.active(weight_epoch=epoch):
             return executor(*args, **kwargs)
@@ -39,13 +43,12 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
 def compile_model(model, config: CompileConfig | None, node_id=None):
     """Clone ``model`` and attach the accelerator. Returns (clone, report text).
     The backend and state go to the node's UI (``node_id``) and the log."""
-    import comfy.model_management
     from comfy.patcher_extension import CallbacksMP, WrappersMP
 
     config = config or CompileConfig()
     m = model.clone()
     unet = m.get_model_object("diffusion_model")
-    accel = Accelerator(unet, config, device=comfy.model_management.get_torch_device())
+    accel = Accelerator(unet, config, device=m.load_device)
     hooks_epoch = [0]
 
     def on_apply_hooks(patcher, hooks):
@@ -82,9 +85,110 @@ def accelerator_of(model) -> Accelerator | None:
     return None
 
 
+def _fn_name(fn) -> str:
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return name.replace(".<locals>", "")
+
+
+def patch_effects(transformer_options: dict) -> list[str]:
+    """What each patch in this call's transformer_options does to the regions, for the report:
+    an attention replace patch runs its own code instead of that attention region; the other
+    patches run in ComfyUI's dispatch between regions, which stay accelerated."""
+    out = [f"{where} ({_fn_name(fn)}): runs between regions"
+           for where, fns in transformer_options.get("patches", {}).items() for fn in fns]
+    out += [f"{where} replace ({_fn_name(fn)}): attention at {key} runs the patch's code instead"
+            for where, table in transformer_options.get("patches_replace", {}).items() for key, fn in table.items()]
+    if "optimized_attention_override" in transformer_options:
+        out.append(f"optimized_attention_override ({_fn_name(transformer_options['optimized_attention_override'])}): "
+                   f"every attention region runs eager")
+    return out
+
+
+def patch_names(model_options: dict) -> list[str]:
+    """The model's sampling-time patches as ``where (function)``, for the report."""
+    to = model_options.get("transformer_options", {})
+    names = [f"{where} ({_fn_name(fn)})" for where, fns in to.get("patches", {}).items() for fn in fns]
+    names += [f"{where} replace {key} ({_fn_name(fn)})"
+              for where, table in to.get("patches_replace", {}).items() for key, fn in table.items()]
+    if "model_function_wrapper" in model_options:
+        names.append(f"model_function_wrapper ({_fn_name(model_options['model_function_wrapper'])})")
+    return names
+
+
+class SamplingCall:
+    """One UNet call at a warmup shape, built the way KSampler builds it
+    (comfy.samplers ``_calc_cond_batch``): the patcher's wrappers, callbacks and
+    patches in ``transformer_options`` plus the sampling state patches read
+    (``sigmas``, ``sample_sigmas``, ``cond_or_uncond``, ``uuids``), the first
+    sigma of a 20-step schedule of the model's own ``model_sampling``, cond and
+    uncond as two chunks of an even batch, and ``model_function_wrapper`` when
+    one is set. A patch that still cannot run outside sampling is dropped for
+    the rest of the warmup (``dropped`` says which and why); sampling keeps it."""
+
+    STEPS = 20
+
+    def __init__(self, model, context_tokens: int, device, dtype):
+        import comfy.samplers
+        self.model, self.tokens, self.device, self.dtype = model, context_tokens, device, dtype
+        ms = model.get_model_object("model_sampling")
+        self.sample_sigmas = comfy.samplers.calculate_sigmas(ms, "normal", self.STEPS).to(device)
+        self.patches = patch_names(model.model_options)
+        self.patched = True
+        self.dropped: str | None = None
+
+    def __call__(self, shape):
+        if not self.patched:
+            return self._call(shape, patched=False)
+        try:
+            return self._call(shape, patched=True)
+        except Exception as e:
+            if _is_interrupt(e) or not self.patches:
+                raise
+            first = str(e).splitlines()[0] if str(e) else ""
+            self.dropped = (f"warmup ran without the model's patches ({', '.join(self.patches)}): outside "
+                            f"sampling they raised {type(e).__name__}: {first}"[:400]
+                            + ". Sampling applies them as usual; patched regions run eager then.")
+            log.warning("UNet Compiler: %s", self.dropped, exc_info=True)
+            self.patched = False
+            return self._call(shape, patched=False)
+
+    def _call(self, shape, patched: bool):
+        import uuid
+        base = self.model.model
+        unet = base.diffusion_model
+        with torch.inference_mode():
+            (x, _), kw = unet_inputs(unet, "comfy", shape, self.tokens, self.dtype, self.device)
+            latent_c = base.latent_format.latent_channels
+            c = {"c_crossattn": kw["context"]}
+            if "y" in kw:
+                c["y"] = kw["y"]
+            if x.shape[1] > latent_c:  # inpainting / pix2pix / upscaler: the extra channels arrive as c_concat
+                x, c["c_concat"] = x[:, :latent_c], x[:, latent_c:]
+            chunks = 2 if shape.batch % 2 == 0 else 1   # cond + uncond, or cfg 1
+            cond_or_uncond = [0, 1][:chunks]
+            sigma = self.sample_sigmas[0].expand(shape.batch // chunks).clone()
+            to = sampling_transformer_options(self.model)
+            if not patched:
+                to.pop("patches", None)
+                to.pop("patches_replace", None)
+            to["sample_sigmas"] = self.sample_sigmas
+            to["cond_or_uncond"] = cond_or_uncond
+            to["uuids"] = [uuid.uuid4() for _ in cond_or_uncond]
+            to["sigmas"] = sigma
+            c["transformer_options"] = to
+            timestep = torch.cat([sigma] * chunks)
+            wrapper = self.model.model_options.get("model_function_wrapper") if patched else None
+            if wrapper is not None:
+                return wrapper(base.apply_model, {"input": x, "timestep": timestep, "c": c,
+                                                  "cond_or_uncond": cond_or_uncond})
+            return base.apply_model(x, timestep, **c)
+
+
 def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
-    """Run the model's real apply_model (wrappers and all) for each shape
-    under inference_mode with a cancellable ProgressBar. Returns report text."""
+    """Run the model's real apply_model (wrappers, patches and the sampling
+    state they read) for each shape under inference_mode with a cancellable
+    ProgressBar. Returns report text. Warmup is a cache primer: a model it
+    cannot call outside sampling is reported and passed on, never a failed prompt."""
     import comfy.model_management
     import comfy.utils
 
@@ -95,30 +199,34 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
                          "Compile UNet to this node's model input.")
     comfy.model_management.load_models_gpu([model])
     base = model.model
-    device = comfy.model_management.get_torch_device()
+    device = model.load_device
     dtype = base.manual_cast_dtype or base.get_dtype()
-    unet = base.diffusion_model
     total = len(shapes) + 1
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
     fb = feedback.WarmupFeedback(accel, shapes, node_id)
-
-    def run_one(shape):
-        with torch.inference_mode():
-            (x, _), kw = unet_inputs(unet, "comfy", shape, context_tokens, dtype, device)
-            sigma = torch.full((shape.batch,), 1.0, device=device)
-            to = sampling_transformer_options(model)
-            extra = {"y": kw["y"]} if "y" in kw else {}
-            return base.apply_model(x, sigma, c_crossattn=kw["context"], transformer_options=to, **extra)
+    call = SamplingCall(model, context_tokens, device, dtype)
 
     def tick(i, shape, secs):
         pbar.update_absolute(i + 1, total)
         fb.shape_done(i, shape, secs)
 
     fb.start()
+    stopped = None
     try:
-        warmup_runs(accel, shapes, fb.wrap(run_one), on_shape=tick)
+        warmup_runs(accel, shapes, fb.wrap(call), on_shape=tick)
+    except Exception as e:
+        if _is_interrupt(e):
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        note = (f"warmup stopped: this model could not be called outside sampling ({type(e).__name__}: "
+                f"{first})"[:400] + "; it compiles on its first KSampler step instead")
+        log.warning("UNet Compiler: %s", note, exc_info=True)
+        accel.report.notes.append(note)
+        stopped = note
     finally:
         fb.close()
+        if call.dropped and call.dropped not in accel.report.notes:
+            accel.report.notes.append(call.dropped)
     pbar.update_absolute(total, total)
-    done = fb.finished()
+    done = fb.finished(problem=stopped or call.dropped)
     return accel.text() + f"\n  status: {done['text']}"

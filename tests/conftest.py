@@ -33,7 +33,7 @@ def comfy():
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     from comfy.cli_args import args
-    args.cpu = True
+    args.cpu = not torch.cuda.is_available()   # ComfyUI's own device choice: the GPU when there is one
     import comfy.model_management
     import comfy.model_patcher
     import comfy.supported_models
@@ -87,7 +87,9 @@ TINY = {
 def make_comfy_model(comfy):
     """Build a random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's
     own classes, wrapped in a real ModelPatcher on CPU."""
-    def make(kind="sd15", seed=0):
+    def make(kind="sd15", seed=0, device="cpu"):
+        """``device``: where ComfyUI loads the model ("cpu", or ComfyUI's own choice with
+        ``comfy.mm.get_torch_device()``: the GPU on a GPU machine); it is offloaded to the CPU."""
         spec = TINY[kind]
         cfg_cls = getattr(comfy.sm, spec["cls"])
         cfg = cfg_cls(dict(spec["unet"]))
@@ -95,8 +97,7 @@ def make_comfy_model(comfy):
         base = cfg.get_model({})
         _init_random(base.diffusion_model, seed)
         base.eval()
-        dev = torch.device("cpu")
-        return comfy.mp.ModelPatcher(base, load_device=dev, offload_device=dev)
+        return comfy.mp.ModelPatcher(base, load_device=torch.device(device), offload_device=torch.device("cpu"))
     return make
 
 

@@ -45,6 +45,31 @@ def test_unet_table_rows_and_shape_changes(tmp_path, capsys):
     assert "vs eager" in capsys.readouterr().out
 
 
+def test_rows_run_cold_in_their_own_process(tmp_path):
+    """Each row compiles in a fresh process with fresh inductor and Triton caches: no row's
+    'cold' seconds reuse what the kernel table or an earlier row compiled."""
+    import os
+    main(["bench", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager,eager",
+          "--skip-whole", "--device", "cpu", "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("bench_tiny_cpu_lat8_b1.json")).read_text())["rows"]
+    assert [r["path"] for r in rows] == ["eager", "unet_compiler eager", "unet_compiler eager"]
+    a, b = rows[1], rows[2]
+    assert os.getpid() not in (a["pid"], b["pid"]) and a["pid"] != b["pid"]
+    for kind in ("inductor", "triton"):
+        assert a["caches"][kind] and b["caches"][kind] and a["caches"][kind] != b["caches"][kind]
+        assert a["caches"][kind] != os.environ.get("TORCHINDUCTOR_CACHE_DIR" if kind == "inductor" else "TRITON_CACHE_DIR")
+    assert a["eager_s"] > 0 and a["step_s"] > 0 and a["speedup"] > 0
+
+
+def test_eager_and_compiled_are_timed_interleaved():
+    from unet_compiler.__main__ import _time_pair
+    order = []
+    e, c, _, _ = _time_pair(lambda: order.append("e") or torch.zeros(1), lambda: order.append("c") or torch.ones(1),
+                            4, torch.device("cpu"))
+    assert order == ["e", "c", "e", "c", "c", "e", "e", "c", "c", "e"], order
+    assert e > 0 and c > 0
+
+
 def test_backend_suffix_is_checked():
     with pytest.raises(SystemExit, match=r"the only suffix is \+graphs"):
         main(["bench", "--size", "tiny", "--latent", "2", "--backend", "triton+fast", "--skip-whole",

@@ -58,6 +58,36 @@ def test_capture_on_second_call_then_replay_with_fresh_inputs(graph_standin):
 
 
 @torch.inference_mode()
+def test_capture_inputs_were_first_run_eager(graph_standin):
+    """Triton specialises a kernel on its pointers' alignment, and a variant first met inside a
+    capture cannot be compiled there: the capture's own static buffers get one eager call first."""
+    blk = Block().eval()
+    calls = []
+
+    class Recording(graph_standin):
+        capturing = False
+
+        def capture(self, fn, device):
+            Recording.capturing = True
+            try:
+                return super().capture(fn, device)
+            finally:
+                Recording.capturing = False
+
+    def recording_body(block, x, emb):
+        calls.append((x.data_ptr(), Recording.capturing))
+        return body(block, x, emb)
+    rg = RegionGraphs(graphs=Recording())
+    x, e = _inputs()
+    for _ in range(3):
+        torch.testing.assert_close(rg.run(recording_body, blk, (x, e)), body(blk, x, e))
+    captured = [ptr for ptr, capturing in calls if capturing]
+    assert len(captured) == 1, calls
+    eager_before = [ptr for ptr, capturing in calls[:calls.index((captured[0], True))] if not capturing]
+    assert captured[0] in eager_before, calls
+
+
+@torch.inference_mode()
 def test_one_graph_per_shape_and_a_cap_per_region(graph_standin):
     blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(max_shapes=2, graphs=fake)

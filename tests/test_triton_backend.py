@@ -88,18 +88,21 @@ def test_comfy_unet_parity(triton_here, make_comfy_model):
     from unet_compiler.compiler.config import CompileConfig
     from unet_compiler.nodes import patcher
     import comfy.model_management as mm
-    mp = make_comfy_model("sdxl")
+    mp = make_comfy_model("sdxl", device=mm.get_torch_device())   # the GPU when there is one: triton needs CUDA
+    assert mp.load_device.type == DEV.type
     g = torch.Generator().manual_seed(3)
-    x, ctx, y = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 64, generator=g), torch.randn(2, 96, generator=g)
+    x, ctx, y = (t.to(DEV) for t in (torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 64, generator=g),
+                                     torch.randn(2, 96, generator=g)))
 
     def apply(m):
         mm.load_models_gpu([m])
         with torch.inference_mode():
-            return m.model.apply_model(x, torch.full((2,), 2.0), c_crossattn=ctx, y=y,
+            return m.model.apply_model(x, torch.full((2,), 2.0, device=DEV), c_crossattn=ctx, y=y,
                                        transformer_options=patcher.sampling_transformer_options(m))
     ref = apply(mp)
     cm, text = patcher.compile_model(mp, CompileConfig(backend="triton"))
     assert "backend triton" in text, text
+    assert next(cm.model.diffusion_model.parameters()).device.type == DEV.type
     torch.testing.assert_close(apply(cm), ref, rtol=2e-4, atol=2e-4)
     fired = patcher.accelerator_of(cm).backend.bodies.fired
     assert fired["groupnorm_silu"] > 0 and fired["attention"] > 0 and fired["geglu"] > 0
@@ -276,3 +279,24 @@ def test_kernel_variants_do_not_depend_on_spatial_or_token_sizes(monkeypatch):
     assert len(per_kernel["_bias_residual_kernel"]) == 1, sorted(per_kernel["_bias_residual_kernel"], key=str)
     assert len(per_kernel["_gn_apply_kernel"]) <= 2 * 2 * 2, sorted(per_kernel["_gn_apply_kernel"], key=str)
     assert len(per_kernel["_gn_stats_kernel"]) <= 2 * 2, sorted(per_kernel["_gn_stats_kernel"], key=str)
+
+
+def test_conv_residual_checks_dtype_and_layout_before_the_conv(monkeypatch):
+    """Under fp16/bf16 precision an fp32 model's conv gives bf16 while the skip stays fp32: the
+    bias+residual pass cannot take them. That is decided before the conv runs (the conv runs
+    once, nothing is measured or re-run), and the call gives conv(h) + skip."""
+    bodies = TB.Bodies()
+    conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(DEV)
+    h, skip = torch.randn(2, 8, 6, 6, device=DEV), torch.randn(2, 8, 6, 6, device=DEV)
+    calls = []
+    real_conv2d = torch.nn.functional.conv2d
+    monkeypatch.setattr(torch.nn.functional, "conv2d", lambda *a, **k: calls.append(1) or real_conv2d(*a, **k))
+    monkeypatch.setattr(bodies, "pick", lambda *a, **k: pytest.fail("no kernel-vs-torch choice for a mismatch"))
+    with torch.inference_mode(), torch.autocast(DEV.type, dtype=torch.bfloat16):
+        out = bodies.conv_residual(conv, h, skip)
+        ref = conv(h) + skip
+    assert len(calls) == 2   # one conv for the body, one for the reference: no wasted conv
+    torch.testing.assert_close(out, ref)
+    assert bodies.declined["bias_residual (conv output bfloat16, skip float32)"] == 1, bodies.declined
+    assert TB._epilogue_mismatch(h, skip.to(memory_format=torch.channels_last)) == "skip in another memory layout"
+    assert TB._epilogue_mismatch(h, skip) is None

@@ -109,6 +109,29 @@ def _measure_ms(fn, reps: int = 10) -> float:
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 2]
 
 
+def _epilogue_mismatch(h: torch.Tensor, residual: torch.Tensor) -> str | None:
+    """Why conv(h) and ``residual`` cannot share the bias+residual pass, known before the conv
+    runs: the conv's output dtype (autocast's, under fp16/bf16 precision) must be the
+    residual's, and its memory layout (h's: NCHW or channels_last) the residual's."""
+    out_dtype = h.dtype
+    if torch.is_autocast_enabled(h.device.type) if _AUTOCAST_BY_DEVICE else torch.is_autocast_enabled():
+        out_dtype = (torch.get_autocast_dtype(h.device.type) if _AUTOCAST_BY_DEVICE
+                     else torch.get_autocast_gpu_dtype())
+    if out_dtype != residual.dtype:
+        return f"conv output {str(out_dtype).replace('torch.', '')}, skip {str(residual.dtype).replace('torch.', '')}"
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        if h.is_contiguous(memory_format=fmt):
+            return None if residual.is_contiguous(memory_format=fmt) else "skip in another memory layout"
+    return "input neither NCHW nor channels_last"
+
+
+try:  # torch >= 2.4: per-device autocast queries
+    torch.get_autocast_dtype("cpu")
+    _AUTOCAST_BY_DEVICE = True
+except (AttributeError, TypeError):
+    _AUTOCAST_BY_DEVICE = False
+
+
 class Bodies:
     """Kernel-backed region bodies; ``fired`` counts kernel launches per kernel,
     ``torch_faster`` the calls served by torch because it measured faster."""
@@ -163,6 +186,10 @@ class Bodies:
         """conv(h) + residual with the conv bias folded into the add (one pass)."""
         if (not isinstance(conv, torch.nn.Conv2d) or conv.padding_mode != "zeros" or isinstance(conv.padding, str)
                 or conv._forward_hooks or conv._forward_pre_hooks or comfy_compat.has_cast_weights(conv)):
+            return conv(h) + residual
+        why = _epilogue_mismatch(h, residual)
+        if why:  # decided before the conv runs: no wasted conv, no measurement, no region re-run
+            self.declined[f"bias_residual ({why})"] += 1
             return conv(h) + residual
 
         def kernel():
