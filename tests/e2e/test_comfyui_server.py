@@ -217,3 +217,31 @@ def test_shared_model_still_eager_after_compile(comfy_server, sd15_checkpoint,
         f"plain KSampler on the loader's MODEL changed after the compiled prompt: relative L2 "
         f"error {rel_l2:.2e}; the pack altered the shared model or global state"
     )
+
+
+def test_warmup_after_deep_shrink_through_the_api(comfy_server, sd15_checkpoint, request):
+    """The reported failure: Compile UNet + Warmup Shapes placed after a core patch node (Kohya
+    Deep Shrink reads transformer_options['sigmas']) failed the whole prompt. Through /prompt
+    it now completes, gives plain ComfyUI's Deep Shrink image, and /history says what the patch
+    did. Runs after the compiled prompt, whose inductor graphs this server process reuses."""
+    request.getfixturevalue("compiled_result")
+
+    def deep_shrink(prompt, model_ref):
+        prompt["20"] = {"class_type": "PatchModelAddDownscale",
+                        "inputs": {"model": list(model_ref), "block_number": 3, "downscale_factor": 2.0,
+                                   "start_percent": 0.0, "end_percent": 0.35, "downscale_after_skip": True,
+                                   "downscale_method": "bicubic", "upscale_method": "bicubic"}}
+        return prompt
+    eager = comfy_server.run_prompt(deep_shrink(txt2img_prompt(sd15_checkpoint.name, "e2e_ds_eager",
+                                                               model_ref=("20", 0)), ("1", 0)), timeout=300)
+    prompt = deep_shrink(txt2img_prompt(sd15_checkpoint.name, "e2e_ds_compiled", model_ref=("22", 0)), ("1", 0))
+    prompt["21"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["20", 0]}}
+    prompt["22"] = {"class_type": "UNetCompiler_WarmupShapes",
+                    "inputs": {"model": ["21", 0], "shapes": WARMUP_SHAPES, "context_tokens": 77}}
+    entry = comfy_server.run_prompt(prompt, timeout=900)
+    report = ui_text(entry, "22")
+    assert f"warmed {WARMUP_SHAPES}" in report and "without the model's patches" not in report, report
+    assert "patch input_block_patch_after_skip (PatchModelAddDownscale" in report, report
+    rel_l2 = relative_l2(the_latent(comfy_server, entry), the_latent(comfy_server, eager))
+    print(f"\n[e2e] Deep Shrink compiled vs eager latent: relative L2 error {rel_l2:.2e}")
+    assert rel_l2 <= MAX_LATENT_REL_L2, f"relative L2 {rel_l2:.2e}; report: {report}"
