@@ -11,6 +11,10 @@ and a ``*_reference`` function in plain PyTorch:
   epilogue    bias_residual(x, bias, residual, dim=1, out=None)
   qkv         qkv_projection(x, w_q, w_k, w_v, context=None, b_q=None, b_k=None, b_v=None)
 
+``python -m unet_compiler.kernels.targets`` (a tool, not a kernel) compiles them
+all for sm_80/86/89/90a/120 without a GPU and reports registers, spills, shared
+memory and access widths per variant (DEVELOPERS.md has the table).
+
 Importing this package imports nothing heavy: the kernel modules import
 triton and are imported lazily by the backend. ``_common`` (torch only) holds
 :class:`KernelUnsupported`, the ValueError every launcher raises for inputs it

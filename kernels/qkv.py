@@ -68,6 +68,15 @@ def _qkv_kernel(X, CTX, WQ, WK, WV, BQ, BK, BV, OQ, OK, OV,
                  HAS_BV, PREC, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
+def _configs(dtype: torch.dtype) -> list[dict]:
+    """Biggest first; the later ones fit ~99 KB (RTX 30xx/40xx/50xx) and ~64 KB of shared
+    memory. fp32 (FMA, no tensor cores) takes 64x32 tiles: its 64x64 ones spill in the K
+    loop on some targets (kernels/targets.py)."""
+    bn = 32 if dtype == torch.float32 else 64
+    tiles = ((64, bn, 3), (64, bn, 2), (32, 32, 1))
+    return [dict(BLOCK_M=bm, BLOCK_N=n, BLOCK_K=32, num_warps=4, num_stages=st) for bm, n, st in tiles]
+
+
 def qkv_projection(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: torch.Tensor,
                    context: torch.Tensor | None = None, b_q: torch.Tensor | None = None,
                    b_k: torch.Tensor | None = None, b_v: torch.Tensor | None = None):
@@ -127,9 +136,7 @@ def qkv_projection(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
     def grid(cfg):
         return (triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n_max, cfg["BLOCK_N"]), 3)
 
-    # biggest first; the later ones fit ~99 KB (RTX 30xx/40xx) and ~64 KB of shared memory
-    configs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=32, num_warps=4, num_stages=st)
-               for bm, bn, st in ((64, 64, 3), (64, 64, 2), (32, 32, 1))]
+    configs = _configs(dt)
     dummy = w_q  # never read: HAS_B* are constexpr (bias loads are upcast to fp32, any float dtype)
     bq, bk, bv = (b if b is not None else dummy for b in biases)
     launch_first_fitting(

@@ -6,18 +6,20 @@ run, on a machine without a GPU; print what each target gets and fail on what wo
 
 Targets: sm_80 (A100), sm_86 (RTX 30xx), sm_89 (RTX 40xx), sm_90a (H100/H200), sm_120
 (RTX 50xx). Per compiled variant: the case that first compiled it, kernel, constexpr config,
-warps, stages, shared memory, registers and spilled bytes (ptxas -v), global load / store
-widths in bytes (count per width), cp.async copies (the pipelined loads) and the MMA kind.
+warps, stages, shared memory, registers and spilled bytes (ptxas -v; "!" when in the hot
+loop), resident warps per SM and what bounds them, the MMA kind, and global load / store
+widths in bytes (count per width; cp = cp.async, the pipelined loads).
 Exit 1 on a compile error, a case no block config fits (shared memory above the target's
-limit), any register spill (every kernel keeps its loop-carried state in registers, so a
-spill lands in or around the hot loop), or 2-byte global loads inside a loop (a 16-bit
-kernel whose loads did not vectorise). A launcher declining a case (KernelUnsupported, e.g.
-fp32 attention, which SDPA runs on CUDA) is printed, not failed.
+limit), spill loads/stores in a hot loop (read from the SASS: inside a loop, or anywhere in
+a kernel without one), or 2-byte global loads inside a loop (a 16-bit kernel whose loads
+did not vectorise). A launcher declining a case (KernelUnsupported, e.g. fp32 attention,
+which SDPA runs on CUDA) is printed, not failed.
 
 How: a stand-in CUDA driver reports the target, so each launch compiles (JITFunction.run
 with warmup=True) instead of running; the launchers see ``_common.COMPILE_TARGET`` and choose
 as on that GPU. Triton's own ptxas log (TRITON_DUMP_PTXAS_LOG) gives registers and spills.
-Needs triton (with its bundled ptxas) and CPU torch; tested with triton 3.6 and 3.9.
+Needs triton (with its bundled ptxas and cuobjdump) and CPU torch; tested with triton 3.6
+and 3.9. Each target compiles in its own process (triton fixes its target per process).
 """
 from __future__ import annotations
 
@@ -33,10 +35,13 @@ import tempfile
 import time
 import warnings
 
-CAPS = {80: "sm_80 A100", 86: "sm_86 RTX 30xx", 89: "sm_89 RTX 40xx", 90: "sm_90a H100/H200",
-        120: "sm_120 RTX 50xx"}
+CAPS = {80: "A100", 86: "RTX 30xx", 89: "RTX 40xx", 90: "H100/H200", 120: "RTX 50xx"}
 # opt-in shared memory per block (bytes): what triton checks against on the GPU
 SMEM_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 120: 101376}
+# per SM: shared memory (bytes; each block also reserves 1 KB) and resident warps; 64K registers on all
+SMEM_PER_SM = {80: 167936, 86: 102400, 89: 102400, 90: 233472, 120: 102400}
+WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64, 120: 48}
+BLOCKS_PER_SM = {80: 32, 86: 16, 89: 24, 90: 32, 120: 32}
 FAMILIES = ("attention", "groupnorm", "layernorm", "geglu", "epilogue", "qkv")
 DTYPES = ("fp16", "bf16", "fp32")
 MEM = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*?)\.[bfsu](\d+)\s")
@@ -93,19 +98,32 @@ def widths(ptx: str) -> tuple[str, str, str, int]:
     return *fmt, loop_min
 
 
-def hot_spills(cubin: bytes, cuobjdump: str) -> int:
-    """Local-memory (spill) instructions on the hot path, from the SASS: inside a loop
-    (between a branch target and the later branch back to it), or anywhere in a
-    kernel without loops (its whole body is the hot path)."""
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+def hot_spills(sass: str) -> int:
+    """Local-memory (spill) instructions on the hot path of ``cuobjdump -sass`` output:
+    inside a loop (from a branch target to the later branch back to it), or anywhere
+    in a kernel without loops (its whole body is the hot path)."""
     code = [(int(a, 16), ins) for a, ins in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = [(int(m[1], 16), a) for a, ins in code
              if (m := re.search(r"\bBRA\s+(0x[0-9a-f]+)", ins)) and int(m[1], 16) < a]  # a backward branch
     spills = [a for a, ins in code if re.search(r"\b(STL|LDL)\b", ins)]
     return len(spills) if not loops else sum(any(t <= a <= b for t, b in loops) for a in spills)
+
+
+def sass_of(cubin: bytes, cuobjdump: str) -> str:
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([cuobjdump, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def occupancy(cap: int, warps: int, regs: int, smem: int) -> str:
+    """Resident warps per SM and what limits them: warp slots (full), registers, shared
+    memory or block slots."""
+    per_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in 256s
+    blocks = {"warps": WARPS_PER_SM[cap] // warps, "regs": 65536 // (per_warp * warps),
+              "smem": SMEM_PER_SM[cap] // (smem + 1024), "blocks": BLOCKS_PER_SM[cap]}
+    limiter = min(blocks, key=blocks.get)
+    return f"{blocks[limiter] * warps:2d}w/SM {limiter}"
 
 
 def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
@@ -117,12 +135,16 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
     warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # triton 3.9's notice of a new default
     import torch
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.backends.driver import DriverBase
-    from triton.runtime.driver import driver
-    from triton.runtime.errors import OutOfResources
-    from triton.runtime.jit import JITFunction
-    from triton.tools.disasm import path_to_cuobjdump
+    try:  # triton internals this tool leans on; they move between releases
+        from triton.backends.compiler import GPUTarget
+        from triton.backends.driver import DriverBase
+        from triton.runtime.driver import driver
+        from triton.runtime.errors import OutOfResources
+        from triton.runtime.jit import JITFunction
+        from triton.tools.disasm import path_to_cuobjdump
+    except ImportError as e:
+        sys.exit(f"kernels.targets: triton {triton.__version__} moved an internal this tool uses ({e}); "
+                 f"it works with triton 3.6 and 3.9")
 
     from . import _common
 
@@ -137,7 +159,10 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
         def get_current_device(self): return 0
         def get_current_stream(self, device=None): return 0
 
-    driver.set_active(TargetOnlyDriver())
+    try:
+        driver.set_active(TargetOnlyDriver())
+    except TypeError as e:  # a new abstract method on DriverBase
+        sys.exit(f"kernels.targets: triton {triton.__version__}'s driver interface changed ({e})")
     _common.COMPILE_TARGET = (cap // 10, cap % 10)
     limit = SMEM_LIMIT[cap]
     compiled = []
@@ -156,7 +181,7 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
     JITFunction.run = compile_only
     mods = {f: importlib.import_module(f"{__package__}.{f}") for f in FAMILIES}
     arch = f"sm_{cap}a" if cap >= 90 else f"sm_{cap}"
-    print(f"== {arch} ({CAPS[cap].split(' ', 1)[1]}), {limit} B shared memory per block, triton "
+    print(f"== {arch} ({CAPS[cap]}), {limit} B shared memory per block, triton "
           f"{triton.__version__}, torch {torch.__version__}")
     seen, failed = set(), []
     for dname in dtypes:
@@ -186,9 +211,9 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
                 spill = sum(int(s) for s in re.findall(r"(\d+) bytes spill stores", log))
                 ld, st, cp, loop_ld = widths(ptx)
                 mma = "wgmma" if "wgmma.mma_async" in ptx else "mma.sync" if "mma.sync" in ptx else "-"
-                hot = hot_spills(k.asm["cubin"], path_to_cuobjdump()) if spill else 0
-                print(f"{head} smem {md.shared:6d} regs {regs:3d} spill {spill:4d}{'!' if hot else ' '} {mma:8s} "
-                      f"ld {ld} st {st} cp {cp}")
+                hot = hot_spills(sass_of(k.asm["cubin"], path_to_cuobjdump())) if spill else 0
+                print(f"{head} smem {md.shared:6d} regs {regs:3d} spill {spill:4d}{'!' if hot else ' '} "
+                      f"{occupancy(cap, md.num_warps, regs, md.shared)} {mma:8s} ld {ld} st {st} cp {cp}")
                 why = ([f"{hot} spill loads/stores in the hot loop ({spill} B spilled)"] * (hot > 0)
                        + ["no ptxas log"] * (regs < 0) + [f"{loop_ld}-byte loads in a loop"] * (0 < loop_ld < 4))
                 if why:
@@ -210,7 +235,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {','.join(FAMILIES)}")
     ap.add_argument("--jobs", type=int, default=2, help="targets compiled in parallel (one process each)")
     opt = ap.parse_args(argv)
-    caps, dtypes, only = [int(c) for c in opt.cap.split(",")], opt.dtype.split(","), opt.only.split(",")
+    caps = [int(c.strip().removeprefix("sm_").rstrip("a")) for c in opt.cap.split(",")]  # 90, sm_90a, ...
+    dtypes, only = opt.dtype.split(","), opt.only.split(",")
     for bad in [c for c in caps if c not in CAPS] + [d for d in dtypes if d not in DTYPES] + \
                [f for f in only if f not in FAMILIES]:
         ap.error(f"unknown choice {bad!r}")
@@ -222,11 +248,13 @@ def main(argv=None) -> int:
         while pending and len(running) < max(1, opt.jobs):
             cmd = [sys.executable, "-m", __spec__.name, "--cap", str(pending.pop(0)), "--dtype", opt.dtype,
                    "--only", opt.only]
-            running.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        proc = running.pop(0)
-        out, _ = proc.communicate()
-        print(out, end="", flush=True)
-        rc |= proc.returncode
+            out = tempfile.TemporaryFile(mode="w+")
+            running.append((subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True), out))
+        proc, out = running.pop(0)
+        rc |= proc.wait()
+        out.seek(0)
+        print(out.read(), end="", flush=True)
+        out.close()
     print(f"== {'FAILED' if rc else 'ok'}: {len(caps)} targets in {time.monotonic() - start:.0f} s")
     return 1 if rc else 0
 
