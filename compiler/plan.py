@@ -32,6 +32,9 @@ class Region:
     family: str  # "comfy" | "diffusers"
     #: submodules whose weights ComfyUI may cast/patch per call (checked each call)
     leaves: tuple = ()
+    #: the method the runtime swaps for one call: ``forward``, or ``_forward`` for a
+    #: VideoResBlock, whose own forward wraps ResBlock's 2-D body in the temporal mixing
+    hook: str = "forward"
 
 
 @dataclass
@@ -61,6 +64,9 @@ def family_of(module) -> str | None:
 
 def build_plan(unet: torch.nn.Module) -> Plan:
     fam = family_of(unet)
+    if fam is None and comfy_compat.is_comfy_model(unet):
+        # another ComfyUI diffusion model (DiT, Cascade, ...): nothing to accelerate, not an error
+        return Plan(family="comfy", skipped=[("model", "diffusion_model", comfy_compat.not_a_unet_reason(unet))])
     if fam is None:
         raise TypeError(
             f"{type(unet).__module__}.{type(unet).__name__} is not a supported UNet: pass ComfyUI's "
@@ -68,23 +74,28 @@ def build_plan(unet: torch.nn.Module) -> Plan:
     plan = Plan(family=fam)
     covered: set[int] = set()
 
-    def add(path, module, kind):
-        plan.regions.append(Region(path, module, kind, fam, _leaves(module)))
+    def add(path, module, kind, leaves=None, hook="forward"):
+        plan.regions.append(Region(path, module, kind, fam, _leaves(module) if leaves is None else leaves, hook))
         covered.update(id(m) for m in module.modules())
 
     if fam == "comfy":
         c = comfy_compat.classes()
+        temporal: set[int] = set()  # modules inside a temporal (across-frames) part: never a region
         for path, m in unet.named_modules():
+            if id(m) in temporal:
+                continue
             t = type(m)
             if t is c["ResBlock"]:
                 add(path, m, RESBLOCK)
             elif isinstance(m, c["VideoResBlock"]):
-                plan.skipped.append((RESBLOCK, path, "video ResBlock (temporal mixing) is not a 2-D leaf"))
-                covered.update(id(x) for x in m.modules())
+                _plan_video_resblock(plan, add, temporal, c, path, m)
+            elif isinstance(m, c["SpatialVideoTransformer"]):
+                _plan_video_transformer(plan, temporal, c, path, m)
             elif t is c["CrossAttention"]:
                 add(path, m, ATTENTION)
             elif t is c["FeedForward"]:
                 add(path, m, FEEDFORWARD)
+        covered.update(temporal)
         out = getattr(unet, "out", None)
         if (isinstance(out, torch.nn.Sequential) and len(out) == 3 and isinstance(out[0], torch.nn.GroupNorm)
                 and isinstance(out[1], torch.nn.SiLU)):
@@ -112,6 +123,49 @@ def build_plan(unet: torch.nn.Module) -> Plan:
             if id(m) not in covered:
                 add(path, m, PROJECTION)
     return plan
+
+
+#: why the temporal parts of ComfyUI's video UNet (SVD, SV3D) run as ComfyUI's own code: they mix
+#: frames (their shapes follow the frame count, which warmup's batch/size probes do not cover)
+TEMPORAL_RESBLOCK = ("temporal ResBlock (VideoResBlock.time_stack: 3-D conv across frames, blended by time_mixer) "
+                     "is not a 2-D leaf")
+TEMPORAL_ATTENTION = ("temporal attention (SpatialVideoTransformer.time_stack: attends across frames, blended by "
+                      "time_mixer) is not a 2-D leaf")
+TEMPORAL_FEEDFORWARD = ("temporal feed-forward (SpatialVideoTransformer.time_stack, on frame sequences) "
+                        "is not a 2-D leaf")
+VIDEO_RESBLOCK_OVERRIDDEN = ("video ResBlock whose 2-D body is not ResBlock._forward (this ComfyUI overrides it) "
+                             "runs as given")
+
+
+def _plan_video_resblock(plan, add, temporal, c, path, block):
+    """VideoResBlock = ResBlock's 2-D body on (b t) c h w, then a 3-D ResBlock across frames
+    (``time_stack``) blended by ``time_mixer``. The 2-D body is a region (hooked at
+    ``_forward``, which ResBlock.forward calls) only while it is ResBlock's own; the temporal
+    half never is."""
+    temporal.update(id(x) for part in (block.time_stack, block.time_mixer) for x in part.modules())
+    plan.skipped.append((RESBLOCK, f"{path}.time_stack", TEMPORAL_RESBLOCK))
+    if type(block)._forward is not c["ResBlock"]._forward:
+        plan.skipped.append((RESBLOCK, path, VIDEO_RESBLOCK_OVERRIDDEN))
+        temporal.update(id(x) for x in block.modules())
+        return
+    spatial = [block.in_layers, block.out_layers, block.skip_connection, block.h_upd, block.x_upd]
+    if block.emb_layers is not None:
+        spatial.append(block.emb_layers)
+    add(path, block, RESBLOCK, leaves=tuple(x for part in spatial for x in _leaves(part)), hook="_forward")
+
+
+def _plan_video_transformer(plan, temporal, c, path, st):
+    """SpatialVideoTransformer: its spatial ``transformer_blocks`` are plain SD blocks (regions,
+    visited by the caller's walk); its ``time_stack`` blocks attend across frames on
+    (b h w) t c sequences and are left to ComfyUI, with ``time_pos_embed`` and ``time_mixer``."""
+    for i, blk in enumerate(st.time_stack):
+        for sub_path, sub in blk.named_modules():
+            where = f"{path}.time_stack.{i}" + (f".{sub_path}" if sub_path else "")
+            if type(sub) is c["CrossAttention"]:
+                plan.skipped.append((ATTENTION, where, TEMPORAL_ATTENTION))
+            elif type(sub) is c["FeedForward"]:
+                plan.skipped.append((FEEDFORWARD, where, TEMPORAL_FEEDFORWARD))
+    temporal.update(id(x) for part in (st.time_stack, st.time_pos_embed, st.time_mixer) for x in part.modules())
 
 
 def _diffusers_attention_unsupported(attn, procs) -> str | None:

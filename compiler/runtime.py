@@ -128,8 +128,15 @@ class Accelerator:
 
     # ---- per-region shim ------------------------------------------------
     def _make_shim(self, region, impl):
+        """The callable installed as ``module.<region.hook>`` for one UNet call (its ``hook``
+        attribute names where ``active`` installs it)."""
+        shim = self._shim_body(region, impl)
+        shim.hook = region.hook
+        return shim
+
+    def _shim_body(self, region, impl):
         module, kind, leaves = region.module, region.kind, region.leaves
-        original = type(module).forward
+        original = getattr(type(module), region.hook)
         stats, failed = self.stats, self.failed
 
         if kind == P.ATTENTION and region.family == "comfy":
@@ -214,12 +221,13 @@ class Accelerator:
                 stack.enter_context(torch.autocast(dev, dtype=self._autocast, cache_enabled=self.graphs is None))
             try:
                 for module, shim in self._shims:
-                    module.__dict__["forward"] = shim
-                    installed.append(module)
+                    hook = getattr(shim, "hook", "forward")
+                    module.__dict__[hook] = shim
+                    installed.append((module, hook))
                 yield
             finally:
-                for module in installed:
-                    module.__dict__.pop("forward", None)
+                for module, hook in installed:
+                    module.__dict__.pop(hook, None)
                 new = self._compiled() - before
                 self.stats["calls"] += 1
                 if new:

@@ -21,12 +21,25 @@ def classes() -> dict:
         "CrossAttention": attn.CrossAttention,
         "FeedForward": attn.FeedForward,
         "SpatialTransformer": attn.SpatialTransformer,
+        "SpatialVideoTransformer": attn.SpatialVideoTransformer,
     }
 
 
 def is_comfy_unet(module) -> bool:
     c = classes()
     return bool(c) and isinstance(module, c["UNetModel"])
+
+
+def is_comfy_model(module) -> bool:
+    """A ComfyUI diffusion model of any architecture (its class lives under comfy.ldm)."""
+    return "comfy" in sys.modules and type(module).__module__.startswith("comfy.ldm.")
+
+
+def not_a_unet_reason(module) -> str:
+    t = type(module)
+    return (f"running eager: {t.__module__}.{t.__name__} is not ComfyUI's openaimodel.UNetModel (the SD1.x / SD2.x / "
+            f"SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler accelerates); "
+            f"nothing in it is rewritten")
 
 
 def has_cast_weights(module) -> bool:

@@ -1,0 +1,382 @@
+"""Every ``openaimodel.UNetModel`` family ComfyUI loads, built at tiny widths
+from ComfyUI's own configs, with the conditioning ComfyUI's own model classes
+build for it. Used by tests/test_families.py; run it directly for the
+compatibility table::
+
+    python tests/families.py [--backend triton|inductor|eager] [families...]
+
+Where each config comes from:
+
+- ComfyUI's ``model_detection.unet_config_from_diffusers_unet`` table (the
+  full-size configs of SD1.5, SD2.x, unCLIP, SDXL, the refiner, SSD-1B, Vega,
+  KOALA, the inpainting / ip2p variants, LotusD), reached through a fake
+  diffusers key set that carries only the shapes it reads;
+- for the families only ldm checkpoints exist for (SD1.5 ip2p, Stable Zero123,
+  the x4 upscaler, SVD, SV3D) the config ``model_detection.detect_unet_config``
+  derives from such a checkpoint's keys, written out below.
+
+Either way ``model_detection.model_config_from_unet_config`` must map the
+full-size config to the expected ``supported_models`` class (so the test runs
+the class ComfyUI's loader picks), and the tiny model's own state dict must
+detect back to the same structure (levels, res blocks, transformer depths per
+block, linear/conv proj_in, video blocks). Only widths shrink: model_channels
+32, context_dim / 16, heads (64-wide heads -> 8, 8 heads -> 4). ADM widths stay
+real (the label_emb input is one Linear) so ComfyUI's own ``encode_adm`` /
+``extra_conds`` build y, c_concat, time conditioning and frame counts.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+#: structural keys the tiny model must detect back to (ComfyUI's detect_unet_config)
+STRUCTURE = ("in_channels", "num_res_blocks", "channel_mult", "transformer_depth", "transformer_depth_output",
+             "transformer_depth_middle", "use_linear_in_transformer", "use_temporal_resblock",
+             "use_temporal_attention")
+TINY_CHANNELS = 32
+#: frames per video in the video families' batches
+FRAMES = 2
+
+
+@dataclass(frozen=True)
+class Family:
+    key: str
+    label: str          # the family as the README table names it
+    cls: str            # the comfy.supported_models class ComfyUI's loader picks
+    #: ("diffusers", in_channels, model_channels, adm, context_dim, embedding key, ((res blocks, depth), ...))
+    #: or ("ldm", full-size config as detect_unet_config derives it)
+    source: tuple
+    #: extra state-dict keys get_model / matching read (v-prediction marker, cc_projection)
+    sd_keys: tuple = ()
+    video: bool = False
+    #: what the conditioning carries (for the table)
+    conds: str = ""
+    group: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _sd15_levels():
+    return ((2, 1), (2, 1), (2, 1), (2, 0))
+
+
+def _ldm(base: dict, **over) -> dict:
+    cfg = dict(base)
+    cfg.update(over)
+    return cfg
+
+
+#: detect_unet_config's output for an SD1.5-structured ldm checkpoint (the same dict as
+#: model_detection's SD15 diffusers entry after convert_config)
+_SD15_LDM = {"use_checkpoint": False, "image_size": 32, "use_spatial_transformer": True, "legacy": False,
+             "adm_in_channels": None, "in_channels": 4, "out_channels": 4, "model_channels": 320,
+             "num_res_blocks": [2, 2, 2, 2], "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0],
+             "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], "channel_mult": [1, 2, 4, 4],
+             "transformer_depth_middle": 1, "use_linear_in_transformer": False, "context_dim": 768,
+             "use_temporal_resblock": False, "use_temporal_attention": False}
+#: SVD's UNet: SD2.1 structure with spatio-temporal blocks (the video keys detect_unet_config sets
+#: when it finds time_stack weights; time_stack.*.attn2 present -> temporal cross-attention on)
+_SVD_LDM = _ldm(_SD15_LDM, in_channels=8, use_linear_in_transformer=True, context_dim=1024, num_classes="sequential",
+                adm_in_channels=768, extra_ff_mix_layer=True, use_spatial_context=True,
+                merge_strategy="learned_with_images", merge_factor=0.0, video_kernel_size=[3, 1, 1],
+                use_temporal_resblock=True, use_temporal_attention=True, disable_temporal_crossattention=False)
+#: the SD x4 upscaler checkpoint (x4-upscaling.yaml: channel_mult 1,2,2,4, attention at ds 2,4,8,
+#: noise level as a class label; num_classes/heads/disable_self_attentions come from unet_extra_config)
+_X4_LDM = _ldm(_SD15_LDM, in_channels=7, model_channels=256, channel_mult=[1, 2, 2, 4],
+               transformer_depth=[0, 0, 1, 1, 1, 1, 1, 1],
+               transformer_depth_output=[0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1],
+               use_linear_in_transformer=True, context_dim=1024)
+
+_XL = ((2, 0), (2, 2), (2, 10))
+_ADD, _CLASS = "add_embedding.linear_1.weight", "class_embedding.linear_1.weight"
+_VPRED_MARK = ("output_blocks.11.1.transformer_blocks.0.norm1.bias",)  # SD20.model_type reads its std
+
+FAMILIES = {f.key: f for f in [
+    Family("sd15", "SD1.5", "SD15", ("diffusers", 4, 320, None, 768, None, _sd15_levels()),
+           conds="text", group="SD1.5"),
+    Family("sd2", "SD2.x (v-pred)", "SD20", ("diffusers", 4, 320, None, 1024, None, _sd15_levels()),
+           sd_keys=_VPRED_MARK, conds="text", group="SD2.x"),
+    Family("sd21_unclip_h", "SD2.1 unCLIP-H", "SD21UnclipH", ("diffusers", 4, 320, 2048, 1024, _CLASS, _sd15_levels()),
+           conds="text + unCLIP adm", group="SD2.1 unCLIP"),
+    Family("sd21_unclip_l", "SD2.1 unCLIP-L", "SD21UnclipL", ("diffusers", 4, 320, 1536, 1024, _CLASS, _sd15_levels()),
+           conds="text + unCLIP adm", group="SD2.1 unCLIP"),
+    Family("sdxl", "SDXL", "SDXL", ("diffusers", 4, 320, 2816, 2048, _ADD, _XL), conds="text + size adm", group="SDXL"),
+    Family("sdxl_refiner", "SDXL refiner", "SDXLRefiner",
+           ("diffusers", 4, 384, 2560, 1280, _ADD, ((2, 0), (2, 4), (2, 4), (2, 0))),
+           conds="text + aesthetic adm", group="SDXL refiner"),
+    Family("ssd1b", "SSD-1B", "SSD1B", ("diffusers", 4, 320, 2816, 2048, _ADD, ((2, 0), (2, 2), (2, 4))),
+           conds="text + size adm", group="pruned SDXL"),
+    Family("vega", "Segmind Vega", "Segmind_Vega", ("diffusers", 4, 320, 2816, 2048, _ADD, ((2, 0), (2, 1), (2, 2))),
+           conds="text + size adm", group="pruned SDXL"),
+    Family("koala_700m", "KOALA-700M", "KOALA_700M", ("diffusers", 4, 320, 2816, 2048, _ADD, ((1, 0), (1, 2), (1, 5))),
+           conds="text + size adm", group="pruned SDXL"),
+    Family("koala_1b", "KOALA-1B", "KOALA_1B", ("diffusers", 4, 320, 2816, 2048, _ADD, ((1, 0), (1, 2), (1, 6))),
+           conds="text + size adm", group="pruned SDXL"),
+    Family("sd15_inpaint", "SD1.5 inpaint (9 ch)", "SD15", ("diffusers", 9, 320, None, 768, None, _sd15_levels()),
+           conds="text + mask + masked latent", group="inpaint / ip2p"),
+    Family("sdxl_inpaint", "SDXL inpaint (9 ch)", "SDXL", ("diffusers", 9, 320, 2816, 2048, _ADD, _XL),
+           conds="text + size adm + mask + masked latent", group="inpaint / ip2p"),
+    Family("sd15_ip2p", "SD1.5 instruct-pix2pix (8 ch)", "SD15_instructpix2pix", ("ldm", _ldm(_SD15_LDM, in_channels=8)),
+           conds="text + image latent", group="inpaint / ip2p"),
+    Family("sdxl_ip2p", "SDXL instruct-pix2pix (8 ch)", "SDXL_instructpix2pix", ("diffusers", 8, 320, 2816, 2048, _ADD, _XL),
+           conds="text + size adm + image latent", group="inpaint / ip2p"),
+    Family("zero123", "Stable Zero123", "Stable_Zero123", ("ldm", _ldm(_SD15_LDM, in_channels=8)),
+           sd_keys=("cc_projection.weight", "cc_projection.bias"), conds="cc_projection(image emb + camera) + latent",
+           group="Stable Zero123"),
+    Family("x4_upscaler", "SD x4 upscaler", "SD_X4Upscaler", ("ldm", _X4_LDM),
+           conds="text + low-res image + noise-level class", group="SD x4 upscaler"),
+    Family("svd", "SVD (img2vid)", "SVD_img2vid", ("ldm", _SVD_LDM), video=True,
+           conds="clip image emb + latent + fps/motion adm, frames", group="SVD / SV3D"),
+    Family("sv3d_u", "SV3D_u", "SV3D_u", ("ldm", _ldm(_SVD_LDM, adm_in_channels=256)), video=True,
+           conds="clip image emb + latent + augmentation adm, frames", group="SVD / SV3D"),
+    Family("sv3d_p", "SV3D_p", "SV3D_p", ("ldm", _ldm(_SVD_LDM, adm_in_channels=1280)), video=True,
+           conds="clip image emb + latent + camera-pose adm, frames", group="SVD / SV3D"),
+    Family("lotus_d", "LotusD", "LotusD", ("diffusers", 4, 320, 4, 1024, _CLASS, _sd15_levels()),
+           conds="text + task embedding", group="LotusD"),
+]}
+
+
+# ---- ComfyUI ------------------------------------------------------------------
+def comfy_path() -> Path | None:
+    for p in (os.environ.get("COMFYUI_PATH"), str(Path.home() / "comfy" / "ComfyUI")):
+        if p and (Path(p) / "main.py").is_file():
+            return Path(p)
+    return None
+
+
+def import_comfy():
+    """Import ComfyUI in-process on CPU (what tests/conftest.py's ``comfy`` fixture does)."""
+    path = comfy_path()
+    if path is None:
+        raise RuntimeError("ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI")
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
+    from comfy.cli_args import args
+    args.cpu = True
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.model_patcher
+    import comfy.supported_models
+    return comfy
+
+
+# ---- configs --------------------------------------------------------------------
+def _diffusers_keys(in_ch, mc, adm, ctx, emb_key, levels) -> dict:
+    """The diffusers-format keys (meta tensors: shapes only) that
+    unet_config_from_diffusers_unet reads to pick its config."""
+    meta = {"device": "meta"}
+    sd = {"conv_in.weight": torch.empty(mc, in_ch, 3, 3, **meta)}
+    for i, (n_res, depth) in enumerate(levels):
+        for r in range(n_res):
+            sd[f"down_blocks.{i}.resnets.{r}.conv1.weight"] = torch.empty(1, **meta)
+            for d in range(depth):
+                sd[f"down_blocks.{i}.attentions.{r}.transformer_blocks.{d}.attn2.to_k.weight"] = torch.empty(1, ctx, **meta)
+    if adm is not None:
+        sd[emb_key] = torch.empty(1, adm, **meta)
+    return sd
+
+
+def full_config(fam: Family) -> dict:
+    """The full-size unet_config ComfyUI uses for this family (before unet_extra_config)."""
+    import comfy.model_detection as md
+    if fam.source[0] == "diffusers":
+        cfg = md.unet_config_from_diffusers_unet(_diffusers_keys(*fam.source[1:]))
+        if cfg is None:
+            raise AssertionError(f"{fam.key}: ComfyUI's diffusers config table has no entry for {fam.source}")
+        cfg = dict(cfg)
+        cfg.pop("dtype", None)
+        return cfg
+    return md.convert_config(dict(fam.source[1]))
+
+
+def _sd_extra(fam: Family, ctx: int) -> dict:
+    g = torch.Generator().manual_seed(11)
+    out = {}
+    for k in fam.sd_keys:
+        if k == "cc_projection.weight":  # image embedding + 4 camera values -> context
+            out[k] = torch.randn(ctx, ctx + 4, generator=g) / (ctx + 4) ** 0.5
+        elif k == "cc_projection.bias":
+            out[k] = 0.1 * torch.randn(ctx, generator=g)
+        else:  # SD20's v-prediction marker: a norm bias with std > 0.09
+            out[k] = torch.randn(TINY_CHANNELS, generator=g)
+    return out
+
+
+def loader_class(fam: Family):
+    """The supported_models class ComfyUI's loader picks for the full-size config."""
+    import comfy.model_detection as md
+    cfg = full_config(fam)
+    picked = md.model_config_from_unet_config(cfg, {k: None for k in fam.sd_keys})
+    return type(picked) if picked is not None else None
+
+
+def tiny_config(fam: Family) -> dict:
+    cfg = full_config(fam)
+    cfg["model_channels"] = TINY_CHANNELS
+    cfg["context_dim"] = cfg["context_dim"] // 16
+    return cfg
+
+
+def _shrink_heads(unet_config: dict):
+    if unet_config.get("num_head_channels", -1) not in (-1, None):
+        unet_config["num_head_channels"] = 8
+    if unet_config.get("num_heads", -1) not in (-1, None):
+        unet_config["num_heads"] = 4
+
+
+def init_random(module: torch.nn.Module, seed: int = 0):
+    """ComfyUI's disable_weight_init ops leave weights uninitialised (as tests/conftest.py)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+            elif name.endswith("weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+
+
+def build(fam: Family, seed: int = 0):
+    """A random-weight tiny BaseModel of this family, built by the family's own
+    supported_models class (``get_model``), in a real ModelPatcher on CPU."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+    cls = getattr(sm, fam.cls)
+    tiny = tiny_config(fam)
+    cfg = cls(tiny)
+    _shrink_heads(cfg.unet_config)
+    with torch.no_grad():  # as ComfyUI's loader: Stable_Zero123 copies cc_projection into a Parameter
+        base = cfg.get_model(_sd_extra(fam, tiny["context_dim"]))
+    init_random(base.diffusion_model, seed)
+    base.eval()
+    dev = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev)
+
+
+def detected_structure(mp) -> dict:
+    """What ComfyUI's checkpoint detection reads back from the tiny model's weights."""
+    import comfy.model_detection as md
+    sd = mp.model.diffusion_model.state_dict()
+    det = md.detect_unet_config(sd, "")
+    return {k: det.get(k) for k in STRUCTURE}
+
+
+# ---- inputs ------------------------------------------------------------------------
+def context_width(mp) -> int:
+    return mp.model.model_config.unet_config["context_dim"]
+
+
+def make_inputs(fam: Family, mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 77):
+    """(x, sigma, kwargs for apply_model) at latent size h x w, with the conds
+    the family's own BaseModel.extra_conds builds, batched as the sampler does
+    (CONDRegular/CONDNoiseShape repeated to the batch). For video families
+    ``batch`` counts videos of FRAMES frames each (cond + uncond = 2)."""
+    import comfy.latent_formats  # noqa: F401
+    base = mp.model
+    g = torch.Generator().manual_seed(seed)
+    ctx = context_width(mp)
+    frames = FRAMES if fam.video else 1
+    n = batch * frames
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    with torch.inference_mode():
+        x = rnd(n, 4, h, w)
+        noise = x[:frames] if fam.video else x
+        kw = dict(noise=noise, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8)
+        if fam.key == "zero123":
+            kw["cross_attn"] = rnd(1, 1, ctx + 4)  # image embedding + camera, through cc_projection
+        elif fam.video:
+            kw["cross_attn"] = rnd(1, 1, ctx)      # one CLIP-vision token
+        else:
+            kw["cross_attn"] = rnd(n, tokens, ctx)
+        kw["pooled_output"] = rnd(n, 1280)
+        if fam.key in ("sd15_inpaint", "sdxl_inpaint"):
+            kw["concat_latent_image"] = rnd(n, 4, h, w)
+            kw["concat_mask"] = (rnd(n, 1, h, w) > 0).float()
+        if fam.key in ("sd15_ip2p", "sdxl_ip2p", "zero123") or fam.video:
+            kw["concat_latent_image"] = rnd(1, 4, h, w)
+        if fam.key == "x4_upscaler":
+            kw["concat_image"] = rnd(1, 3, h, w)
+            kw["noise_augmentation"] = 0.2
+        if fam.key == "sv3d_p":
+            kw.update(elevation=10.0, azimuth=30.0)
+        conds = base.extra_conds(**kw)
+        out = {}
+        for name, c in conds.items():
+            c = c.process_cond(batch_size=n, device=torch.device("cpu"), area=None)
+            out[name] = c.cond
+        if fam.key.startswith("sd21_unclip"):
+            # without unCLIP conditioning ComfyUI feeds zeros; random rows exercise label_emb's weights
+            out["y"] = rnd(*out["y"].shape)
+        sigma = torch.full((n,), 2.0)
+    return x, sigma, out
+
+
+def apply(mp, fam: Family, batch: int, h: int, w: int, seed: int = 1):
+    """One sampling-style apply_model call (the patcher's wrappers merged in as KSampler does)."""
+    from unet_compiler.nodes import patcher
+    x, sigma, kw = make_inputs(fam, mp, batch, h, w, seed)
+    to = patcher.sampling_transformer_options(mp)
+    with torch.inference_mode():
+        return mp.model.apply_model(x, sigma, transformer_options=to, **kw)
+
+
+# ---- the compatibility table ----------------------------------------------------------
+@dataclass
+class Row:
+    family: str
+    accelerated: dict
+    eager: list            # (kind, count, why)
+    ran: dict              # ran_<kind> counters
+    max_diff: float
+    recompiles: int | None = None
+    note: str = ""
+
+
+def row(fam: Family, accel, max_diff: float) -> Row:
+    ran = {k[4:]: v for k, v in accel.stats.items() if k.startswith("ran_")}
+    return Row(fam.label, dict(accel.report.regions), list(accel.plan.skipped_summary()), ran, max_diff,
+               accel.stats.get("recompiles_after_warmup"))
+
+
+def table(rows: list[Row]) -> str:
+    """Markdown: family | accelerated regions by kind | left eager (why) | max |compiled - eager|."""
+    lines = ["| family | accelerated regions | left eager (why) | max abs diff |", "|---|---|---|---|"]
+    for r in rows:
+        acc = ", ".join(f"{k} {n}" for k, n in r.accelerated.items()) or "none"
+        eag = "; ".join(f"{k} {n}: {why}" for k, n, why in r.eager) or "-"
+        lines.append(f"| {r.family} | {acc} | {eag} | {r.max_diff:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", default="triton")
+    ap.add_argument("families", nargs="*", default=list(FAMILIES))
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import_comfy()
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.nodes import patcher
+    rows = []
+    for key in a.families:
+        fam = FAMILIES[key]
+        mp = build(fam)
+        ref = apply(mp, fam, 2, 8, 8)
+        cm, _ = patcher.compile_model(mp, CompileConfig(backend=a.backend))
+        out = apply(cm, fam, 2, 8, 8)
+        rows.append(row(fam, patcher.accelerator_of(cm), float((out - ref).abs().max())))
+        print(f"{fam.label}: done", file=sys.stderr)
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Every UNet family ComfyUI loads through openaimodel.UNetModel (issue 14, part 1).
+
+Each family is built by its own ``comfy.supported_models`` class from ComfyUI's
+own config (tests/families.py: the loader's config table / checkpoint
+detection, widths shrunk, structure kept), random weights, in a real
+ModelPatcher, and driven through ``apply_model`` with the conditioning its own
+``extra_conds`` builds (c_concat, y, frames, ...).
+
+Lanes:
+- default (CI): per family, the config is ComfyUI's, the plan's region counts
+  match the structure, and the compiled model gives the eager output at two
+  resolutions and both batch sizes with every region kind firing; the region
+  bodies run uncompiled there (torch.compile stubbed: the compile itself is what
+  the inductor cases prove). Real inductor with warmup and zero recompiles on
+  ONE family (SVD: the video hook path), plus the eager report of a non-UNet.
+- ``matrix`` (``UNET_COMPILER_TEST_MATRIX=1`` or ``-m matrix``): every family x
+  inductor x 2 resolutions x 2 batch sizes after a warmup over that box, 0
+  recompiles; ``UNET_COMPILER_TEST_MATRIX_BACKENDS=inductor,triton`` adds the
+  triton backend (on CPU under the interpreter: slow).
+The compatibility table: ``python tests/families.py`` (or ``-s`` on the matrix
+lane, which prints it at the end).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from unet_compiler.compiler import api
+from unet_compiler.compiler import plan as P
+from unet_compiler.compiler.config import CompileConfig
+from unet_compiler.compiler.shapes import Shape
+from unet_compiler.nodes import patcher
+
+
+def _load_families():
+    name = "unet_compiler_test_families"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("families.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+F = _load_families()
+pytestmark = pytest.mark.comfy
+
+#: the CI diagonal (uncompiled bodies): two resolutions and both batch sizes (videos of
+#: families.FRAMES frames for the video families) in two forwards per family; 8x8 is 1x1 and
+#: 12x16 odd (3x4) at a 4-level UNet's deepest level
+CI_CASES = ((1, 8, 8), (2, 12, 16))
+#: the matrix (compiled): 2 latent resolutions x 2 batch sizes after a warmup over that box
+RESOLUTIONS = ((16, 16), (16, 24))
+BATCHES = (1, 2)
+TOL = 1e-4
+MATRIX_ENV = "UNET_COMPILER_TEST_MATRIX"
+CI_INDUCTOR_FAMILY = "x4_upscaler"
+#: batch >= 2 and >= 2x2 at the deepest level: the symbolic regime tests/test_comfy_patcher.py
+#: already compiles (one probe shape, shared compiled bodies), so CI pays few new compiles
+CI_INDUCTOR_CASES = ((2, 16, 16), (3, 16, 24))
+_ROWS: list = []
+
+
+def _matrix_on(config) -> bool:
+    expr = config.option.markexpr or ""
+    return os.environ.get(MATRIX_ENV) == "1" or ("matrix" in expr and "not matrix" not in expr)
+
+
+def _matrix_backends() -> list[str]:
+    raw = os.environ.get("UNET_COMPILER_TEST_MATRIX_BACKENDS", "inductor")
+    return [b.strip() for b in raw.split(",") if b.strip()]
+
+
+def _close(a, b, tol=TOL):
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def _pixels(batch, h, w) -> Shape:
+    return Shape(batch, w * 8, h * 8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny models are dispatch-bound; on a shared 2-core runner torch's second
+    thread only spins (one SDXL forward: 8 s on 2 threads under load, 0.4 s on 1)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(params=list(F.FAMILIES), ids=list(F.FAMILIES))
+def fam(request, comfy):
+    return F.FAMILIES[request.param]
+
+
+@pytest.fixture
+def bodies_uncompiled(monkeypatch):
+    """The inductor backend with torch.compile stubbed: each region runs the very body
+    inductor would compile (regions.BODIES), prepacked convs included, with no compile."""
+    from unet_compiler.compiler.backends import inductor
+    monkeypatch.setattr(inductor, "compiled_body", lambda body, *a, **k: body)
+
+
+@pytest.fixture
+def triton_here(monkeypatch):
+    from unet_compiler.compiler.backends import triton as TB
+    if not torch.cuda.is_available():
+        monkeypatch.setattr(TB.TritonBackend, "available", lambda self, device: (True, "interpreter (test)"))
+    monkeypatch.setenv(TB.CHOICE_ENV, "triton")
+
+
+# ---- what the plan must find, derived from the config alone -------------------------
+def expected(unet_config: dict) -> tuple[dict, dict]:
+    """(accelerated regions by kind, temporal parts left eager by kind) for a UNet
+    built from ``unet_config``, counted from its structure (not from the plan)."""
+    nrb, mult = unet_config["num_res_blocks"], unet_config["channel_mult"]
+    td, tdo, tdm = unet_config["transformer_depth"], unet_config["transformer_depth_output"], \
+        unet_config["transformer_depth_middle"]
+    resblocks = sum(nrb) + sum(n + 1 for n in nrb) + (2 if tdm >= 0 else 1 if tdm == -1 else 0)
+    blocks = sum(td) + sum(tdo) + max(tdm, 0)
+    transformers = sum(1 for d in list(td) + list(tdo) if d > 0) + (1 if tdm >= 0 else 0)
+    convs = 1 + 2 * (len(mult) - 1) + (0 if unet_config["use_linear_in_transformer"] else 2 * transformers)
+    acc = {P.RESBLOCK: resblocks, P.ATTENTION: 2 * blocks, P.FEEDFORWARD: blocks, P.NORM_ACT: 1,
+           P.PROJECTION: convs}
+    temporal = {}
+    if unet_config.get("use_temporal_resblock"):
+        temporal[P.RESBLOCK] = resblocks
+    if unet_config.get("use_temporal_attention"):
+        cross = not unet_config.get("disable_temporal_crossattention", False)
+        temporal[P.ATTENTION] = blocks * (2 if cross else 1)
+        temporal[P.FEEDFORWARD] = blocks * (2 if unet_config.get("extra_ff_mix_layer") else 1)
+    return {k: v for k, v in acc.items() if v}, temporal
+
+
+def _check_plan(fam, accel, mp):
+    acc, temporal = expected(mp.model.model_config.unet_config)
+    assert accel.report.regions == acc, (fam.key, accel.report.regions, acc)
+    skipped = {}
+    for kind, n, why in accel.plan.skipped_summary():
+        assert "is not a 2-D leaf" in why, (fam.key, kind, why)
+        skipped[kind] = skipped.get(kind, 0) + n
+    assert skipped == temporal, (fam.key, skipped, temporal)
+    for r in accel.plan.regions:
+        assert "time_stack" not in r.path and "time_mixer" not in r.path, r.path
+    hooks = {r.hook for r in accel.plan.regions if r.kind == P.RESBLOCK}
+    assert hooks == ({"_forward"} if fam.video else {"forward"})
+
+
+def _compile(mp, backend, **over):
+    cm, text = patcher.compile_model(mp, CompileConfig(backend=backend, **over))
+    return cm, patcher.accelerator_of(cm), text
+
+
+# ---- default lane --------------------------------------------------------------------
+def _check_config(fam, mp):
+    """The full-size config is the one ComfyUI's loader maps to this family's class, and the
+    tiny model detects back to the same structure (widths aside)."""
+    import comfy.model_base as mb
+    import comfy.supported_models as sm
+    assert F.loader_class(fam) is getattr(sm, fam.cls)
+    tiny = F.tiny_config(fam)
+    assert F.detected_structure(mp) == {k: tiny.get(k) for k in F.STRUCTURE}
+    unet = mp.model.diffusion_model
+    assert type(unet).__name__ == "UNetModel" and unet.in_channels == tiny["in_channels"]
+    want = {"sd2": mb.ModelType.V_PREDICTION, "x4_upscaler": mb.ModelType.V_PREDICTION,
+            "svd": mb.ModelType.V_PREDICTION_EDM, "sv3d_u": mb.ModelType.V_PREDICTION_EDM,
+            "sv3d_p": mb.ModelType.V_PREDICTION_EDM, "lotus_d": mb.ModelType.IMG_TO_IMG}
+    assert mp.model.model_type == want.get(fam.key, mb.ModelType.EPS)
+
+
+def test_family(fam, bodies_uncompiled):
+    """ComfyUI's config and class; compiled == eager through apply_model (both resolutions,
+    both batch sizes), every accelerated kind fired, the report's counts are the structure's,
+    temporal parts eager with the reason."""
+    mp = F.build(fam)
+    _check_config(fam, mp)
+    refs = [F.apply(mp, fam, *case) for case in CI_CASES]
+    cm, accel, text = _compile(mp, "inductor")
+    _check_plan(fam, accel, mp)
+    diff = 0.0
+    for case, ref in zip(CI_CASES, refs, strict=True):
+        out = F.apply(cm, fam, *case)
+        _close(out, ref)
+        diff = max(diff, float((out - ref).abs().max()))
+    for kind in accel.report.regions:
+        assert accel.stats[f"ran_{kind}"] > 0, (kind, dict(accel.stats))
+    assert accel.stats["region_eager"] == 0, accel.text()
+    if fam.video:
+        assert "left eager: resblock x" in text and "temporal ResBlock" in text
+        assert "temporal attention" in text and "temporal feed-forward" in text
+    _ROWS.append(F.row(fam, accel, diff))
+    # the shared module is left as it was
+    assert not any(k in m.__dict__ for m in mp.model.diffusion_model.modules() for k in ("forward", "_forward"))
+
+
+def test_ci_family_inductor_warmup_zero_recompiles(comfy):
+    """Real inductor on one family (the video hook path): warm the box, then every
+    in-range shape runs without a recompile and equals eager."""
+    fam = F.FAMILIES[CI_INDUCTOR_FAMILY]
+    _inductor_family(fam, CI_INDUCTOR_CASES)
+
+
+def _inductor_family(fam, cases, backend="inductor"):
+    mp = F.build(fam)
+    cm, accel, _ = _compile(mp, backend)
+    _check_plan(fam, accel, mp)
+    shapes = sorted({_pixels(b, h, w) for b, h, w in cases}, key=lambda s: (s.batch, s.width * s.height))
+    api.warmup_runs(accel, shapes, lambda s: F.apply(cm, fam, s.batch, s.height // 8, s.width // 8))
+    assert accel.warmed and accel.report.max_abs_diff is not None and accel.report.max_abs_diff <= TOL
+    diff = 0.0
+    for b, h, w in cases:
+        out = F.apply(cm, fam, b, h, w, seed=5)
+        with accel.bypass():
+            ref = F.apply(cm, fam, b, h, w, seed=5)
+        _close(out, ref)
+        diff = max(diff, float((out - ref).abs().max()))
+    assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    for kind in accel.report.regions:
+        assert accel.stats[f"ran_{kind}"] > 0, (kind, dict(accel.stats))
+    return F.row(fam, accel, diff)
+
+
+def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
+    """A ComfyUI diffusion model that is not openaimodel.UNetModel (here SD3's MMDiT) is no
+    crash: the clone runs eager and the report says so and why."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+    cfg = sm.SD3({"in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 2, "num_patches": 64,
+                  "pos_embed_max_size": 8, "adm_in_channels": 32, "pos_embed_scaling_factor": None,
+                  "context_embedder_config": {"target": "torch.nn.Linear",
+                                              "params": {"in_features": 32, "out_features": 128}}})
+    base = cfg.get_model({})
+    F.init_random(base.diffusion_model)
+    with torch.no_grad():
+        base.diffusion_model.pos_embed.copy_(0.1 * torch.randn(base.diffusion_model.pos_embed.shape))  # left empty
+    mp = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    x, ctx, y = torch.randn(1, 16, 8, 8, generator=g), torch.randn(1, 7, 32, generator=g), torch.randn(1, 32, generator=g)
+
+    def run(m):
+        with torch.inference_mode():
+            return m.model.apply_model(x, torch.full((1,), 0.5), c_crossattn=ctx, y=y,
+                                       transformer_options=patcher.sampling_transformer_options(m))
+    ref = run(mp)
+    cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    _close(run(cm), ref, tol=0)
+    assert "accelerated regions: none (everything runs eager)" in text
+    assert "running eager: comfy.ldm.modules.diffusionmodules.mmdit." in text
+    assert "is not ComfyUI's openaimodel.UNetModel" in text
+
+
+# ---- matrix lane -----------------------------------------------------------------------
+@pytest.mark.matrix
+@pytest.mark.parametrize("backend", _matrix_backends())
+def test_matrix(fam, backend, request):
+    if not _matrix_on(request.config):
+        pytest.skip(f"the full family matrix runs with {MATRIX_ENV}=1 or -m matrix")
+    if backend == "triton":
+        request.getfixturevalue("triton_here")
+    cases = [(b, h, w) for h, w in RESOLUTIONS for b in BATCHES]
+    r = _inductor_family(fam, cases, backend)
+    r.family = f"{r.family} [{backend}]"
+    _ROWS.append(r)
+
+
+@pytest.mark.matrix
+def test_matrix_table(request):
+    """Prints the compatibility table of the cases that ran in this session (run with -s)."""
+    if not _ROWS:
+        pytest.skip("no family case ran in this session")
+    print("\n" + F.table(_ROWS))
