@@ -163,15 +163,30 @@ class Bodies:
             if choice is None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 choice = "triton"  # no timing inside a capture (a graph captures on a signature's 2nd call)
             elif choice is None:
-                t_kernel, t_torch = _measure_ms(kernel), _measure_ms(reference)
+                try:
+                    t_kernel = _measure_ms(kernel)
+                except self.Unsupported as e:   # the kernel refuses these inputs: nothing to measure
+                    return self._declined(e, reference)
+                t_torch = _measure_ms(reference)
                 choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
                 log.debug("%s %s: triton %.3f ms, torch %.3f ms -> %s", name, sig, t_kernel, t_torch, choice)
         if choice == "torch":
             self.torch_faster[name] += 1
             return reference()
+        try:
+            out = kernel()
+        except self.Unsupported as e:
+            return self._declined(e, reference)
         self.fired[name] += 1
         self.fired_in[(name, self.where)] += 1
-        return kernel()
+        return out
+
+    def _declined(self, e, reference):
+        """A kernel that cannot take these inputs (dtype, size, GPU): the torch ops it replaces run
+        on the same inputs, so the rest of the region stays on the kernels and nothing re-runs."""
+        self.declined[str(e).split(":")[0]] += 1
+        log.debug("triton kernel declined: %s", e)
+        return reference()
 
     # -- pieces --
     def gn(self, norm, x, silu):
@@ -346,6 +361,6 @@ class TritonBackend(Backend):
             lines.append("  triton kernel compiles are not counted with this triton (no compile hook before 3.4): "
                          "'graphs compiled' covers dynamo only")
         if b.declined:
-            lines.append("  triton ran the model's own code for: "
+            lines.append("  triton kernels not used (the torch ops they replace, or the model's own code, ran): "
                          + ", ".join(f"{k} x{n}" for k, n in sorted(b.declined.items())))
         return lines
