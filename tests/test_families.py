@@ -12,13 +12,15 @@ Lanes:
   resolutions and both batch sizes with every region kind firing; the region
   bodies run uncompiled there (torch.compile stubbed: the compile itself is what
   the inductor cases prove). Real inductor with warmup and zero recompiles on
-  ONE family (SVD: the video hook path), plus the eager report of a non-UNet.
+  ONE family (the x4 upscaler: attn1 on the context, class-label y, 7 input
+  channels), plus the eager report of a non-UNet ComfyUI model (SD3's MMDiT).
 - ``matrix`` (``UNET_COMPILER_TEST_MATRIX=1`` or ``-m matrix``): every family x
   inductor x 2 resolutions x 2 batch sizes after a warmup over that box, 0
   recompiles; ``UNET_COMPILER_TEST_MATRIX_BACKENDS=inductor,triton`` adds the
-  triton backend (on CPU under the interpreter: slow).
-The compatibility table: ``python tests/families.py`` (or ``-s`` on the matrix
-lane, which prints it at the end).
+  triton backend (meant for CUDA: on CPU the interpreter takes minutes per forward).
+The compatibility table: ``python tests/families.py`` (inductor, one warmed shape
+per family), or ``-s`` on either lane, which prints the rows of the cases that ran.
+Each lane takes ~1.5 min (default) / ~7 min (matrix) on a shared 2-core CPU.
 """
 from __future__ import annotations
 
