@@ -107,7 +107,9 @@ def unet_inputs(unet, family: str, shape: Shape, tokens: int, dtype, device) -> 
     t = torch.full((b,), 500.0, device=device)
     if family == "comfy":
         kwargs = {"context": rnd(b, tokens, context_dim(unet))}
-        if unet.num_classes is not None:
+        if isinstance(getattr(unet, "label_emb", None), torch.nn.Embedding):  # class labels (x4 upscaler's noise level)
+            kwargs["y"] = torch.randint(0, unet.label_emb.num_embeddings, (b,), generator=g).to(device)
+        elif unet.num_classes is not None:
             kwargs["y"] = rnd(b, unet.label_emb[0][0].in_features)  # SDXL: ADM vector (2816)
         return (rnd(b, unet.in_channels, lh, lw), t), kwargs
     cfg = unet.config

@@ -13,7 +13,7 @@ import torch
 
 from ..compiler.config import CompileConfig
 from ..compiler.runtime import Accelerator, _is_interrupt
-from ..compiler.shapes import parse_shapes, unet_inputs
+from ..compiler.shapes import context_dim, parse_shapes, unet_inputs
 from ..compiler.api import warmup_runs
 from . import feedback
 
@@ -152,18 +152,41 @@ class SamplingCall:
             self.patched = False
             return self._call(shape, patched=False)
 
+    def conds(self, shape):
+        """(latent x, apply_model conditioning) at ``shape``: the conditioning the model's own
+        ``extra_conds`` builds from a random prompt embedding, as the sampler's process_conds
+        does (SDXL's ADM vector, inpainting / pix2pix / upscaler concat channels, the x4
+        upscaler's noise level, SVD's frame count = the batch); a model whose extra_conds
+        wants more gets random tensors of the UNet's own input sizes instead."""
+        base = self.model.model
+        unet = base.diffusion_model
+        g = torch.Generator(device="cpu").manual_seed(0)
+        latent_c = base.latent_format.latent_channels
+        lh, lw = shape.height // 8, shape.width // 8
+        x = torch.randn(shape.batch, latent_c, lh, lw, generator=g).to(self.device, self.dtype)
+        ctx = torch.randn(shape.batch, self.tokens, context_dim(unet), generator=g).to(self.device, self.dtype)
+        try:
+            made = base.extra_conds(noise=x, device=self.device, width=shape.width, height=shape.height,
+                                    prompt_type="positive", seed=0, cross_attn=ctx,
+                                    pooled_output=torch.randn(1, 1280, generator=g).to(self.device, self.dtype))
+            c = {k: v.process_cond(batch_size=shape.batch, device=self.device, area=None).cond for k, v in made.items()}
+            if "c_crossattn" in c:
+                return x, c
+        except Exception as e:
+            if _is_interrupt(e):
+                raise
+            log.debug("UNet Compiler: warmup conditioning from extra_conds failed", exc_info=True)
+        (xin, _), kw = unet_inputs(unet, "comfy", shape, self.tokens, self.dtype, self.device)
+        c = {"c_crossattn": kw["context"], **({"y": kw["y"]} if "y" in kw else {})}
+        if xin.shape[1] > latent_c:  # inpainting / pix2pix / upscaler: the extra channels arrive as c_concat
+            c["c_concat"] = xin[:, latent_c:]
+        return xin[:, :latent_c], c
+
     def _call(self, shape, patched: bool):
         import uuid
         base = self.model.model
-        unet = base.diffusion_model
         with torch.inference_mode():
-            (x, _), kw = unet_inputs(unet, "comfy", shape, self.tokens, self.dtype, self.device)
-            latent_c = base.latent_format.latent_channels
-            c = {"c_crossattn": kw["context"]}
-            if "y" in kw:
-                c["y"] = kw["y"]
-            if x.shape[1] > latent_c:  # inpainting / pix2pix / upscaler: the extra channels arrive as c_concat
-                x, c["c_concat"] = x[:, :latent_c], x[:, latent_c:]
+            x, c = self.conds(shape)
             chunks = 2 if shape.batch % 2 == 0 else 1   # cond + uncond, or cfg 1
             cond_or_uncond = [0, 1][:chunks]
             sigma = self.sample_sigmas[0].expand(shape.batch // chunks).clone()

@@ -277,3 +277,23 @@ def test_matrix_table(request):
     if not _ROWS:
         pytest.skip("no family case ran in this session")
     print("\n" + F.table(_ROWS))
+
+
+def test_warmup_shapes_calls_every_family_as_the_sampler_does(comfy):
+    """Warmup Shapes builds each family's conditioning with the model's own extra_conds (SDXL's
+    ADM vector, inpaint / pix2pix / upscaler concat channels, the x4 upscaler's noise level,
+    SVD's frame count = the batch) and warms up without stopping. The eager backend: this is
+    about how warmup calls the model, not the regions."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    stopped = {}
+    try:
+        for fam in F.FAMILIES.values():
+            mp = F.build(fam)
+            cm, _ = patcher.compile_model(mp, CompileConfig(backend="eager"))
+            text = patcher.warmup_model(cm, "2x64x64", 77)
+            if "warmup stopped" in text or "warmed 2x64x64" not in text:
+                stopped[fam.key] = text
+    finally:
+        torch.set_num_threads(n)
+    assert not stopped, stopped
