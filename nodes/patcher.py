@@ -115,6 +115,18 @@ def patch_names(model_options: dict) -> list[str]:
     return names
 
 
+def _fits(unet, x, c) -> bool:
+    """Whether extra_conds' conditioning has the widths this UNet takes (a model built with
+    non-standard widths, e.g. a test's tiny one, gets random tensors of its own sizes instead)."""
+    concat = c.get("c_concat")
+    if x.shape[1] + (concat.shape[1] if concat is not None else 0) != unet.in_channels:
+        return False
+    label = getattr(unet, "label_emb", None)
+    if isinstance(label, torch.nn.Sequential) and "y" in c:
+        return c["y"].shape[-1] == label[0][0].in_features
+    return True
+
+
 class SamplingCall:
     """One UNet call at a warmup shape, built the way KSampler builds it
     (comfy.samplers ``_calc_cond_batch``): the patcher's wrappers, callbacks and
@@ -170,7 +182,7 @@ class SamplingCall:
                                     prompt_type="positive", seed=0, cross_attn=ctx,
                                     pooled_output=torch.randn(1, 1280, generator=g).to(self.device, self.dtype))
             c = {k: v.process_cond(batch_size=shape.batch, device=self.device, area=None).cond for k, v in made.items()}
-            if "c_crossattn" in c:
+            if "c_crossattn" in c and _fits(unet, x, c):
                 return x, c
         except Exception as e:
             if _is_interrupt(e):
