@@ -173,6 +173,7 @@ class Row:
     max_diff: float | None  # max |compiled - eager| of the sampled latent
     outcome: str = "match"
     graphs: int = 0         # dynamo graphs this case compiled (0: reused what earlier cases compiled)
+    compile_s: float = 0.0  # seconds spent in UNet calls that compiled
     notes: list = dataclasses.field(default_factory=list)   # region kinds the backend failed on
 
     def effect_text(self) -> str:
@@ -192,14 +193,14 @@ def patch_lines(text: str) -> list[str]:
 def format_table(rows: list[Row] | None = None) -> str:
     rows = ROWS if rows is None else rows
     head = ["node / stack", "family", "order", "accelerated region calls", "region calls run eager",
-            "what the report says each patch did", "max |compiled - eager|", "new graphs"]
+            "what the report says each patch did", "max |compiled - eager|", "new graphs (s)"]
     body = []
     for r in rows:
         acc = ", ".join(f"{k} {n}" for k, n in r.regions.items() if n) or "none"
         diff = "-" if r.max_diff is None else f"{r.max_diff:.2e}"
         body.append([r.case, r.family, r.order, acc, str(r.region_eager), r.effect_text(),
                      diff if r.outcome == "match" else f"{diff} ({r.outcome})" if r.max_diff is not None
-                     else r.outcome, str(r.graphs)])
+                     else r.outcome, f"{r.graphs} ({r.compile_s:.0f})"])
     widths = [max(len(x[i]) for x in [head] + body) for i in range(len(head))]
 
     def line(cells):
