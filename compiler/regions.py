@@ -16,15 +16,24 @@ import torch.nn.functional as F
 from .plan import ATTENTION, FEEDFORWARD, NORM_ACT, RESBLOCK
 
 
-def _sdpa(q, k, v, heads):
-    # explicit sizes, no -1: a view(b, -1, ...) makes dynamo guard on a
-    # divisibility expression of the sequence length, which later shapes fail
+def split_heads(q, k, v, heads):
+    """(b, n, heads*d) -> (b, heads, n, d) for q, k and v, the way ComfyUI's attention views them:
+    k and v take q's batch (its ``t.view(b, -1, heads, d)``). A patch that folds tiles into q's batch
+    only (HyperTile's attn1 patch) thereby folds k/v's tokens the same way; that is the reference."""
+    # explicit sizes, no -1: a view(b, -1, ...) makes dynamo guard on a divisibility expression of
+    # the sequence length, which later shapes fail; the common case (k, v share q's batch) keeps that
     b, n, inner = q.shape
-    m, d = k.shape[1], inner // heads
-    q = q.view(b, n, heads, d).transpose(1, 2)
-    k = k.view(b, m, heads, d).transpose(1, 2)
-    v = v.view(b, m, heads, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q, k, v)
+    d = inner // heads
+
+    def tokens(t):
+        return t.shape[1] if t.shape[0] == b else t.shape[0] * t.shape[1] // b
+    return (q.view(b, n, heads, d).transpose(1, 2), k.view(b, tokens(k), heads, d).transpose(1, 2),
+            v.view(b, tokens(v), heads, d).transpose(1, 2))
+
+
+def _sdpa(q, k, v, heads):
+    b, n, inner = q.shape
+    out = F.scaled_dot_product_attention(*split_heads(q, k, v, heads))
     return out.transpose(1, 2).reshape(b, n, inner)
 
 

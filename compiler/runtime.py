@@ -174,22 +174,30 @@ class Accelerator:
         except Exception as e:
             if _is_interrupt(e):
                 raise
-            self.failed[kind] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
-            msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
-                   f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
-            log.warning(msg, exc_info=True)
-            self.report.notes.append(msg)
-            if self.on_fallback is not None:
-                try:
-                    self.on_fallback(kind, self.failed[kind])
-                except Exception:  # a listener must not turn a soft fallback into a crash
-                    log.debug("on_fallback listener failed", exc_info=True)
-            self.stats["region_eager"] += 1
-            if eager_kwargs is None:
-                return original(module, *args)
-            return original(module, args[0], **eager_kwargs)
-        self.stats[f"ran_{kind}"] += 1
+            error = e
+        else:
+            self.stats[f"ran_{kind}"] += 1
+            return out
+        # The accelerated path raised. The model's own code runs on the same inputs, outside the
+        # except block: if it raises too, the error is the model's (ComfyUI would raise it the same
+        # way), so it propagates untouched, nothing of the pack's chained to it, and the kind stays on.
+        self.stats["region_eager"] += 1
+        out = original(module, *args) if eager_kwargs is None else original(module, args[0], **eager_kwargs)
+        self._turn_off(kind, error)
         return out
+
+    def _turn_off(self, kind, error):
+        """The backend failed where the model's own code runs: ``kind`` regions run eager from now on."""
+        self.failed[kind] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
+               f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
+        log.warning(msg, exc_info=error)
+        self.report.notes.append(msg)
+        if self.on_fallback is not None:
+            try:
+                self.on_fallback(kind, self.failed[kind])
+            except Exception:  # a listener must not turn a soft fallback into a crash
+                log.debug("on_fallback listener failed", exc_info=True)
 
     # ---- one UNet call -----------------------------------------------------
     @contextlib.contextmanager

@@ -141,6 +141,34 @@ def kohya_lora(mp, scale=0.3, seed=3, te_keys=()):
     return sd
 
 
+class IPAdapterAttn2:
+    """What IPAdapter-style packs register with ``set_model_attn2_replace``: a callable
+    object holding extra to_k_ip / to_v_ip projections and image tokens; it runs the text
+    attention plus a weighted image attention."""
+
+    calls = 0   # class-wide: ModelPatcher.clone deep-copies model_options, patch objects included
+
+    def __init__(self, weight=0.7, tokens=4, seed=21):
+        self.weight, self.tokens, self.seed = weight, tokens, seed
+        self.layers = {}
+
+    def _ip(self, dim):
+        if dim not in self.layers:
+            g = torch.Generator().manual_seed(self.seed + dim)
+            emb = torch.randn(1, self.tokens, 64, generator=g)
+            wk, wv = (torch.randn(dim, 64, generator=g) / 8 for _ in range(2))
+            self.layers[dim] = (emb @ wk.T, emb @ wv.T)
+        return self.layers[dim]
+
+    def __call__(self, q, k, v, extra_options):
+        from comfy.ldm.modules.attention import optimized_attention
+        type(self).calls += 1
+        heads = extra_options["n_heads"]
+        out = optimized_attention(q, k, v, heads)
+        ip_k, ip_v = (t.to(q).expand(q.shape[0], -1, -1) for t in self._ip(q.shape[-1]))
+        return out + self.weight * optimized_attention(q, ip_k, ip_v, heads)
+
+
 # ---- sampling --------------------------------------------------------------------------
 def sample(model, pos, neg, size=(8, 8), steps=STEPS, cfg=CFG, seed=SEED):
     """KSampler (euler / normal, denoise 1) on an empty latent of size (h, w) (x8 pixels)."""

@@ -152,32 +152,7 @@ def tome(ctx, m):
     return H.node(TomePatchModel, m, 0.5)
 
 
-class IPAdapterAttn2:
-    """What IPAdapter-style packs register with ``set_model_attn2_replace``: a callable
-    object holding extra to_k_ip / to_v_ip projections and image tokens; it runs the text
-    attention plus a weighted image attention."""
-
-    calls = 0   # class-wide: ModelPatcher.clone deep-copies model_options, patch objects included
-
-    def __init__(self, weight=0.7, tokens=4, seed=21):
-        self.weight, self.tokens, self.seed = weight, tokens, seed
-        self.layers = {}
-
-    def _ip(self, dim):
-        if dim not in self.layers:
-            g = torch.Generator().manual_seed(self.seed + dim)
-            emb = torch.randn(1, self.tokens, 64, generator=g)
-            wk, wv = (torch.randn(dim, 64, generator=g) / 8 for _ in range(2))
-            self.layers[dim] = (emb @ wk.T, emb @ wv.T)
-        return self.layers[dim]
-
-    def __call__(self, q, k, v, extra_options):
-        from comfy.ldm.modules.attention import optimized_attention
-        type(self).calls += 1
-        heads = extra_options["n_heads"]
-        out = optimized_attention(q, k, v, heads)
-        ip_k, ip_v = (t.to(q).expand(q.shape[0], -1, -1) for t in self._ip(q.shape[-1]))
-        return out + self.weight * optimized_attention(q, ip_k, ip_v, heads)
+IPAdapterAttn2 = H.IPAdapterAttn2
 
 
 def ipadapter_attn2(ctx, m):
@@ -309,14 +284,10 @@ class KnownPackBug(AssertionError):
 #: (case-name substring, model kinds) -> the pack's known bug. The case xfails strictly on exactly
 #: that check (parity, the error's type and message, the report are still asserted); a fix turns
 #: the xfail into a failure that asks for the entry's removal.
-KNOWN_BUGS = {
-    ("HyperTile", ("sd15", "sdxl")):
-        "attention bodies assume q and k/v share a batch; HyperTile folds its tiles into q's batch only, "
-        "the compiled attention raises, and the pack turns attention off for the whole model",
-    (FAILS_IN_COMFYUI, ("sd15", "sdxl")):
-        "a region whose model code raises (here GroupNorm on a 1x1 middle) is taken for an inductor failure: "
-        "the model's error is re-raised chained to dynamo's (a few hundred lines), from inside the pack's "
-        "fallback, and the region kind is turned off for the rest of the model's life",
+KNOWN_BUGS: dict = {
+    # none open. Fixed: HyperTile's attn1 patch folds tiles into q's batch only (attention bodies view
+    # k/v with q's batch as ComfyUI does); a model error inside a region (GroupNorm on a 1x1 middle)
+    # propagates untouched and leaves the region kind on
 }
 
 

@@ -214,9 +214,7 @@ class Bodies:
 
     def attend(self, q, k, v, heads):
         b, n, inner = q.shape
-        m, d = k.shape[1], inner // heads
-        qh, kh, vh = (q.view(b, n, heads, d).transpose(1, 2), k.view(b, m, heads, d).transpose(1, 2),
-                      v.view(b, m, heads, d).transpose(1, 2))
+        qh, kh, vh = R.split_heads(q, k, v, heads)
         out = self.pick("attention", (qh, kh, vh), lambda: self.KA.attention(qh, kh, vh),
                         lambda: F.scaled_dot_product_attention(qh, kh, vh))
         return out.transpose(1, 2).reshape(b, n, inner)
