@@ -338,6 +338,19 @@ def bench(args):
     _print_table(args, rows, flops)
     if args.out:
         _save(args, rows, kernel_rows)
+    if args.compat:
+        _print_compat()
+
+
+def _print_compat():
+    """The model-family compatibility table (README "Compatibility"), measured now."""
+    from . import families
+    if families.comfy_path() is None:
+        print("\ncompatibility table: skipped: no ComfyUI tree (set COMFYUI_PATH or install it at ~/comfy/ComfyUI)")
+        return
+    print("\nCompatibility: every ComfyUI openaimodel.UNetModel family at tiny widths, random weights, "
+          "inductor, latent 16x16, batch 2, compiled vs the model's own code on the same inputs (CPU)")
+    print(families.table(families.compat_rows(log=lambda m: print("  " + m, flush=True))))
 
 
 def _print_table(args, rows, flops):
@@ -396,9 +409,17 @@ def main(argv=None):
     b.add_argument("--out", default="", help="folder for the table as JSON and a PNG plot (e.g. docs)")
     b.add_argument("--bf16-eager", action="store_true", help="add an eager row with the model in bf16")
     b.add_argument("--skip-whole", action="store_true", help="skip the whole-model torch.compile baseline")
+    b.add_argument("--compat", action="store_true",
+                   help="after the bench table, the model-family compatibility table (needs a ComfyUI tree: "
+                        "COMFYUI_PATH or ~/comfy/ComfyUI)")
     b.add_argument("--row", default="", help=argparse.SUPPRESS)  # internal: one row, in a fresh process
+    sub.add_parser("compat", add_help=False,
+                   help="the model-family compatibility table alone (python -m unet_compiler compat --help)")
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["compat"]:
+        from .families import main as compat_main
+        return compat_main(argv[1:])
     args = p.parse_args(argv)
     args.argv = argv[1:]  # what a row's process is started with (after the 'bench' command)
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:

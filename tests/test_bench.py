@@ -74,3 +74,24 @@ def test_backend_suffix_is_checked():
     with pytest.raises(SystemExit, match=r"the only suffix is \+graphs"):
         main(["bench", "--size", "tiny", "--latent", "2", "--backend", "triton+fast", "--skip-whole",
               "--reuse-cache", "--device", "cpu"])
+
+
+def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
+    """--compat: after the bench table, the family table measured in this run (here one family on
+    the eager backend, to keep it short) or one line saying why there is none."""
+    from unet_compiler import families
+    real = families.compat_rows
+    monkeypatch.setattr(families, "compat_rows", lambda log=None: real("eager", (8, 8), 1, ["sd15"], log))
+    argv = ["bench", "--size", "tiny", "--latent", "4", "--batch", "1", "--iters", "1", "--backend", "eager",
+            "--skip-whole", "--reuse-cache", "--device", "cpu", "--compat"]
+    if families.comfy_path() is None:
+        main(argv)
+        assert "compatibility table: skipped: no ComfyUI tree" in capsys.readouterr().out
+        return
+    main(argv)
+    out = capsys.readouterr().out
+    assert "| family | accelerated regions | left eager (why) | max abs diff |" in out, out
+    assert "| SD1.5 | none |" in out, out   # the eager backend accelerates nothing, and says so
+    monkeypatch.setattr(families, "comfy_path", lambda: None)
+    main(argv)
+    assert "compatibility table: skipped: no ComfyUI tree" in capsys.readouterr().out

@@ -1,7 +1,7 @@
 """Every UNet family ComfyUI loads through openaimodel.UNetModel (issue 14, part 1).
 
 Each family is built by its own ``comfy.supported_models`` class from ComfyUI's
-own config (tests/families.py: the loader's config table / checkpoint
+own config (families.py: the loader's config table / checkpoint
 detection, widths shrunk, structure kept), random weights, in a real
 ModelPatcher, and driven through ``apply_model`` with the conditioning its own
 ``extra_conds`` builds (c_concat, y, frames, ...).
@@ -18,38 +18,24 @@ Lanes:
   inductor x 2 resolutions x 2 batch sizes after a warmup over that box, 0
   recompiles; ``UNET_COMPILER_TEST_MATRIX_BACKENDS=inductor,triton`` adds the
   triton backend (meant for CUDA: on CPU the interpreter takes minutes per forward).
-The compatibility table: ``python tests/families.py`` (inductor, one warmed shape
+The compatibility table: ``python -m unet_compiler compat`` (inductor, one warmed shape
 per family), or ``-s`` on either lane, which prints the rows of the cases that ran.
 Each lane takes ~1.5 min (default) / ~7 min (matrix) on a shared 2-core CPU.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from unet_compiler import families as F  # noqa: N812
 from unet_compiler.compiler import api
 from unet_compiler.compiler import plan as P
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.shapes import Shape
 from unet_compiler.nodes import patcher
 
-
-def _load_families():
-    name = "unet_compiler_test_families"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("families.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-F = _load_families()
 pytestmark = pytest.mark.comfy
 
 #: the CI diagonal (uncompiled bodies): two resolutions and both batch sizes (videos of

@@ -1,9 +1,12 @@
 """Every ``openaimodel.UNetModel`` family ComfyUI loads, built at tiny widths
 from ComfyUI's own configs, with the conditioning ComfyUI's own model classes
-build for it. Used by tests/test_families.py; run it directly for the
-compatibility table::
+build for it: the compatibility table's source. Used by tests/test_families.py and
+the bench; the table alone::
 
-    python tests/families.py [--backend triton|inductor|eager] [families...]
+    python -m unet_compiler compat [--backend triton|inductor|eager] [families...]
+
+(``python -m unet_compiler bench --compat`` prints it after the bench table.) It needs a
+ComfyUI tree (``COMFYUI_PATH`` or ``~/comfy/ComfyUI``); nothing is downloaded.
 
 Where each config comes from:
 
@@ -320,7 +323,7 @@ def make_inputs(fam: Family, mp, batch: int, h: int, w: int, seed: int = 1, toke
 
 def apply(mp, fam: Family, batch: int, h: int, w: int, seed: int = 1):
     """One sampling-style apply_model call (the patcher's wrappers merged in as KSampler does)."""
-    from unet_compiler.nodes import patcher
+    from .nodes import patcher
     x, sigma, kw = make_inputs(fam, mp, batch, h, w, seed)
     to = patcher.sampling_transformer_options(mp)
     with torch.inference_mode():
@@ -358,34 +361,49 @@ def table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log=None) -> list[Row]:
+    """Build each family (default all), compile it, warm one shape, run it against the model's
+    own code on the same inputs: the table's rows. Needs ComfyUI (``import_comfy``)."""
+    import_comfy()
+    from .compiler import api
+    from .compiler.config import CompileConfig
+    from .compiler.shapes import Shape
+    from .nodes import patcher
+    h, w = latent
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: dispatch-bound
+    rows = []
+    try:
+        for key in families or FAMILIES:
+            fam = FAMILIES[key]
+            mp = build(fam)
+            cm, _ = patcher.compile_model(mp, CompileConfig(backend=backend))
+            accel = patcher.accelerator_of(cm)
+            api.warmup_runs(accel, [Shape(batch, w * 8, h * 8)],
+                            lambda s, cm=cm, fam=fam: apply(cm, fam, s.batch, h, w))
+            out = apply(cm, fam, batch, h, w, seed=3)
+            with accel.bypass():
+                ref = apply(cm, fam, batch, h, w, seed=3)
+            rows.append(row(fam, accel, float((out - ref).abs().max())))
+            if log is not None:
+                log(f"{fam.label}: done")
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
 def main(argv=None):
-    """Build each family, compile it, warm one shape, run it and print the table."""
+    """``python -m unet_compiler compat``: the compatibility table."""
     import argparse
-    ap = argparse.ArgumentParser(description="UNet Compiler: the model-family compatibility table")
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler compat",
+                                 description="UNet Compiler: the model-family compatibility table")
     ap.add_argument("--backend", default="inductor", help="inductor (default), triton (CUDA), ipex, eager")
     ap.add_argument("--latent", default="16x16", help="latent HxW (16x16 = 128 px)")
     ap.add_argument("--batch", type=int, default=2, help="batch (videos of FRAMES frames for video families)")
     ap.add_argument("families", nargs="*", default=list(FAMILIES), help=f"default all: {' '.join(FAMILIES)}")
     a = ap.parse_args(argv)
     h, w = (int(v) for v in a.latent.lower().split("x"))
-    import_comfy()
-    from unet_compiler.compiler import api
-    from unet_compiler.compiler.config import CompileConfig
-    from unet_compiler.compiler.shapes import Shape
-    from unet_compiler.nodes import patcher
-    torch.set_num_threads(1)  # tiny models: dispatch-bound
-    rows = []
-    for key in a.families:
-        fam = FAMILIES[key]
-        mp = build(fam)
-        cm, _ = patcher.compile_model(mp, CompileConfig(backend=a.backend))
-        accel = patcher.accelerator_of(cm)
-        api.warmup_runs(accel, [Shape(a.batch, w * 8, h * 8)], lambda s, cm=cm, fam=fam: apply(cm, fam, s.batch, h, w))
-        out = apply(cm, fam, a.batch, h, w, seed=3)
-        with accel.bypass():
-            ref = apply(cm, fam, a.batch, h, w, seed=3)
-        rows.append(row(fam, accel, float((out - ref).abs().max())))
-        print(f"{fam.label}: done", file=sys.stderr)
+    rows = compat_rows(a.backend, (h, w), a.batch, a.families, log=lambda m: print(m, file=sys.stderr))
     print(table(rows))
 
 
