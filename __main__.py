@@ -255,7 +255,8 @@ def bench_row(args):
                max_abs_diff=float((out.float() - ref.float()).abs().max()), peak_mib=peak,
                shape_changes=[dict(change=lbl, graphs=g, seconds=sec) for lbl, g, sec in trans], report=text,
                pid=os.getpid(), caches={k: os.environ.get(v) for k, v in (
-                   ("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"))})
+                   ("inductor", "TORCHINDUCTOR_CACHE_DIR"), ("triton", "TRITON_CACHE_DIR"),
+                   ("pack", "UNET_COMPILER_CACHE_DIR"))})
     print(ROW_TAG + json.dumps(row), flush=True)
 
 
@@ -271,6 +272,7 @@ def _run_row(args, spec) -> dict:
         fresh = tempfile.mkdtemp(prefix="unet_compiler_bench_row_")
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
         env["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
+        env["UNET_COMPILER_CACHE_DIR"] = os.path.join(fresh, "unet_compiler")  # the pack's own cache: cold too
     cmd = [sys.executable, "-m", __package__ or "unet_compiler", "bench", *args.argv, "--row", spec]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
     row = None
@@ -425,6 +427,7 @@ def main(argv=None):
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_bench_")
+        os.environ.setdefault("UNET_COMPILER_CACHE_DIR", os.path.join(os.environ["TORCHINDUCTOR_CACHE_DIR"], "pack"))
     if args.kernels_only and not args.kernels:
         args.kernels = "all"
     if args.backend is None:

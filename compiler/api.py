@@ -111,16 +111,32 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     the accelerator warmed (later compiles are counted as recompiles)."""
     rep = accel.report
 
+    compiled_before = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
+
     def timed(shape, label):
-        g0 = accel.stats["graphs_compiled"]
+        g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
         t0 = time.perf_counter()
         out = run_one(shape)
         if isinstance(out, torch.Tensor) and out.is_cuda:
             torch.cuda.synchronize(out.device)  # the seconds are the GPU's, not the launch queue's
         secs = time.perf_counter() - t0
         rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
+        rep.from_cache[label] = accel.stats["graphs_from_cache"] - c0
         return out, secs
 
+    accel.defer_cache_save = True
+    try:
+        _warm(accel, shapes, timed, run_one, on_shape, compare)
+    finally:
+        accel.defer_cache_save = False
+    if accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] > compiled_before:
+        accel.save_cache()  # once, with every shape's code new to the cache
+    accel.warmed = True
+    return rep
+
+
+def _warm(accel, shapes, timed, run_one, on_shape, compare):
+    rep = accel.report
     for probe in warmup_probes(accel, shapes):
         timed(probe, f"{probe.label} (probe)")
     for i, shape in enumerate(shapes):
@@ -135,8 +151,6 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                                                      if accel.config.precision in ("fp16", "bf16") else "")
         if on_shape is not None:
             on_shape(i, shape, secs)
-    accel.warmed = True
-    return rep
 
 
 def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> str:

@@ -16,6 +16,7 @@ class Report:
     skipped: list = field(default_factory=list)       # (kind, count, reason)
     notes: list = field(default_factory=list)
     warmup: list = field(default_factory=list)        # (shape label, seconds, graphs compiled)
+    from_cache: dict = field(default_factory=dict)    # shape label -> graphs of those taken from the compile cache
     max_abs_diff: float | None = None
     diff_label: str = ""
 
@@ -31,13 +32,18 @@ class Report:
         lines += [f"  left eager: {k} x{n}: {why}" for k, n, why in self.skipped]
         lines += [f"  note: {n}" for n in self.notes]
         for label, secs, graphs in self.warmup:
-            lines.append(f"  warmed {label}: {secs:.1f} s, {graphs} graph(s) compiled")
+            cached = self.from_cache.get(label, 0)
+            how = (", all from the compile cache" if cached and cached >= graphs else
+                   f", {cached} of them from the compile cache" if cached else "")
+            lines.append(f"  warmed {label}: {secs:.1f} s, {graphs} graph(s) compiled{how}")
         if self.max_abs_diff is not None:
             lines.append(f"  max |compiled - eager| {self.diff_label}: {self.max_abs_diff:.3g}")
         if stats is not None:
             lines.append(
                 f"  calls: {stats.get('calls', 0)} accelerated, {stats.get('eager_calls', 0)} eager; "
-                f"graphs compiled: {stats.get('graphs_compiled', 0)}; recompiles after warmup: "
+                f"graphs compiled: {stats.get('graphs_compiled', 0)}"
+                + (f" ({stats['graphs_from_cache']} from the compile cache)" if stats.get("graphs_from_cache") else "")
+                + "; recompiles after warmup: "
                 f"{stats.get('recompiles_after_warmup', 0)}; region calls run eager for patches/lowvram: "
                 f"{stats.get('region_eager', 0)}")
             if stats.get("compile_seconds"):

@@ -18,6 +18,7 @@ import torch
 from . import plan as P
 from . import weights
 from .backends import resolve
+from .cache import CompileCache
 from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
 from .config import DISABLE_ENV, CompileConfig, disabled_by_env
@@ -31,6 +32,12 @@ _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 def _graph_count() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+def cache_hits() -> int:
+    """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
+    from torch._dynamo.utils import counters
+    return int(counters["inductor"]["fxgraph_cache_hit"])
 
 
 def _is_interrupt(e: BaseException) -> bool:
@@ -83,6 +90,12 @@ class Accelerator:
                              f"kept auto. Fix: start ComfyUI with --force-fp32")
 
         self.graphs = self._graphs(device)
+        #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
+        self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
+        if self.cache is not None:
+            self.cache.load()
+        #: warmup saves the cache once at its end, not after each shape
+        self.defer_cache_save = False
         impls = self.backend.impls(self.config)
         self._shims = []
         counts: Counter = Counter()
@@ -217,7 +230,7 @@ class Accelerator:
             return
         weights.set_epoch(weight_epoch)
         installed = []
-        before = self._compiled()
+        before, hits_before = self._compiled(), cache_hits()
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
@@ -240,13 +253,23 @@ class Accelerator:
                 self.stats["calls"] += 1
                 if new:
                     self.stats["graphs_compiled"] += new
+                    hits = cache_hits() - hits_before
+                    self.stats["graphs_from_cache"] += hits
                     self.stats["compile_seconds"] += time.perf_counter() - t0
+                    if hits < new and not self.defer_cache_save:  # something new to keep
+                        self.save_cache()
                     if self.warmed:
                         self.stats["recompiles_after_warmup"] += new
                         log.warning("UNet Compiler: %d graph(s) compiled after warmup (a shape outside the "
                                     "warmed range?)", new)
 
+    def save_cache(self):
+        """Write what compiled so far to the persistent compile cache (never raises)."""
+        if self.cache is not None:
+            self.cache.save()
+
     def text(self) -> str:
         extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])
+        extra += self.cache.lines() if self.cache is not None else []
         extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(self.patches_seen.items())]
         return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

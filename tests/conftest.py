@@ -14,6 +14,14 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# the pack's persistent compile cache is off in tests (tests/test_cache.py turns it on for itself):
+# a test counts the graphs it compiles, and the cache would also move torch's inductor cache out of
+# /tmp. Where one is turned on, it writes to a fresh folder per session, never ~/.cache.
+os.environ.setdefault("UNET_COMPILER_CACHE", "off")
+if "UNET_COMPILER_CACHE_DIR" not in os.environ:
+    import tempfile
+    os.environ["UNET_COMPILER_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_test_cache_")
+
 COMFY_SKIP = "ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI (see DEVELOPERS.md)"
 
 

@@ -41,6 +41,7 @@ CHECKPOINT_NAME = "unet_compiler_random_sd15.safetensors"
 # Bump when the builder below changes, so a cached file is not reused.
 CHECKPOINT_FORMAT_VERSION = "1"
 SERVER_READY_TIMEOUT_S = 120.0
+TEST_NODE = Path(__file__).resolve().parent / "comfy_test_node"
 
 
 def pytest_configure(config):
@@ -262,6 +263,7 @@ class ComfyServer:
     output_dir: Path
     comfyui_path: Path
     pack_dir: Path  # the symlink in the server's custom_nodes folder
+    model_dirs: dict = field(default_factory=dict)  # "loras" / "controlnet" -> the folder the server lists
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     _object_info: dict | None = None
 
@@ -336,7 +338,9 @@ def comfy_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
     custom_nodes.mkdir()
     # The folder name is the module name ComfyUI derives; any name works.
     (custom_nodes / PACK_ROOT.name).symlink_to(PACK_ROOT, target_is_directory=True)
-    dirs = {name: root / name for name in ("output", "input", "temp", "user")}
+    # a test-only node that registers an IPAdapter-style attn2 replace (tests/e2e/comfy_test_node)
+    (custom_nodes / "unet_compiler_test_node").symlink_to(TEST_NODE, target_is_directory=True)
+    dirs = {name: root / name for name in ("output", "input", "temp", "user", "loras", "controlnet")}
     for d in dirs.values():
         d.mkdir()
 
@@ -346,6 +350,8 @@ def comfy_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
         "unet_compiler_e2e:\n"
         f"    base_path: {json.dumps(str(root))}\n"
         f"    checkpoints: {json.dumps(str(sd15_checkpoint.parent))}\n"
+        f"    loras: {json.dumps(str(dirs['loras']))}\n"
+        f"    controlnet: {json.dumps(str(dirs['controlnet']))}\n"
         f"    custom_nodes: {json.dumps(str(custom_nodes))}\n"
     )
 
@@ -388,6 +394,7 @@ def comfy_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
         output_dir=dirs["output"],
         comfyui_path=comfyui_path,
         pack_dir=custom_nodes / PACK_ROOT.name,
+        model_dirs={"loras": dirs["loras"], "controlnet": dirs["controlnet"]},
     )
     try:
         t0 = time.time()
@@ -499,3 +506,107 @@ def fetch_image(server: ComfyServer, image: dict):
     data = server.get(f"/view?{query}")
     with Image.open(io.BytesIO(data)) as im:
         return np.asarray(im.convert("RGB"))
+
+
+# --------------------------------------------------------------------------
+# Random-weight LoRA, ControlNet and T2I-Adapter for the SD1.5 checkpoint
+# --------------------------------------------------------------------------
+
+PATCH_ASSETS = {"lora": "unet_compiler_random_sd15_lora.safetensors",
+                "controlnet": "unet_compiler_random_sd15_controlnet.safetensors",
+                "t2i": "unet_compiler_random_sd15_t2i_adapter.safetensors"}
+
+# Runs in a subprocess with cwd = the ComfyUI tree. argv[1] = the checkpoint, argv[2] = the output
+# folder. A generic-format LoRA (rank 4) on every attention to_k/to_v and ResBlock in_layers conv
+# of the checkpoint's UNet; a ControlNet from comfy.cldm with SD1.5's UNet config (the layout of
+# the original control_v11 .pth files: "control_model." prefix); a T2I-Adapter (SD1.5 full
+# adapter: 8x pixel unshuffle, 320-1280 channels). Each is loaded back by ComfyUI's own loader.
+_BUILD_PATCH_ASSETS_SCRIPT = r'''
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+ckpt, out_dir = sys.argv[1], sys.argv[2]
+t0 = time.time()
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.cldm.cldm, comfy.controlnet, comfy.ops, comfy.utils
+from comfy.t2i_adapter.adapter import Adapter
+from safetensors import safe_open
+g = torch.Generator().manual_seed(5)
+
+def save(sd, name):
+    tmp = os.path.join(out_dir, name + ".%d.partial" % os.getpid())
+    comfy.utils.save_torch_file({k: v.contiguous() for k, v in sd.items()}, tmp)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+lora = {}
+with safe_open(ckpt, "pt") as f:
+    for k in f.keys():
+        if k.startswith("model.diffusion_model.") and k.endswith(".weight") and (
+                k.endswith(("attn1.to_k.weight", "attn2.to_k.weight", "attn2.to_v.weight", "in_layers.2.weight"))):
+            w = f.get_slice(k)
+            shape = w.get_shape()
+            name = k[len("model."):-len(".weight")]
+            extra = tuple(shape[2:])
+            lora[name + ".lora_down.weight"] = (torch.randn((4, shape[1]) + extra, generator=g) * 0.05).half()
+            lora[name + ".lora_up.weight"] = (torch.randn((shape[0], 4) + (1,) * len(extra), generator=g) * 0.05).half()
+            lora[name + ".alpha"] = torch.tensor(4.0)
+save(lora, sys.argv[3])
+
+@torch.no_grad()
+def random_init(root, scale):
+    for mod in root.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if isinstance(mod, (torch.nn.GroupNorm, torch.nn.LayerNorm)):
+                p.fill_(1.0 if name == "weight" else 0.0)
+            elif name == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, scale, generator=g)
+
+cfg = dict(image_size=32, in_channels=4, model_channels=320, hint_channels=3,
+           num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
+           transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_middle=1,
+           use_spatial_transformer=True, use_linear_in_transformer=False,
+           context_dim=768, num_heads=8, num_head_channels=-1, legacy=False,
+           adm_in_channels=None, use_checkpoint=False)
+cn = comfy.cldm.cldm.ControlNet(**cfg, dtype=torch.float16, device="cpu", operations=comfy.ops.disable_weight_init)
+random_init(cn, 0.02)
+save({"control_model." + k: v for k, v in cn.state_dict().items()}, sys.argv[4])
+
+ad = Adapter(cin=3 * 64, channels=[320, 640, 1280, 1280], nums_rb=2, ksize=1, sk=True, use_conv=False, xl=False)
+random_init(ad, 0.02)
+save({k: v.half() for k, v in ad.state_dict().items()}, sys.argv[5])
+
+for name, kind in ((sys.argv[4], comfy.controlnet.ControlNet), (sys.argv[5], comfy.controlnet.T2IAdapter)):
+    net = comfy.controlnet.load_controlnet(os.path.join(out_dir, name))
+    if not isinstance(net, kind):
+        raise RuntimeError("%s loads as %r, not %s" % (name, type(net), kind.__name__))
+print("built LoRA (%d tensors), ControlNet, T2I-Adapter in %.1f s" % (len(lora), time.time() - t0))
+'''
+
+
+@pytest.fixture(scope="session")
+def patch_assets(comfyui_path, sd15_checkpoint, comfy_server):
+    """A random LoRA, ControlNet and T2I-Adapter for the SD1.5 checkpoint, in the server's
+    loras / controlnet folders (built beside the checkpoint, kept where it is kept)."""
+    folder = sd15_checkpoint.parent
+    paths = {k: folder / v for k, v in PATCH_ASSETS.items()}
+    if not all(p.is_file() for p in paths.values()):
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", _BUILD_PATCH_ASSETS_SCRIPT, str(sd15_checkpoint), str(folder),
+                               PATCH_ASSETS["lora"], PATCH_ASSETS["controlnet"], PATCH_ASSETS["t2i"]],
+                              cwd=str(comfyui_path), env=_subprocess_env(), capture_output=True, text=True,
+                              timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the LoRA/ControlNet/T2I files failed (rc={proc.returncode}):\n"
+                               f"{(proc.stdout + proc.stderr)[-6000:]}")
+        print(f"\n[e2e] {proc.stdout.strip().splitlines()[-1]} (wall {time.time() - t0:.1f} s)")
+    for kind, path in paths.items():
+        link = comfy_server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
+        if not link.exists():
+            link.symlink_to(path)
+    yield {k: p.name for k, p in paths.items()}
+    if not os.environ.get("UNET_COMPILER_TEST_CACHE"):
+        for p in paths.values():
+            p.unlink(missing_ok=True)

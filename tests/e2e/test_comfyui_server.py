@@ -10,6 +10,7 @@ Run: pytest tests/e2e -q --import-mode=importlib   (select/deselect with -m e2e)
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -40,7 +41,7 @@ MAX_EAGER_RERUN_REL_L2 = 1e-6
 WARMUP_SHAPES = f"2x{SIZE}x{SIZE}"
 
 
-def txt2img_prompt(ckpt_name: str, filename_prefix: str, model_ref=("1", 0)) -> dict:
+def txt2img_prompt(ckpt_name: str, filename_prefix: str, model_ref=("1", 0), size: int = SIZE) -> dict:
     """API-format CheckpointLoaderSimple -> CLIPTextEncode x2 -> KSampler -> VAEDecode -> SaveImage."""
     return {
         "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt_name}},
@@ -49,7 +50,7 @@ def txt2img_prompt(ckpt_name: str, filename_prefix: str, model_ref=("1", 0)) -> 
         "3": {"class_type": "CLIPTextEncode",
               "inputs": {"text": "blurry, low quality", "clip": ["1", 1]}},
         "4": {"class_type": "EmptyLatentImage",
-              "inputs": {"width": SIZE, "height": SIZE, "batch_size": 1}},
+              "inputs": {"width": size, "height": size, "batch_size": 1}},
         "5": {"class_type": "KSampler",
               "inputs": {"model": list(model_ref), "seed": SEED, "steps": 2, "cfg": 7.0,
                          "sampler_name": "euler", "scheduler": "normal", "denoise": 1.0,
@@ -245,3 +246,133 @@ def test_warmup_after_deep_shrink_through_the_api(comfy_server, sd15_checkpoint,
     rel_l2 = relative_l2(the_latent(comfy_server, entry), the_latent(comfy_server, eager))
     print(f"\n[e2e] Deep Shrink compiled vs eager latent: relative L2 error {rel_l2:.2e}")
     assert rel_l2 <= MAX_LATENT_REL_L2, f"relative L2 {rel_l2:.2e}; report: {report}"
+
+
+# ---- core patch nodes through /prompt (issue: every core patch node, compiled == eager) --------
+FULL_ENV = "UNET_COMPILER_FULL_MATRIX"
+
+
+def _model_node(class_type, **inputs):
+    return lambda model_ref: {"class_type": class_type, "inputs": {"model": list(model_ref), **inputs}}
+
+
+#: name -> (MODEL patch nodes in order, conditioning patch, what the report must name)
+MODEL_PATCHES = {
+    "FreeU": _model_node("FreeU", b1=1.1, b2=1.2, s1=0.9, s2=0.2),
+    "FreeU_V2": _model_node("FreeU_V2", b1=1.3, b2=1.4, s1=0.9, s2=0.2),
+    "PerturbedAttentionGuidance": _model_node("PerturbedAttentionGuidance", scale=3.0),
+    "SelfAttentionGuidance": _model_node("SelfAttentionGuidance", scale=0.5, blur_sigma=2.0),
+    # 32 px tiles: at 64 px the first level's 8x8 latent is cut into 2x2 tiles
+    "HyperTile": _model_node("HyperTile", tile_size=32, swap_size=1, max_depth=1, scale_depth=False),
+    "PatchModelAddDownscale": _model_node("PatchModelAddDownscale", block_number=3, downscale_factor=2.0,
+                                          start_percent=0.0, end_percent=0.35, downscale_after_skip=True,
+                                          downscale_method="bicubic", upscale_method="bicubic"),
+    "RescaleCFG": _model_node("RescaleCFG", multiplier=0.7),
+    "ModelSamplingDiscrete": _model_node("ModelSamplingDiscrete", sampling="v_prediction", zsnr=True),
+    "TomePatchModel": _model_node("TomePatchModel", ratio=0.5),
+    "IPAdapter-style attn2 replace": _model_node("UNetCompilerTest_Attn2Replace", weight=0.7),
+}
+#: what Warmup Shapes' report names for each MODEL patch (the patch's own function or class). PAG and
+#: SAG install their attn1 replace only inside sampling (post-CFG), after that report; the
+#: in-process tests check what the report says of them after sampling
+REPORTED = {"FreeU": "(FreeU.", "FreeU_V2": "(FreeU_V2.", "HyperTile": "(HyperTile.",
+            "PatchModelAddDownscale": "(PatchModelAddDownscale.", "TomePatchModel": "(TomePatchModel.",
+            "IPAdapter-style attn2 replace": "attn2 replace (IPAdapterAttn2)"}
+CONDITIONING = ("hook LoRA", "ControlNet", "T2I-Adapter")
+
+
+def _hook_lora(prompt, assets):
+    """CreateHookLora -> keyframes (1.0, then 0.25 from 50%) -> SetClipHooks -> the positive CLIPTextEncode."""
+    prompt["40"] = {"class_type": "CreateHookLora",
+                    "inputs": {"lora_name": assets["lora"], "strength_model": 1.0, "strength_clip": 1.0}}
+    prompt["41"] = {"class_type": "CreateHookKeyframe", "inputs": {"strength_mult": 1.0, "start_percent": 0.0}}
+    prompt["42"] = {"class_type": "CreateHookKeyframe",
+                    "inputs": {"strength_mult": 0.25, "start_percent": 0.5, "prev_hook_kf": ["41", 0]}}
+    prompt["43"] = {"class_type": "SetHookKeyframes", "inputs": {"hooks": ["40", 0], "hook_kf": ["42", 0]}}
+    prompt["44"] = {"class_type": "SetClipHooks",
+                    "inputs": {"clip": ["1", 1], "apply_to_conds": True, "schedule_clip": False, "hooks": ["43", 0]}}
+    prompt["2"]["inputs"]["clip"] = ["44", 0]
+
+
+def _control(prompt, assets, which, node_id, size):
+    """ControlNetLoader + ControlNetApplyAdvanced on both conditionings (a grey hint image)."""
+    pos, neg = prompt["5"]["inputs"]["positive"], prompt["5"]["inputs"]["negative"]
+    prompt["50"] = {"class_type": "EmptyImage", "inputs": {"width": size, "height": size, "batch_size": 1,
+                                                           "color": 0x9a6040}}
+    prompt[node_id] = {"class_type": "ControlNetLoader", "inputs": {"control_net_name": assets[which]}}
+    apply_id = str(int(node_id) + 1)
+    prompt[apply_id] = {"class_type": "ControlNetApplyAdvanced",
+                        "inputs": {"positive": pos, "negative": neg, "control_net": [node_id, 0],
+                                   "image": ["50", 0], "strength": 0.8, "start_percent": 0.0, "end_percent": 1.0}}
+    prompt["5"]["inputs"]["positive"], prompt["5"]["inputs"]["negative"] = [apply_id, 0], [apply_id, 1]
+
+
+def patched_prompt(ckpt, prefix, names, assets, compiled, size=SIZE):
+    """txt2img with the named patch nodes in order on the MODEL (and conditioning), then, when
+    ``compiled``, Compile UNet + Warmup Shapes right before KSampler."""
+    prompt = txt2img_prompt(ckpt, prefix, size=size)
+    model = ("1", 0)
+    for i, name in enumerate(n for n in names if n in MODEL_PATCHES):
+        prompt[str(30 + i)] = MODEL_PATCHES[name](model)
+        model = (str(30 + i), 0)
+    if "hook LoRA" in names:
+        _hook_lora(prompt, assets)
+    if "ControlNet" in names:
+        _control(prompt, assets, "controlnet", "52", size)
+    if "T2I-Adapter" in names:
+        _control(prompt, assets, "t2i", "54", size)
+    if compiled:
+        prompt["60"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": list(model)}}
+        prompt["61"] = {"class_type": "UNetCompiler_WarmupShapes",
+                        "inputs": {"model": ["60", 0], "shapes": f"2x{size}x{size}", "context_tokens": 77}}
+        model = ("61", 0)
+    prompt["5"]["inputs"]["model"] = list(model)
+    return prompt
+
+
+#: FreeU_V2 normalises each skip by its (max - min) over space: at 64 px SD1.5's deepest level is
+#: 1x1, 0/0, and plain ComfyUI's image is NaN. It runs alone at 128 px; the stack has FreeU.
+SIZES = {"FreeU_V2": 128}
+STACK = ("FreeU", "PerturbedAttentionGuidance", "HyperTile", "RescaleCFG", "ModelSamplingDiscrete",
+         "IPAdapter-style attn2 replace", "hook LoRA", "ControlNet", "T2I-Adapter")
+#: in CI: the stack of nine (every kind of patch at once); each node alone with UNET_COMPILER_FULL_MATRIX=1
+SERVER_CASES = [pytest.param(STACK, id="stack-of-9")] + [
+    pytest.param((name,), id=name.replace(" ", "_"),
+                 marks=pytest.mark.skipif(os.environ.get(FULL_ENV) != "1",
+                                          reason=f"each patch node alone through /prompt runs with {FULL_ENV}=1"))
+    for name in (*MODEL_PATCHES, *CONDITIONING)]
+
+
+@pytest.mark.parametrize("names", SERVER_CASES)
+def test_patch_nodes_through_the_api(comfy_server, sd15_checkpoint, patch_assets, eager_result, request, names):
+    """Core patch nodes (and an IPAdapter-style attn2 replace from a custom node) placed before
+    Compile UNet + Warmup Shapes, through /prompt: the compiled latent equals plain ComfyUI's with
+    the same nodes, the nodes changed the image, and the report names every UNet patch and what
+    it did to the regions. Runs after the compiled prompt, whose graphs the server reuses."""
+    request.getfixturevalue("compiled_result")
+    tag = request.node.callspec.id
+    size = max(SIZES.get(n, SIZE) for n in names)
+    t0 = time.time()
+    eager = comfy_server.run_prompt(patched_prompt(sd15_checkpoint.name, f"e2e_{tag}_eager", names,
+                                                   patch_assets, False, size), timeout=600)
+    t1 = time.time()
+    entry = comfy_server.run_prompt(patched_prompt(sd15_checkpoint.name, f"e2e_{tag}_compiled", names,
+                                                   patch_assets, True, size), timeout=1200)
+    t2 = time.time()
+    report = ui_text(entry, "61")
+    ref = the_latent(comfy_server, eager)
+    rel_l2 = relative_l2(the_latent(comfy_server, entry), ref)
+    assert np.isfinite(ref).all(), f"plain ComfyUI's latent with {names} is not finite: pick other settings"
+    if size == SIZE:
+        changed = relative_l2(ref, eager_result[1])
+    else:  # the plain image at this size
+        changed = relative_l2(ref, the_latent(comfy_server, comfy_server.run_prompt(
+            txt2img_prompt(sd15_checkpoint.name, f"e2e_{tag}_plain", size=size), timeout=600)))
+    print(f"\n[e2e] {' + '.join(names)}: compiled vs eager latent relative L2 {rel_l2:.2e}; the nodes moved the "
+          f"latent by {changed:.2e}; eager prompt {t1 - t0:.1f} s, compiled {t2 - t1:.1f} s")
+    assert f"warmed 2x{size}x{size}" in report and "without the model's patches" not in report, report
+    assert rel_l2 <= MAX_LATENT_REL_L2, f"relative L2 {rel_l2:.2e}; report: {report}"
+    assert changed > 1e-3, f"{names} did not change the image (relative L2 {changed:.2e} from plain)"
+    for name in names:
+        if name in REPORTED:
+            assert "patch " in report and REPORTED[name] in report, f"report does not name {name}:\n{report}"

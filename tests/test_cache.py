@@ -1,0 +1,162 @@
+"""compiler/cache.py: the pack's persistent compile cache (torch's Mega-Cache, one entry per
+model and setup). A second process with cold torch caches compiles nothing; a bad entry is
+never handed to torch's loader; an unwritable folder runs memory-only and says so."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from unet_compiler.compiler import cache as C
+from unet_compiler.compiler.config import CompileConfig
+
+
+@pytest.fixture
+def folder(tmp_path, monkeypatch):
+    monkeypatch.setenv(C.DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(C.MODE_ENV, raising=False)
+    monkeypatch.setattr(C, "_loaded", set())
+    return tmp_path / "cache"
+
+
+def _entry(unet, folder, config=None):
+    return C.CompileCache(unet, config or CompileConfig(backend="inductor"), "cpu")
+
+
+def test_key_covers_what_the_code_depends_on(tiny_unet, folder, monkeypatch):
+    unet = tiny_unet()
+    base = _entry(unet, folder).key
+    assert _entry(tiny_unet(seed=7), folder).key == base, "weights are graph inputs: not part of the key"
+    assert _entry(unet, folder, CompileConfig(backend="inductor", prepack_conv=False)).key != base
+    assert _entry(unet, folder, CompileConfig(backend="inductor", precision="bf16")).key != base
+    assert _entry(tiny_unet(cross_attention_dim=48), folder).key != base, "another architecture"
+    assert C.CompileCache(unet, CompileConfig(backend="inductor"), "meta").key != base, "another device"
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
+    assert _entry(unet, folder).key != base, "another torch"
+    monkeypatch.undo()
+    monkeypatch.setattr(C, "PACK_VERSION", "9.9.9")
+    assert _entry(unet, folder).key != base, "another pack version"
+
+
+def _write(entry, data: bytes, **meta_over):
+    entry.folder.mkdir(parents=True, exist_ok=True)
+    bin_path, meta_path = entry.paths
+    bin_path.write_bytes(data)
+    meta = {"format": C.FORMAT, "key": entry.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    meta.update(meta_over)
+    meta_path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt", "foreign", "no-json"])
+def test_a_bad_entry_is_discarded_before_torch_sees_it(tiny_unet, folder, monkeypatch, caplog, damage):
+    handed = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: handed.append(data))
+    entry = _entry(tiny_unet(), folder)
+    good = b"artifacts written by the pack" * 10
+    _write(entry, good)
+    bin_path, meta_path = entry.paths
+    if damage == "truncated":
+        bin_path.write_bytes(good[:17])
+    elif damage == "corrupt":
+        bin_path.write_bytes(good[:-1] + b"!")
+    elif damage == "foreign":
+        _write(entry, good, format="someone-else-1")
+    else:
+        meta_path.unlink()
+    with caplog.at_level("WARNING"):
+        assert entry.load() is False
+    assert handed == [], "nothing unverified reaches torch's (unpickling) loader"
+    assert not bin_path.exists() and not meta_path.exists(), "the bad entry is removed, to be rebuilt"
+    assert "discarded" in entry.state and "rebuilt" in entry.state
+    assert sum("compile cache entry" in r.getMessage() for r in caplog.records) == 1, "one log line"
+
+
+def test_a_good_entry_is_loaded_once_per_process(tiny_unet, folder, monkeypatch):
+    handed = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: handed.append(data))
+    entry = _entry(tiny_unet(), folder)
+    _write(entry, b"x" * 2048)
+    assert entry.load() and handed == [b"x" * 2048] and entry.state.startswith("hit")
+    assert _entry(tiny_unet(), folder).load() and len(handed) == 1, "loaded once per process"
+
+
+def test_unwritable_folder_runs_memory_only_and_says_so(tiny_unet, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(C.DIR_ENV, str(blocker / "cache"))   # mkdir fails (as root too)
+    monkeypatch.delenv(C.MODE_ENV, raising=False)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    entry = _entry(tiny_unet(), tmp_path)
+    assert entry.load() is False and entry.state.startswith("miss")
+    entry.save()   # never raises
+    text = "\n".join(entry.lines())
+    assert "not saved" in text and "not writable" in text and C.DIR_ENV in text, text
+
+
+def test_clear_and_off(tiny_unet, folder, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: None)
+    entry = _entry(tiny_unet(), folder)
+    _write(entry, b"y" * 100)
+    monkeypatch.setenv(C.MODE_ENV, "off")
+    off = _entry(tiny_unet(), folder)
+    assert off.load() is False and "off" in "\n".join(off.lines())
+    monkeypatch.setenv(C.MODE_ENV, "clear")
+    monkeypatch.setattr(C, "_cleared", [False])
+    assert _entry(tiny_unet(), folder).load() is False
+    assert not any(folder.iterdir()), "clear empties the folder once"
+
+
+# ---- two processes, real torch caches ------------------------------------------------------
+_RUN = textwrap.dedent('''
+    import json, time, torch, diffusers
+    from unet_compiler.compiler import api
+    torch.manual_seed(0)
+    unet = diffusers.UNet2DConditionModel(
+        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        attention_head_dim=8, norm_num_groups=8).eval()
+    api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    t0 = time.perf_counter()
+    print(api.warmup(unet, "1x64x64", context_tokens=6))
+    print("STATS", json.dumps(dict(api.accelerator_of(unet).stats, warmup_s=time.perf_counter() - t0)))
+''')
+
+
+def _run(env) -> str:
+    proc = subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _stats(out: str) -> dict:
+    return json.loads(out.split("STATS", 1)[1])
+
+
+def test_restart_and_second_worker_compile_nothing(tmp_path):
+    """1: cold, nothing anywhere. 2: a restart: the pack's folder holds its entry and torch's own
+    caches (the pack placed them there). 3: a second worker on another machine: only the pack's
+    folder (the entry), torch's caches cold. 2 and 3 take every graph from the cache."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", C.MODE_ENV)}
+    env.update(UNET_COMPILER_CACHE_DIR=str(tmp_path / "pack"), TORCH_NUM_THREADS="1")
+    first = _run(env)
+    assert "compile cache: miss" in first and "compile cache: saved" in first, first
+    assert "torch's own inductor cache" in first, first
+    assert (tmp_path / "pack" / "inductor").is_dir() and list((tmp_path / "pack").glob("*.bin")), first
+    assert "from the compile cache" not in first.split("STATS")[0], first
+    restart = _run(env)
+    worker = _run(dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind2"), TRITON_CACHE_DIR=str(tmp_path / "tri2")))
+    for out in (restart, worker):
+        assert "compile cache: hit" in out and "all from the compile cache" in out, out
+        assert "compile cache: saved" not in out, "nothing new to save"
+        stats = _stats(out)
+        assert stats["graphs_compiled"] > 0 and stats["graphs_from_cache"] == stats["graphs_compiled"], stats
+    cold, warm, fleet = (_stats(o)["warmup_s"] for o in (first, restart, worker))
+    print(f"\nwarmup: cold {cold:.1f} s, restart {warm:.1f} s ({warm / cold:.0%}), "
+          f"second worker (entry only) {fleet:.1f} s ({fleet / cold:.0%})")
+    assert warm < cold
