@@ -365,7 +365,7 @@ def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log
     """Build each family (default all), compile it, warm one shape, run it against the model's
     own code on the same inputs: the table's rows. Needs ComfyUI (``import_comfy``)."""
     import_comfy()
-    from .compiler import api
+    from .compiler.warmup import warmup_runs
     from .compiler.config import CompileConfig
     from .compiler.shapes import Shape
     from .nodes import patcher
@@ -379,7 +379,7 @@ def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log
             mp = build(fam)
             cm, _ = patcher.compile_model(mp, CompileConfig(backend=backend))
             accel = patcher.accelerator_of(cm)
-            api.warmup_runs(accel, [Shape(batch, w * 8, h * 8)],
+            warmup_runs(accel, [Shape(batch, w * 8, h * 8)],
                             lambda s, cm=cm, fam=fam: apply(cm, fam, s.batch, h, w))
             out = apply(cm, fam, batch, h, w, seed=3)
             with accel.bypass():

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from .config import CompileConfig
 from .runtime import Accelerator
-from .shapes import Shape, as_shapes, probe_shapes, unet_inputs
+from .shapes import as_shapes, unet_inputs
+from .warmup import warmup_runs
 
 log = logging.getLogger(__name__)
 _ATTR = "_unet_compiler"
@@ -87,70 +87,6 @@ def accelerator_of(module) -> Accelerator:
 
 def report(module) -> str:
     return accelerator_of(module).text()
-
-
-def _levels(unet) -> int:
-    """Resolution levels of the UNet (SD1.5: 4, SDXL: 3)."""
-    blocks = getattr(unet, "down_blocks", None) or getattr(unet, "channel_mult", None)
-    return len(blocks) if blocks else 4
-
-
-def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
-    """The probe shapes warmup runs first: only where code is specialised per shape
-    (dynamo graphs, Triton kernel variants) and shapes are dynamic."""
-    if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
-        probes = probe_shapes(shapes)
-        return probes + [p for p in accel.backend.extra_probes(shapes, _levels(accel.root)) if p not in probes]
-    return []
-
-
-def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True):
-    """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
-    probe shapes and then each shape, timing it and counting the graphs each
-    one compiled; compare the first shape against the eager reference. Marks
-    the accelerator warmed (later compiles are counted as recompiles)."""
-    rep = accel.report
-
-    compiled_before = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
-
-    def timed(shape, label):
-        g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
-        t0 = time.perf_counter()
-        out = run_one(shape)
-        if isinstance(out, torch.Tensor) and out.is_cuda:
-            torch.cuda.synchronize(out.device)  # the seconds are the GPU's, not the launch queue's
-        secs = time.perf_counter() - t0
-        rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
-        rep.from_cache[label] = accel.stats["graphs_from_cache"] - c0
-        return out, secs
-
-    accel.defer_cache_save = True
-    try:
-        _warm(accel, shapes, timed, run_one, on_shape, compare)
-    finally:
-        accel.defer_cache_save = False
-    if accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] > compiled_before:
-        accel.save_cache()  # once, with every shape's code new to the cache
-    accel.warmed = True
-    return rep
-
-
-def _warm(accel, shapes, timed, run_one, on_shape, compare):
-    rep = accel.report
-    for probe in warmup_probes(accel, shapes):
-        timed(probe, f"{probe.label} (probe)")
-    for i, shape in enumerate(shapes):
-        out, secs = timed(shape, shape.label)
-        if accel.graphs is not None:  # a region is captured on its second call at a shape
-            out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
-        if i == 0 and compare:
-            with accel.bypass():
-                ref = run_one(shape)
-            rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
-            rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
-                                                     if accel.config.precision in ("fp16", "bf16") else "")
-        if on_shape is not None:
-            on_shape(i, shape, secs)
 
 
 def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> str:

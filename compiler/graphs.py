@@ -45,7 +45,7 @@ from collections import Counter
 
 import torch
 
-from .runtime import _is_interrupt
+from .compat.comfy import is_interrupt
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class RegionGraphs:
                         s.copy_(a)
                 graph.replay()
             except Exception as e:
-                if _is_interrupt(e):
+                if is_interrupt(e):
                     raise
                 self._turn_off("replay", e)
                 return impl(module, *args)
@@ -239,7 +239,7 @@ class RegionGraphs:
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
         except Exception as e:
-            if _is_interrupt(e):
+            if is_interrupt(e):
                 raise  # OOM (ComfyUI frees memory and retries) or a cancel: graphs are not the problem
             self._turn_off("capture", e)
             return impl(module, *args)

@@ -40,11 +40,6 @@ def cache_hits() -> int:
     return int(counters["inductor"]["fxgraph_cache_hit"])
 
 
-def _is_interrupt(e: BaseException) -> bool:
-    # ComfyUI's cancel and OOM (which ComfyUI handles itself) must propagate untouched
-    return type(e).__name__ == "InterruptProcessingException" or isinstance(e, torch.OutOfMemoryError)
-
-
 class Accelerator:
     def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None):
         self.root = unet
@@ -185,7 +180,7 @@ class Accelerator:
         try:
             out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
-            if _is_interrupt(e):
+            if comfy_compat.is_interrupt(e):
                 raise
             error = e
         else:

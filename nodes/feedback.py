@@ -42,7 +42,7 @@ import threading
 import time
 
 from ..compiler.config import DISABLE_ENV, disabled_by_env
-from ..compiler.api import warmup_probes
+from ..compiler.warmup import warmup_probes
 
 log = logging.getLogger(__name__)
 

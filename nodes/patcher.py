@@ -12,9 +12,10 @@ import logging
 import torch
 
 from ..compiler.config import CompileConfig
-from ..compiler.runtime import Accelerator, _is_interrupt
+from ..compiler.compat.comfy import is_interrupt
+from ..compiler.runtime import Accelerator
 from ..compiler.shapes import context_dim, parse_shapes, unet_inputs
-from ..compiler.api import warmup_runs
+from ..compiler.warmup import warmup_runs
 from . import feedback
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class SamplingCall:
         try:
             return self._call(shape, patched=True)
         except Exception as e:
-            if _is_interrupt(e) or not self.patches:
+            if is_interrupt(e) or not self.patches:
                 raise
             first = str(e).splitlines()[0] if str(e) else ""
             self.dropped = (f"warmup ran without the model's patches ({', '.join(self.patches)}): outside "
@@ -185,7 +186,7 @@ class SamplingCall:
             if "c_crossattn" in c and _fits(unet, x, c):
                 return x, c
         except Exception as e:
-            if _is_interrupt(e):
+            if is_interrupt(e):
                 raise
             log.debug("UNet Compiler: warmup conditioning from extra_conds failed", exc_info=True)
         (xin, _), kw = unet_inputs(unet, "comfy", shape, self.tokens, self.dtype, self.device)
@@ -250,7 +251,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     try:
         warmup_runs(accel, shapes, fb.wrap(call), on_shape=tick)
     except Exception as e:
-        if _is_interrupt(e):
+        if is_interrupt(e):
             raise
         first = str(e).splitlines()[0] if str(e) else ""
         note = (f"warmup stopped: this model could not be called outside sampling ({type(e).__name__}: "

@@ -284,7 +284,7 @@ def test_real_cuda_graphs_on_gpu(backend, tiny_unet):
 def test_probe_shapes_only_for_backends_that_specialise(monkeypatch, tiny_unet):
     """Warmup primes batch-1 / 64 px probe shapes only where code is specialised per
     shape (inductor graphs, Triton kernel variants), not for ipex's shape-free copies."""
-    from unet_compiler.compiler.api import warmup_runs
+    from unet_compiler.compiler.warmup import warmup_runs
     from unet_compiler.compiler.shapes import as_shapes
     u = tiny_unet()
     accel = Accelerator(u, CompileConfig(backend="inductor"), device=torch.device("cpu"))

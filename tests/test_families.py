@@ -30,10 +30,10 @@ import pytest
 import torch
 
 from unet_compiler import families as F  # noqa: N812
-from unet_compiler.compiler import api
 from unet_compiler.compiler import plan as P
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.shapes import Shape
+from unet_compiler.compiler.warmup import warmup_runs
 from unet_compiler.nodes import patcher
 
 pytestmark = pytest.mark.comfy
@@ -199,7 +199,7 @@ def _inductor_family(fam, cases, backend="inductor"):
     cm, accel, _ = _compile(mp, backend)
     _check_plan(fam, accel, mp)
     shapes = sorted({_pixels(b, h, w) for b, h, w in cases}, key=lambda s: (s.batch, s.width * s.height))
-    api.warmup_runs(accel, shapes, lambda s: F.apply(cm, fam, s.batch, s.height // 8, s.width // 8))
+    warmup_runs(accel, shapes, lambda s: F.apply(cm, fam, s.batch, s.height // 8, s.width // 8))
     assert accel.warmed and accel.report.max_abs_diff is not None and accel.report.max_abs_diff <= TOL
     diff = 0.0
     for b, h, w in cases:

@@ -48,3 +48,10 @@ def has_cast_weights(module) -> bool:
     return bool(getattr(module, "comfy_cast_weights", False)
                 or getattr(module, "weight_function", None)
                 or getattr(module, "bias_function", None))
+
+
+def is_interrupt(e: BaseException) -> bool:
+    """ComfyUI's cancel (InterruptProcessingException) or an out-of-memory error: both must
+    propagate untouched (ComfyUI handles them itself), never become a fallback."""
+    import torch
+    return type(e).__name__ == "InterruptProcessingException" or isinstance(e, torch.OutOfMemoryError)

@@ -330,9 +330,11 @@ def patched_prompt(ckpt, prefix, names, assets, compiled, size=SIZE):
     return prompt
 
 
-#: FreeU_V2 normalises each skip by its (max - min) over space: at 64 px SD1.5's deepest level is
-#: 1x1, 0/0, and plain ComfyUI's image is NaN. It runs alone at 128 px; the stack has FreeU.
-SIZES = {"FreeU_V2": 128}
+#: At 64 px SD1.5's middle block is 1x1. FreeU_V2 normalises each skip by its (max - min) over
+#: space: 0/0, plain ComfyUI's image is NaN. SAG's blur map cannot be cut from one token: plain
+#: ComfyUI raises. PAG replaces self-attention over one token with its value: the identity, no
+#: change. Alone they run at 128 px (middle 2x2); the stack has FreeU and PAG changes nothing there.
+SIZES = {"FreeU_V2": 128, "SelfAttentionGuidance": 128, "PerturbedAttentionGuidance": 128}
 STACK = ("FreeU", "PerturbedAttentionGuidance", "HyperTile", "RescaleCFG", "ModelSamplingDiscrete",
          "IPAdapter-style attn2 replace", "hook LoRA", "ControlNet", "T2I-Adapter")
 #: in CI: the stack of nine (every kind of patch at once); each node alone with UNET_COMPILER_FULL_MATRIX=1
