@@ -210,8 +210,13 @@ class CompileCache:
             self._atomic_write(bin_path, data)
             self._atomic_write(meta_path, json.dumps(meta, indent=1, default=str).encode())
         except OSError as e:
-            self.problem = (f"{self.folder} is not writable ({e.strerror or e}): compiled code is kept in memory "
-                            f"only. Fix: set {DIR_ENV} to a writable folder")
+            if self.folder.is_dir() and not os.access(self.folder, os.W_OK):
+                # a fleet's shared read-only mount: by design, not a fault
+                self.problem = (f"{self.folder} is read-only: its entries are read, code compiled here "
+                                f"stays in memory")
+            else:
+                self.problem = (f"{self.folder} is not writable ({e.strerror or e}): compiled code is kept in "
+                                f"memory only. Fix: set {DIR_ENV} to a writable folder")
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
         _loaded.add(self.key)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -160,3 +161,21 @@ def test_restart_and_second_worker_compile_nothing(tmp_path):
     print(f"\nwarmup: cold {cold:.1f} s, restart {warm:.1f} s ({warm / cold:.0%}), "
           f"second worker (entry only) {fleet:.1f} s ({fleet / cold:.0%})")
     assert warm < cold
+
+
+def test_read_only_folder_is_read_and_said_plainly(tiny_unet, folder, monkeypatch):
+    """A fleet's shared read-only mount (simulated: root ignores file modes): nothing is written,
+    and the report says read-only, not 'fix this'."""
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+
+    def refuse(path, data):
+        raise PermissionError(13, "Read-only file system")
+    monkeypatch.setattr(C.CompileCache, "_atomic_write", staticmethod(refuse))
+    real_access = os.access
+    monkeypatch.setattr(C.os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    entry = _entry(tiny_unet(), folder)
+    entry.save()
+    text = "\n".join(entry.lines())
+    assert "is read-only: its entries are read" in text and "Fix" not in text, text
+    assert not list(folder.glob("*.bin"))
