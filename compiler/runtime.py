@@ -89,8 +89,9 @@ class Accelerator:
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         if self.cache is not None:
             self.cache.load()
-        #: warmup saves the cache once at its end, not after each shape
-        self.defer_cache_save = False
+        #: compiled code the compile cache does not hold yet; saves deferred by ``one_cache_save``
+        self._cache_dirty = False
+        self._defer_save = False
         impls = self.backend.impls(self.config)
         self._shims = []
         counts: Counter = Counter()
@@ -251,17 +252,31 @@ class Accelerator:
                     hits = cache_hits() - hits_before
                     self.stats["graphs_from_cache"] += hits
                     self.stats["compile_seconds"] += time.perf_counter() - t0
-                    if hits < new and not self.defer_cache_save:  # something new to keep
-                        self.save_cache()
+                    if hits < new:  # something new to keep
+                        self._cache_dirty = True
+                        if not self._defer_save:
+                            self.save_cache()
                     if self.warmed:
                         self.stats["recompiles_after_warmup"] += new
                         log.warning("UNet Compiler: %d graph(s) compiled after warmup (a shape outside the "
                                     "warmed range?)", new)
 
     def save_cache(self):
-        """Write what compiled so far to the persistent compile cache (never raises)."""
-        if self.cache is not None:
+        """Write what compiled so far to the persistent compile cache, if anything new did (never raises)."""
+        if self.cache is not None and self._cache_dirty:
+            self._cache_dirty = False
             self.cache.save()
+
+    @contextlib.contextmanager
+    def one_cache_save(self):
+        """Calls inside save the compile cache once, at the end (warmup: every shape in one entry)."""
+        prev, self._defer_save = self._defer_save, True
+        try:
+            yield
+        finally:
+            self._defer_save = prev
+        if not prev:
+            self.save_cache()
 
     def text(self) -> str:
         extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])

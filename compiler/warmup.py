@@ -37,8 +37,6 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     the accelerator warmed (later compiles are counted as recompiles)."""
     rep = accel.report
 
-    compiled_before = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
-
     def timed(shape, label):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
         t0 = time.perf_counter()
@@ -50,30 +48,20 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         rep.from_cache[label] = accel.stats["graphs_from_cache"] - c0
         return out, secs
 
-    accel.defer_cache_save = True
-    try:
-        _warm(accel, shapes, timed, run_one, on_shape, compare)
-    finally:
-        accel.defer_cache_save = False
-    if accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] > compiled_before:
-        accel.save_cache()  # once, with every shape's code new to the cache
+    with accel.one_cache_save():
+        for probe in warmup_probes(accel, shapes):
+            timed(probe, f"{probe.label} (probe)")
+        for i, shape in enumerate(shapes):
+            out, secs = timed(shape, shape.label)
+            if accel.graphs is not None:  # a region is captured on its second call at a shape
+                out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
+            if i == 0 and compare:
+                with accel.bypass():
+                    ref = run_one(shape)
+                rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
+                rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
+                                                         if accel.config.precision in ("fp16", "bf16") else "")
+            if on_shape is not None:
+                on_shape(i, shape, secs)
     accel.warmed = True
     return rep
-
-
-def _warm(accel, shapes, timed, run_one, on_shape, compare):
-    rep = accel.report
-    for probe in warmup_probes(accel, shapes):
-        timed(probe, f"{probe.label} (probe)")
-    for i, shape in enumerate(shapes):
-        out, secs = timed(shape, shape.label)
-        if accel.graphs is not None:  # a region is captured on its second call at a shape
-            out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
-        if i == 0 and compare:
-            with accel.bypass():
-                ref = run_one(shape)
-            rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
-            rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
-                                                     if accel.config.precision in ("fp16", "bf16") else "")
-        if on_shape is not None:
-            on_shape(i, shape, secs)
