@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,11 +24,7 @@ if "UNET_COMPILER_CACHE_DIR" not in os.environ:
 COMFY_SKIP = "ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI (see DEVELOPERS.md)"
 
 
-def comfy_path() -> Path | None:
-    for p in (os.environ.get("COMFYUI_PATH"), str(Path.home() / "comfy" / "ComfyUI")):
-        if p and (Path(p) / "main.py").is_file():
-            return Path(p)
-    return None
+from unet_compiler.families import comfy_path  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 
 @pytest.fixture(scope="session")

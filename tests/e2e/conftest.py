@@ -99,6 +99,38 @@ def comfyui_path() -> Path:
 # (ComfyUI's ops skip init, leaving torch.empty garbage), saves them with the
 # key prefixes of an original SD1.5 checkpoint, and then checks that ComfyUI's
 # model detection calls the result SD15.
+# Pasted into both builder scripts below (after their imports): the random init and SD1.5's UNet
+# config, as comfy/model_detection.py spells it.
+_SD15_HELPERS = r'''
+NORMS = (torch.nn.GroupNorm, torch.nn.LayerNorm)
+
+@torch.no_grad()
+def random_init(root, scale=0.02, generator=None):
+    # ComfyUI's ops skip init, leaving torch.empty garbage: norms to identity, biases to zero
+    for mod in root.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if isinstance(mod, NORMS):
+                p.fill_(1.0 if name == "weight" else 0.0)
+            elif name == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, scale, generator=generator)
+    for name, b in root.named_buffers():
+        if b.is_floating_point() and not torch.isfinite(b).all():
+            raise RuntimeError("non-finite buffer after init: " + name)
+
+SD15_UNET_CONFIG = dict(
+    image_size=32, in_channels=4, out_channels=4, model_channels=320,
+    num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
+    transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_middle=1,
+    transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+    use_spatial_transformer=True, use_linear_in_transformer=False,
+    context_dim=768, num_heads=8, num_head_channels=-1, legacy=False,
+    adm_in_channels=None, use_checkpoint=False,
+    use_temporal_attention=False, use_temporal_resblock=False,
+)
+'''
+
 _BUILD_CHECKPOINT_SCRIPT = r'''
 import os, sys, time
 sys.path.insert(0, os.getcwd())
@@ -117,34 +149,9 @@ from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
 from comfy.ldm.models.autoencoder import AutoencoderKL
 
 torch.manual_seed(0)
-NORMS = (torch.nn.GroupNorm, torch.nn.LayerNorm)
-
-@torch.no_grad()
-def random_init(root):
-    for mod in root.modules():
-        for name, p in mod.named_parameters(recurse=False):
-            if isinstance(mod, NORMS):
-                p.fill_(1.0 if name == "weight" else 0.0)
-            elif name == "bias":
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
-    for name, b in root.named_buffers():
-        if b.is_floating_point() and not torch.isfinite(b).all():
-            raise RuntimeError("non-finite buffer after init: " + name)
-
-# UNet: the SD1.5 config as comfy/model_detection.py spells it, stored in
-# fp16 (ComfyUI on CPU upcasts to fp32 at load) to halve file size and I/O.
-unet_config = dict(
-    image_size=32, in_channels=4, out_channels=4, model_channels=320,
-    num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
-    transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_middle=1,
-    transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
-    use_spatial_transformer=True, use_linear_in_transformer=False,
-    context_dim=768, num_heads=8, num_head_channels=-1, legacy=False,
-    adm_in_channels=None, use_checkpoint=False,
-    use_temporal_attention=False, use_temporal_resblock=False,
-)
+''' + _SD15_HELPERS + r'''
+# UNet: stored in fp16 (ComfyUI on CPU upcasts to fp32 at load) to halve file size and I/O.
+unet_config = SD15_UNET_CONFIG
 unet = UNetModel(**unet_config, dtype=torch.float16, device="cpu",
                  operations=comfy.ops.disable_weight_init)
 random_init(unet)
@@ -553,29 +560,16 @@ with safe_open(ckpt, "pt") as f:
             lora[name + ".alpha"] = torch.tensor(4.0)
 save(lora, sys.argv[3])
 
-@torch.no_grad()
-def random_init(root, scale):
-    for mod in root.modules():
-        for name, p in mod.named_parameters(recurse=False):
-            if isinstance(mod, (torch.nn.GroupNorm, torch.nn.LayerNorm)):
-                p.fill_(1.0 if name == "weight" else 0.0)
-            elif name == "bias":
-                p.zero_()
-            else:
-                p.normal_(0.0, scale, generator=g)
-
-cfg = dict(image_size=32, in_channels=4, model_channels=320, hint_channels=3,
-           num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
-           transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_middle=1,
-           use_spatial_transformer=True, use_linear_in_transformer=False,
-           context_dim=768, num_heads=8, num_head_channels=-1, legacy=False,
-           adm_in_channels=None, use_checkpoint=False)
+''' + _SD15_HELPERS + r'''
+# the ControlNet takes the UNet's config (as load_controlnet passes the detected one) without its output
+cfg = {k: v for k, v in SD15_UNET_CONFIG.items() if k != "out_channels"}
+cfg["hint_channels"] = 3
 cn = comfy.cldm.cldm.ControlNet(**cfg, dtype=torch.float16, device="cpu", operations=comfy.ops.disable_weight_init)
-random_init(cn, 0.02)
+random_init(cn, 0.02, g)
 save({"control_model." + k: v for k, v in cn.state_dict().items()}, sys.argv[4])
 
 ad = Adapter(cin=3 * 64, channels=[320, 640, 1280, 1280], nums_rb=2, ksize=1, sk=True, use_conv=False, xl=False)
-random_init(ad, 0.02)
+random_init(ad, 0.02, g)
 save({k: v.half() for k, v in ad.state_dict().items()}, sys.argv[5])
 
 for name, kind in ((sys.argv[4], comfy.controlnet.ControlNet), (sys.argv[5], comfy.controlnet.T2IAdapter)):
