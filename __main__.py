@@ -341,18 +341,34 @@ def bench(args):
     if args.out:
         _save(args, rows, kernel_rows)
     if args.compat:
-        _print_compat()
+        compat(args)
 
 
-def _print_compat():
-    """The model-family compatibility table (README "Compatibility"), measured now."""
-    from . import families
+def compat(args):
+    """The compatibility tables (README "Compatibility"), measured now: every ComfyUI
+    openaimodel.UNetModel family, then ComfyUI's core patch nodes through KSampler sampling."""
+    from . import families, patch_compat
     if families.comfy_path() is None:
         print("\ncompatibility table: skipped: no ComfyUI tree (set COMFYUI_PATH or install it at ~/comfy/ComfyUI)")
         return
-    print("\nCompatibility: every ComfyUI openaimodel.UNetModel family at tiny widths, random weights, "
-          "inductor, latent 16x16, batch 2, compiled vs the model's own code on the same inputs (CPU)")
-    print(families.table(families.compat_rows(log=lambda m: print("  " + m, flush=True))))
+    backend = getattr(args, "compat_backend", "inductor")
+    log = lambda m: print("  " + m, flush=True)  # noqa: E731
+    if getattr(args, "only", "") != "patches":
+        h, w = (int(v) for v in getattr(args, "latent_hw", "16x16").lower().split("x"))
+        batch = getattr(args, "compat_batch", 2)
+        print(f"\nCompatibility: every ComfyUI openaimodel.UNetModel family at tiny widths, random weights, "
+              f"{backend}, latent {h}x{w}, batch {batch}, compiled vs the model's own code on the same inputs "
+              f"({'CUDA' if torch.cuda.is_available() else 'CPU'})")
+        print(families.table(families.compat_rows(backend, (h, w), batch, getattr(args, "families", None) or None,
+                                                  log=log)))
+    if getattr(args, "only", "") != "families":
+        full = getattr(args, "full", False)
+        cases = patch_compat.all_cases() if full else None
+        print(f"\nCompatibility: ComfyUI's core patch nodes, alone and stacked, on tiny random-weight SD1.5 / SDXL "
+              f"UNets through KSampler ({patch_compat.STEPS} euler steps, cfg {patch_compat.CFG:g}), {backend}: "
+              f"the compiled latent vs the eager latent of the same nodes (tolerance {patch_compat.REL:g} x "
+              f"max(1, max |eager|)); {'every case' if full else 'the default cases (--full: both kinds, both orders)'}")
+        print(patch_compat.format_table(patch_compat.patch_rows(backend, cases, log=log)))
 
 
 def _print_table(args, rows, flops):
@@ -415,14 +431,23 @@ def main(argv=None):
                    help="after the bench table, the model-family compatibility table (needs a ComfyUI tree: "
                         "COMFYUI_PATH or ~/comfy/ComfyUI)")
     b.add_argument("--row", default="", help=argparse.SUPPRESS)  # internal: one row, in a fresh process
-    sub.add_parser("compat", add_help=False,
-                   help="the model-family compatibility table alone (python -m unet_compiler compat --help)")
+    c = sub.add_parser("compat", help="the compatibility tables alone: model families, then core patch nodes")
+    c.add_argument("--backend", dest="compat_backend", default="inductor", metavar="NAME",
+                   help="inductor (default), triton (CUDA), ipex, eager")
+    c.add_argument("--only", choices=["families", "patches"], default="", help="one of the two tables")
+    c.add_argument("--latent", dest="latent_hw", default="16x16", metavar="HxW", help="families: latent HxW (16x16 = 128 px)")
+    c.add_argument("--batch", dest="compat_batch", type=int, default=2, metavar="N",
+                   help="families: batch (videos of families.FRAMES frames for the video families)")
+    c.add_argument("--full", action="store_true",
+                   help="patch nodes: every case on SD1.5 and SDXL in both node orders (default: the CI set)")
+    from .families import FAMILIES
+    c.add_argument("families", nargs="*", choices=list(FAMILIES), metavar="FAMILY",
+                   help=f"families: default all ({' '.join(FAMILIES)})")
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["compat"]:
-        from .families import main as compat_main
-        return compat_main(argv[1:])
     args = p.parse_args(argv)
+    if args.cmd == "compat":
+        return compat(args)
     args.argv = argv[1:]  # what a row's process is started with (after the 'bench' command)
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits

@@ -3,9 +3,10 @@ from ComfyUI's own configs, with the conditioning ComfyUI's own model classes
 build for it: the compatibility table's source. Used by tests/test_families.py and
 the bench; the table alone::
 
-    python -m unet_compiler compat [--backend triton|inductor|eager] [families...]
+    python -m unet_compiler compat --only families [--backend triton|inductor|eager] [families...]
 
-(``python -m unet_compiler bench --compat`` prints it after the bench table.) It needs a
+(``python -m unet_compiler bench --compat`` prints it after the bench table, the patch-node
+table of patch_compat.py after it.) It needs a
 ComfyUI tree (``COMFYUI_PATH`` or ``~/comfy/ComfyUI``); nothing is downloaded.
 
 Where each config comes from:
@@ -230,17 +231,19 @@ def _shrink_heads(unet_config: dict):
         unet_config["num_heads"] = 4
 
 
-def init_random(module: torch.nn.Module, seed: int = 0):
-    """ComfyUI's disable_weight_init ops leave weights uninitialised (as tests/conftest.py)."""
+def init_random(module: torch.nn.Module, seed: int = 0, scale: float = 1.0):
+    """ComfyUI's disable_weight_init / manual_cast ops leave weights uninitialised: matrices
+    ``scale * N(0, 1/fan_in)``, norm weights near 1, biases near 0."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if p.dim() >= 2:
-                p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+                p.copy_(scale * torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
             elif name.endswith("weight"):
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return module
 
 
 def build(fam: Family, seed: int = 0):
@@ -391,21 +394,3 @@ def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log
         torch.set_num_threads(threads)
     return rows
 
-
-def main(argv=None):
-    """``python -m unet_compiler compat``: the compatibility table."""
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m unet_compiler compat",
-                                 description="UNet Compiler: the model-family compatibility table")
-    ap.add_argument("--backend", default="inductor", help="inductor (default), triton (CUDA), ipex, eager")
-    ap.add_argument("--latent", default="16x16", help="latent HxW (16x16 = 128 px)")
-    ap.add_argument("--batch", type=int, default=2, help="batch (videos of FRAMES frames for video families)")
-    ap.add_argument("families", nargs="*", default=list(FAMILIES), help=f"default all: {' '.join(FAMILIES)}")
-    a = ap.parse_args(argv)
-    h, w = (int(v) for v in a.latent.lower().split("x"))
-    rows = compat_rows(a.backend, (h, w), a.batch, a.families, log=lambda m: print(m, file=sys.stderr))
-    print(table(rows))
-
-
-if __name__ == "__main__":
-    main()

@@ -53,54 +53,16 @@ def comfy():
     return ns
 
 
-def _init_random(module: torch.nn.Module, seed: int = 0):
-    """ComfyUI's disable_weight_init ops leave weights uninitialised."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if p.dim() >= 2:
-                fan_in = p[0].numel()
-                p.copy_(torch.randn(p.shape, generator=g) / fan_in ** 0.5)
-            elif name.endswith("weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-            else:
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-
-
-TINY = {
-    # SD1.5-shaped: conv proj_in/out, 8-head cross-attention on a CLIP-like context
-    "sd15": dict(cls="SD15", unet=dict(context_dim=64, model_channels=32, use_linear_in_transformer=False,
-                                       adm_in_channels=None, use_temporal_attention=False, in_channels=4,
-                                       out_channels=4, num_res_blocks=[1, 1], channel_mult=[1, 2],
-                                       transformer_depth=[1, 1], transformer_depth_output=[1, 1, 1, 1],
-                                       transformer_depth_middle=1, num_heads=4, num_head_channels=-1,
-                                       use_spatial_transformer=True, legacy=False, image_size=32)),
-    # SDXL-shaped: linear proj_in/out, head dim 8, label_emb on an ADM vector, deeper middle
-    "sdxl": dict(cls="SDXL", unet=dict(context_dim=64, model_channels=32, use_linear_in_transformer=True,
-                                       adm_in_channels=96, use_temporal_attention=False, in_channels=4,
-                                       out_channels=4, num_res_blocks=[1, 1], channel_mult=[1, 2],
-                                       transformer_depth=[0, 2], transformer_depth_output=[0, 0, 2, 2],
-                                       transformer_depth_middle=2, num_head_channels=8, num_heads=-1,
-                                       use_spatial_transformer=True, legacy=False, image_size=32,
-                                       num_classes="sequential")),
-}
-
-
 @pytest.fixture
 def make_comfy_model(comfy):
-    """Build a random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's
-    own classes, wrapped in a real ModelPatcher on CPU."""
+    """Build a random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's own classes,
+    wrapped in a real ModelPatcher (``patch_compat.build_tiny``: its ``TINY`` configs)."""
+    from unet_compiler.patch_compat import build_tiny
+
     def make(kind="sd15", seed=0, device="cpu"):
         """``device``: where ComfyUI loads the model ("cpu", or ComfyUI's own choice with
         ``comfy.mm.get_torch_device()``: the GPU on a GPU machine); it is offloaded to the CPU."""
-        spec = TINY[kind]
-        cfg_cls = getattr(comfy.sm, spec["cls"])
-        cfg = cfg_cls(dict(spec["unet"]))
-        cfg.unet_config = dict(spec["unet"])
-        base = cfg.get_model({})
-        _init_random(base.diffusion_model, seed)
-        base.eval()
-        return comfy.mp.ModelPatcher(base, load_device=torch.device(device), offload_device=torch.device("cpu"))
+        return build_tiny(kind, seed, device)
     return make
 
 

@@ -77,12 +77,15 @@ def test_backend_suffix_is_checked():
 
 
 def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
-    """--compat: after the bench table, the family table measured in this run (here one family on
-    the eager backend, to keep it short) or one line saying why there is none."""
-    from unet_compiler import families
-    real = families.compat_rows
-    monkeypatch.setattr(families, "compat_rows", lambda log=None: real("eager", (8, 8), 1, ["sd15"], log))
-    argv = ["bench", "--size", "tiny", "--latent", "4", "--batch", "1", "--iters", "1", "--backend", "eager",
+    """--compat: after the bench table, the family table and the patch-node table measured in this
+    run (here one family and one patch node on the eager backend, to keep it short) or one line
+    saying why there are none."""
+    from unet_compiler import families, patch_compat
+    real, real_patch = families.compat_rows, patch_compat.patch_rows
+    monkeypatch.setattr(families, "compat_rows", lambda *a, log=None: real("eager", (8, 8), 1, ["sd15"], log))
+    monkeypatch.setattr(patch_compat, "patch_rows", lambda *a, log=None: real_patch(
+        "eager", [("RescaleCFG", "sd15", patch_compat.AFTER)], log))
+    argv = ["bench", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
             "--skip-whole", "--reuse-cache", "--device", "cpu", "--compat"]
     if families.comfy_path() is None:
         main(argv)
@@ -92,6 +95,27 @@ def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| family | accelerated regions | left eager (why) | max abs diff |" in out, out
     assert "| SD1.5 | none |" in out, out   # the eager backend accelerates nothing, and says so
+    assert "| node / stack" in out and "what the report says each patch did" in out, out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| RescaleCFG "))
+    # parity holds, and the check still fails the row: nothing was accelerated
+    assert "sd15 64x64: patch -> Compile UNet" in row and "| none " in row, row
+    assert "FAILED: regions ran, accelerated attention ran" in row, row
     monkeypatch.setattr(families, "comfy_path", lambda: None)
     main(argv)
     assert "compatibility table: skipped: no ComfyUI tree" in capsys.readouterr().out
+
+
+def test_compat_command_runs_the_tables_asked_for(capsys):
+    """``python -m unet_compiler compat``: its options reach the table (one family, eager, 8x8,
+    batch 1; the patch-node table left out with --only), and a family name it does not know is
+    refused by name before anything runs."""
+    from unet_compiler import families
+    with pytest.raises(SystemExit):
+        main(["compat", "--only", "families", "sd16"])
+    assert "invalid choice: 'sd16'" in capsys.readouterr().err
+    if families.comfy_path() is None:
+        pytest.skip("ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI")
+    main(["compat", "--only", "families", "--backend", "eager", "--latent", "8x8", "--batch", "1", "sd15"])
+    out = capsys.readouterr().out
+    assert "eager, latent 8x8, batch 1" in out and "| SD1.5 | none |" in out, out
+    assert "| SDXL |" not in out and "node / stack" not in out, out

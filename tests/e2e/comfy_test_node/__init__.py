@@ -1,16 +1,8 @@
 """A test-only ComfyUI node (the e2e server links this folder into its custom_nodes; the pack
 never loads it): registers an IPAdapter-style attn2 replace, as such packs do with
 ``set_model_attn2_replace``, so /prompt tests can put one in a workflow. The patch object is
-tests/patch_nodes.py's ``IPAdapterAttn2``, the one the in-process patch-node tests use."""
-import importlib.util
-import sys
-from pathlib import Path
-
-_spec = importlib.util.spec_from_file_location(
-    "unet_compiler_e2e_patch_helpers", Path(__file__).resolve().parents[2] / "patch_nodes.py")
-_helpers = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = _helpers  # its dataclasses look their module up there
-_spec.loader.exec_module(_helpers)
+``unet_compiler.patch_compat.IPAdapterAttn2``, the one the in-process patch-node tests use."""
+from unet_compiler.patch_compat import IPAdapterAttn2
 
 #: SD1.5 blocks with cross-attention: input_blocks 1 (first level) and output_blocks 3 (third level)
 BLOCKS = (("input", 1), ("output", 3))
@@ -28,7 +20,7 @@ class Attn2Replace:
 
     def patch(self, model, weight):
         m = model.clone()
-        ip = _helpers.IPAdapterAttn2(weight=weight)
+        ip = IPAdapterAttn2(weight=weight)
         for block in BLOCKS:
             m.set_model_attn2_replace(ip, *block)
         return (m,)
