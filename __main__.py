@@ -443,8 +443,13 @@ def main(argv=None):
     from .families import FAMILIES
     c.add_argument("families", nargs="*", choices=list(FAMILIES), metavar="FAMILY",
                    help=f"families: default all ({' '.join(FAMILIES)})")
+    sub.add_parser("starts", add_help=False, help="cold and warm starts through a real ComfyUI server "
+                   "(python -m unet_compiler starts --help)")
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["starts"]:
+        from .starts import main as starts_main
+        return starts_main(argv[1:])
     args = p.parse_args(argv)
     if args.cmd == "compat":
         return compat(args)

@@ -7,7 +7,7 @@ import torch
 
 from .config import CompileConfig
 from .runtime import Accelerator
-from .shapes import as_shapes, unet_inputs
+from .shapes import as_shapes, label_of, unet_inputs
 from .warmup import warmup_runs
 
 log = logging.getLogger(__name__)
@@ -41,8 +41,9 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
 
     def in_model_dtype(t):
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
+    shape = label_of(args[0] if args else kwargs.get("sample"))
     if torch.is_grad_enabled():
-        with accel.active():
+        with accel.active(shape=shape):
             return _map_out(type(module).forward(module, *args, **kwargs), in_model_dtype)
     # no_grad (diffusers pipelines) or inference_mode: run the way ComfyUI and
     # warmup() do, on inference tensors under inference_mode, so the graphs
@@ -50,7 +51,7 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     outer = torch.is_inference_mode_enabled()
     with torch.inference_mode():
         args, kwargs = _as_inference(args), _as_inference(kwargs)
-        with accel.active():
+        with accel.active(shape=shape):
             out = _map_out(type(module).forward(module, *args, **kwargs), in_model_dtype)
     if outer:
         return out

@@ -18,7 +18,11 @@ still traces (cheap next to codegen and C++/PTX compiles).
   so Triton's inside it) into the same folder (``inductor/``) at its first compile, so they
   survive a reboot that clears /tmp. Measured on CPU (tiny UNet, 2 cores): the Mega-Cache entry
   alone leaves inductor re-building its C++ kernels (warmup 48 % of cold), the kept inductor
-  folder does not (11 %). The entry is what a fresh machine or a read-only fleet mount uses.
+  folder does not (11 %). A read-only folder (a fleet's shared mount) has its ``inductor/``
+  copied to a local temp folder first, since inductor writes beside what it reads.
+- An entry is the union of every save: torch's loader keeps only the last of several saves of
+  one process, and a worker that loaded an entry saves only what it compiled itself
+  (compat/megacache.py merges both).
 - Off: ``UNET_COMPILER_CACHE=off``. Cleared: ``UNET_COMPILER_CACHE=clear`` (the folder is
   emptied once, at the first compile of the process, then used as usual).
 """
@@ -29,11 +33,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+
+from .compat import megacache
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,7 @@ class CompileCache:
         self.problem = ""
         self.saved_mib = None
         self.torch_dirs: list = []
+        self._entry: bytes | None = None   # the entry's bytes as loaded or last written here
 
     @property
     def paths(self) -> tuple[Path, Path]:
@@ -142,13 +150,14 @@ class CompileCache:
             self.state = f"miss (entry discarded: {why}; rebuilt after compiling)"
             return False
         try:
-            torch.compiler.load_cache_artifacts(data)
+            megacache.load(data)
         except Exception as e:  # a torch that cannot read it: compile as if cold
             log.warning("UNet Compiler: torch could not load compile cache entry %s (%s); it is rebuilt", self.key, e)
             self._discard()
             self.state = f"miss (torch could not load the entry: {type(e).__name__}; rebuilt)"
             return False
         _loaded.add(self.key)
+        self._entry = data
         self.state = f"hit ({len(data) / 2**20:.1f} MiB loaded in {time.perf_counter() - t0:.2f} s)"
         return True
 
@@ -168,13 +177,31 @@ class CompileCache:
                 return
         target = self.folder / "inductor"
         try:
-            target.mkdir(parents=True, exist_ok=True)
-            if not os.access(target, os.W_OK):
-                return
+            if not target.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            writable = os.access(target, os.W_OK)
         except OSError:
-            return   # read-only or unwritable: torch keeps its default (/tmp)
-        os.environ[env] = str(target)
-        self.torch_dirs.append("inductor")
+            writable = False
+        if writable:
+            os.environ[env] = str(target)
+            self.torch_dirs.append("torch's own inductor cache")
+            return
+        if not target.is_dir():
+            return   # unwritable and empty: torch keeps its default (/tmp)
+        # a fleet's read-only shared folder: inductor writes beside what it reads, so its files
+        # (the compiled C++ / Triton kernels the entry does not carry) are copied to a local folder
+        local = Path(tempfile.gettempdir()) / ("unet_compiler_inductor_"
+                                               + hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:12])
+        t0 = time.perf_counter()
+        try:
+            shutil.copytree(target, local, dirs_exist_ok=True, ignore=shutil.ignore_patterns("locks", "*.lock"))
+        except (OSError, shutil.Error) as e:
+            log.warning("UNet Compiler: compile cache: copying %s to %s failed (%s); torch's caches stay in "
+                        "their default folder", target, local, e)
+            return
+        os.environ[env] = str(local)
+        self.torch_dirs.append(f"torch's own inductor cache, copied from the read-only folder to {local} in "
+                               f"{time.perf_counter() - t0:.1f} s")
 
     def _mismatch(self, meta: dict, data: bytes) -> str:
         if meta.get("format") != FORMAT:
@@ -201,7 +228,8 @@ class CompileCache:
             return
         if not got or not got[0]:
             return
-        data = got[0]
+        # the entry keeps what it held (another process's graphs, this process's earlier saves)
+        data = megacache.merge(self._current_entry(), got[0])
         bin_path, meta_path = self.paths
         meta = {**self.facts, "key": self.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "written": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -220,7 +248,20 @@ class CompileCache:
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
         _loaded.add(self.key)
+        self._entry = data
         self.saved_mib = len(data) / 2**20
+
+    def _current_entry(self) -> bytes | None:
+        """The entry on disk if it is intact (another worker may have added to it), else what this
+        process loaded or wrote."""
+        bin_path, meta_path = self.paths
+        try:
+            data = bin_path.read_bytes()
+            if not self._mismatch(json.loads(meta_path.read_text()), data):
+                return data
+        except (OSError, ValueError):
+            pass
+        return self._entry
 
     @staticmethod
     def _atomic_write(path: Path, data: bytes):
@@ -255,7 +296,7 @@ class CompileCache:
         if not self.enabled:
             return [f"  compile cache: {self.state}"] if mode() == "off" else []
         out = [f"  compile cache: {self.state}; {self.folder} holds {size_mib(self.folder):.1f} MiB of entries"
-               + (f" (and torch's own {' and '.join(self.torch_dirs)} cache)" if self.torch_dirs else "")]
+               + (f" (and {'; '.join(self.torch_dirs)})" if self.torch_dirs else "")]
         if self.saved_mib is not None:
             out.append(f"  compile cache: saved {self.saved_mib:.1f} MiB as entry {self.key[:12]}")
         if self.problem:

@@ -10,7 +10,10 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "triton", "inductor", "ipex", "eager")
+from .backends import names as _backend_names
+
+#: "auto" and every registered backend, in auto's order (compiler/backends)
+BACKENDS = ("auto",) + _backend_names()
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
 
 #: Set to 1/true/yes to turn every rewrite off globally (the pack then runs

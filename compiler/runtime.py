@@ -20,6 +20,7 @@ from . import weights
 from .backends import resolve
 from .cache import CompileCache
 from .compat import comfy as comfy_compat
+from .compat.dynamo import guard_marks, guard_reasons_since, plain_guard, rank
 from .compat.torch_version import torch_too_old
 from .config import DISABLE_ENV, CompileConfig, disabled_by_env
 from .report import Report
@@ -51,7 +52,13 @@ class Accelerator:
         self.failed: dict = {}
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
+        #: optional ``callable(event)`` told of every compile after warmup (see ``_recompiled``)
+        self.on_recompile = None
         self.warmed = False
+        #: the shape labels warmup ran, and every compile after it: {prompt, shape, graphs, seconds, guards}
+        self.warmed_shapes: list[str] = []
+        self.recompiles: list[dict] = []
+        self.recompiles_by_prompt: Counter = Counter()
         self._bypass = False
         if device is None:
             p = next(unet.parameters(), None)
@@ -115,8 +122,10 @@ class Accelerator:
         why = None
         if getattr(device, "type", "cpu") != "cuda":
             why = f"they need CUDA and the model runs on {device}"
-        elif self.backend.name not in ("triton", "inductor"):
-            why = f"the {self.backend.name} backend does not use them (triton and inductor do)"
+        elif not self.backend.uses_cuda_graphs:
+            from .backends import lookup_backend, names
+            users = " and ".join(n for n in names() if lookup_backend(n).uses_cuda_graphs)
+            why = f"the {self.backend.name} backend does not use them ({users} do)"
         else:
             why = triton_compat.cuda_graphs_problem(triton_compat.gather())
         if why:
@@ -219,7 +228,9 @@ class Accelerator:
             self._bypass = prev
 
     @contextlib.contextmanager
-    def active(self, weight_epoch=None):
+    def active(self, weight_epoch=None, shape: str | None = None):
+        """One UNet call through the regions. ``shape``: the call's label (``BxWxH`` px), named if it
+        compiles after warmup."""
         if self._bypass or not self._shims:
             self.stats["eager_calls"] += 1
             yield
@@ -227,6 +238,7 @@ class Accelerator:
         weights.set_epoch(weight_epoch)
         installed = []
         before, hits_before = self._compiled(), cache_hits()
+        marks = guard_marks() if self.warmed else None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
@@ -257,9 +269,54 @@ class Accelerator:
                         if not self._defer_save:
                             self.save_cache()
                     if self.warmed:
-                        self.stats["recompiles_after_warmup"] += new
-                        log.warning("UNet Compiler: %d graph(s) compiled after warmup (a shape outside the "
-                                    "warmed range?)", new)
+                        self._recompiled(new, shape, time.perf_counter() - t0, marks)
+
+    def _recompiled(self, graphs: int, shape: str | None, seconds: float, marks) -> None:
+        """Count a compile after warmup against the running prompt, name its shape and the guard that
+        failed, log it and tell the listener (never raises into the UNet call)."""
+        self.stats["recompiles_after_warmup"] += graphs
+        guards = []
+        try:
+            for plain in map(plain_guard, sorted(guard_reasons_since(marks or {}), key=rank)):
+                if plain not in guards and len(guards) < 3:
+                    guards.append(plain)
+        except Exception:
+            log.debug("guard reasons unavailable", exc_info=True)
+        prompt = comfy_compat.current_prompt()
+        self.recompiles_by_prompt[prompt] += graphs
+        event = {"prompt": prompt, "shape": shape, "graphs": graphs, "seconds": round(seconds, 2), "guards": guards}
+        self.recompiles = (self.recompiles + [event])[-50:]
+        event["text"] = self.recompile_sentence(event)
+        log.warning("UNet Compiler: %s", event["text"])
+        if self.on_recompile is not None:
+            try:
+                self.on_recompile(event)
+            except Exception:  # a listener must not break sampling
+                log.debug("on_recompile listener failed", exc_info=True)
+
+    def recompile_sentence(self, e: dict) -> str:
+        where = f"prompt {e['prompt']}: " if e.get("prompt") else ""
+        shape = f" for a {e['shape']} call" if e.get("shape") else ""
+        warmed = ", ".join(self.warmed_shapes) or "none"
+        inside = bool(e.get("shape")) and bool(self.warmed_shapes) and self._inside_warmed(e["shape"])
+        where_shape = ("" if not e.get("shape") or not self.warmed_shapes else
+                       " (inside the warmed range: a specialisation or patch warmup did not prime)" if inside
+                       else " (outside the warmed range)")
+        why = "; ".join(e.get("guards") or []) or "dynamo recorded no failed guard (a new code path)"
+        fix = ("none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
+               "with this line" if inside or not e.get("shape") else
+               f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG)")
+        return (f"{where}{e['graphs']} graph(s) compiled after warmup{shape}{where_shape}, {e['seconds']:.1f} s; "
+                f"warmed shapes: {warmed}; why: {why}. Fix: {fix}")
+
+    def _inside_warmed(self, label: str) -> bool:
+        from .shapes import parse_shapes
+        try:
+            s, box = parse_shapes(label)[0], parse_shapes(", ".join(self.warmed_shapes))
+        except Exception:
+            return False
+        return all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
+                   for f in ("batch", "width", "height"))
 
     def save_cache(self):
         """Write what compiled so far to the persistent compile cache, if anything new did (never raises)."""
@@ -282,4 +339,5 @@ class Accelerator:
         extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])
         extra += self.cache.lines() if self.cache is not None else []
         extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(self.patches_seen.items())]
+        extra += [f"  recompile: {self.recompile_sentence(e)}" for e in self.recompiles[-5:]]
         return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -24,6 +24,14 @@ class Shape:
         return f"{self.batch}x{self.width}x{self.height}"
 
 
+def label_of(latent) -> str | None:
+    """A UNet call's input latent ``[B, C, h, w]`` named as Warmup Shapes names it (``BxWxH`` px)."""
+    size = getattr(latent, "shape", None)
+    if size is None or len(size) < 3:
+        return None
+    return Shape(int(size[0]), int(size[-1]) * LATENT_SCALE, int(size[-2]) * LATENT_SCALE).label
+
+
 #: the first shape traced when shapes are dynamic: batch 2, non-square, and at
 #: least 2x2 at the deepest level of an SD UNet (latent / 8)
 PROBE = Shape(2, 128, 192)

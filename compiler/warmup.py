@@ -64,4 +64,5 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             if on_shape is not None:
                 on_shape(i, shape, secs)
     accel.warmed = True
+    accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep

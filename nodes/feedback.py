@@ -32,6 +32,11 @@ Events (``PromptServer.send_sync(EVENT_PREFIX + name, data)``), all JSON:
     eager: ``node_ids`` (the Compile UNet node and the Warmup Shapes nodes
     that ran the model), ``backend``, ``kind``, ``state`` (``fallback``),
     ``reason``, ``fix``, ``text``.
+``unet_compiler.recompile``
+    code compiled after warmup (a shape or guard warmup did not cover):
+    ``node_ids``, ``backend``, ``prompt`` (the prompt id), ``shape`` (the
+    call's ``BxWxH``), ``graphs``, ``seconds``, ``guards`` (the failed guards in
+    plain words), ``text``.
 """
 from __future__ import annotations
 
@@ -176,6 +181,13 @@ class _FallbackListener:
         for node_id in self.node_ids:
             progress_text(text, node_id)
 
+    def recompiled(self, event: dict) -> None:
+        """``Accelerator.on_recompile``: code compiled after warmup, during this prompt."""
+        send("recompile", {"node_ids": list(self.node_ids), "backend": self.accel.backend.name,
+                           **{k: event.get(k) for k in ("prompt", "shape", "graphs", "seconds", "guards", "text")}})
+        for node_id in self.node_ids:
+            progress_text(f"{self.accel.backend.name}: recompile: {event.get('text')}", node_id)
+
 
 def attach(accel, node_id) -> None:
     """Route the accelerator's run-time fallbacks to ``node_id`` (and to every
@@ -184,6 +196,7 @@ def attach(accel, node_id) -> None:
     if not isinstance(listener, _FallbackListener):
         listener = _FallbackListener(accel)
         accel.on_fallback = listener
+        accel.on_recompile = listener.recompiled
     if node_id is not None and _id(node_id) not in listener.node_ids:
         listener.node_ids.append(_id(node_id))
 

@@ -14,7 +14,7 @@ import torch
 from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import is_interrupt
 from ..compiler.runtime import Accelerator
-from ..compiler.shapes import context_dim, parse_shapes, unet_inputs
+from ..compiler.shapes import context_dim, label_of, parse_shapes, unet_inputs
 from ..compiler.warmup import warmup_runs
 from . import feedback
 
@@ -35,7 +35,8 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
         for name in patch_effects(to):
             accel.patches_seen[name] += 1
         epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0])
-        with accel.active(weight_epoch=epoch):
+        x = args[0] if args else kwargs.get("x")
+        with accel.active(weight_epoch=epoch, shape=label_of(x)):
             return executor(*args, **kwargs)
     unet_compiler_apply_model.accelerator = accel
     return unet_compiler_apply_model

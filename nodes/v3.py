@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io, ui
 
+from ..compiler.backends import tooltip as backend_tooltip
 from ..compiler.config import BACKENDS, PRECISIONS, CompileConfig
 from ..compiler.shapes import ShapeError, validate_shapes_input
 from . import patcher
@@ -19,10 +20,7 @@ class SelectBackend(io.ComfyNode):
             category="UNet Compiler",
             description="Choose how Compile UNet accelerates the model.",
             inputs=[
-                io.Combo.Input("backend", options=list(BACKENDS), default="auto",
-                               tooltip="auto: the fastest backend that works here (triton on CUDA, ipex on an Intel CPU "
-                                       "with IPEX beside torch 2.8, inductor otherwise). eager: no rewrites (A/B, debugging). Never changes which LoRA "
-                                       "or patch applies."),
+                io.Combo.Input("backend", options=list(BACKENDS), default="auto", tooltip=backend_tooltip()),
                 io.Combo.Input("precision", options=list(PRECISIONS), default="auto",
                                tooltip="auto keeps the dtype ComfyUI chose (same math as eager). fp16/bf16 run under "
                                        "autocast: faster on hardware with those units; Warmup Shapes reports the error."),

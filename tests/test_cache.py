@@ -57,7 +57,7 @@ def _write(entry, data: bytes, **meta_over):
 @pytest.mark.parametrize("damage", ["truncated", "corrupt", "foreign", "no-json"])
 def test_a_bad_entry_is_discarded_before_torch_sees_it(tiny_unet, folder, monkeypatch, caplog, damage):
     handed = []
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: handed.append(data))
+    monkeypatch.setattr(C.megacache, "load", lambda data: handed.append(data))
     entry = _entry(tiny_unet(), folder)
     good = b"artifacts written by the pack" * 10
     _write(entry, good)
@@ -80,7 +80,7 @@ def test_a_bad_entry_is_discarded_before_torch_sees_it(tiny_unet, folder, monkey
 
 def test_a_good_entry_is_loaded_once_per_process(tiny_unet, folder, monkeypatch):
     handed = []
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: handed.append(data))
+    monkeypatch.setattr(C.megacache, "load", lambda data: handed.append(data))
     entry = _entry(tiny_unet(), folder)
     _write(entry, b"x" * 2048)
     assert entry.load() and handed == [b"x" * 2048] and entry.state.startswith("hit")
@@ -101,7 +101,7 @@ def test_unwritable_folder_runs_memory_only_and_says_so(tiny_unet, tmp_path, mon
 
 
 def test_clear_and_off(tiny_unet, folder, monkeypatch):
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: None)
+    monkeypatch.setattr(C.megacache, "load", lambda data: None)
     entry = _entry(tiny_unet(), folder)
     _write(entry, b"y" * 100)
     monkeypatch.setenv(C.MODE_ENV, "off")
@@ -179,3 +179,70 @@ def test_read_only_folder_is_read_and_said_plainly(tiny_unet, folder, monkeypatc
     text = "\n".join(entry.lines())
     assert "is read-only: its entries are read" in text and "Fix" not in text, text
     assert not list(folder.glob("*.bin"))
+
+
+# ---- an entry keeps everything: saves after warmup, and what another worker added --------------
+_STEPS = textwrap.dedent('''
+    import json, sys, torch
+    from torch._dynamo.utils import counters
+    from unet_compiler.compiler import cache as C
+    from unet_compiler.compiler.config import CompileConfig
+    fns = {"sin": lambda x: x.sin() + 1, "cos": lambda x: x.cos() * 2, "tanh": lambda x: x.tanh() - 3}
+    entry = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu")
+    entry.load()
+    for step in sys.argv[1:]:            # a name compiles and runs that function; "save" saves
+        if step == "save":
+            entry.save()
+        else:
+            torch.compile(fns[step])(torch.randn(8))
+    print("STATE", json.dumps({"hits": counters["inductor"]["fxgraph_cache_hit"],
+                               "misses": counters["inductor"]["fxgraph_cache_miss"], "state": entry.state}))
+''')
+
+
+def _steps(tmp_path, name, *steps) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in (C.MODE_ENV, "TRITON_CACHE_DIR")}
+    env.update({C.DIR_ENV: str(tmp_path / "pack"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / f"inductor_{name}"),
+                "TORCH_NUM_THREADS": "1"})    # a cold inductor cache per process: only the entry carries code
+    proc = subprocess.run([sys.executable, "-c", _STEPS, *steps], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    return json.loads(proc.stdout.split("STATE", 1)[1])
+
+
+def test_an_entry_keeps_every_save_and_every_workers_graphs(tmp_path):
+    """torch's loader keeps only the last of several saves of one process (a shape compiled after
+    warmup saves again), and a worker that loaded an entry saves only what it compiled itself. The
+    pack merges: after a process saved twice and a second worker added a third graph, a fresh
+    process takes all three from the entry."""
+    from unet_compiler.compiler.compat import megacache
+    first = _steps(tmp_path, "a", "sin", "save", "cos", "save")
+    assert first["misses"] == 2 and first["state"].startswith("miss"), first
+    (entry,) = (tmp_path / "pack").glob("*.bin")
+    assert megacache.count(entry.read_bytes()) >= 2
+    fresh = _steps(tmp_path, "b", "sin", "cos")
+    assert fresh["hits"] == 2 and fresh["misses"] == 0, f"both saves of one process are loaded: {fresh}"
+    worker = _steps(tmp_path, "c", "sin", "tanh", "save")
+    assert worker["hits"] == 1 and worker["misses"] == 1, worker
+    last = _steps(tmp_path, "d", "sin", "cos", "tanh")
+    assert last["hits"] == 3 and last["misses"] == 0, f"the worker added to the entry, lost nothing: {last}"
+
+
+def test_a_read_only_folder_lends_its_inductor_files_through_a_local_copy(tiny_unet, folder, tmp_path, monkeypatch):
+    """Inductor writes beside what it reads, so a fleet's read-only folder cannot be its cache
+    folder: its ``inductor/`` is copied to a local temp folder, which inductor then uses."""
+    kernel = folder / "inductor" / "ab" / "kernel.so"
+    kernel.parent.mkdir(parents=True)
+    kernel.write_bytes(b"compiled")
+    (folder / "inductor" / "locks").mkdir()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(C.tempfile, "gettempdir", lambda: str(tmp_path / "local_tmp"))
+    real_access = os.access
+    monkeypatch.setattr(C.os, "access", lambda p, mode: False if Path(p) == folder / "inductor"
+                        else real_access(p, mode))
+    entry = _entry(tiny_unet(), folder)
+    entry.load()
+    local = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    assert local.parent == tmp_path / "local_tmp" and (local / "ab" / "kernel.so").read_bytes() == b"compiled"
+    assert not (local / "locks").exists()
+    assert "copied from the read-only folder to" in "\n".join(entry.lines())

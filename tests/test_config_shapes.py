@@ -75,6 +75,35 @@ def test_registry_reports_unavailable_backends_and_falls_back():
         lookup_backend("tensorrt")
 
 
+def test_a_backend_is_one_file(tmp_path, monkeypatch):
+    """A module named as the backend, found on the backends package's path, is in the menus' order,
+    the tooltip and auto's order: nothing else names it."""
+    import unet_compiler.compiler.backends as B
+    from unet_compiler.compiler.config import BACKENDS
+    assert BACKENDS == ("auto",) + B.names() and set(B.names()) == {"triton", "ipex", "inductor", "eager"}
+    assert B.names() == ("triton", "ipex", "inductor", "eager"), "auto's order"
+    (tmp_path / "turbo.py").write_text(textwrap.dedent("""
+        from unet_compiler.compiler.backends import Backend, register_backend
+
+        @register_backend("turbo")
+        class Turbo(Backend):
+            auto_rank, summary = 1.5, "a test backend"
+
+            def available(self, device):
+                return True, "always"
+    """))
+    monkeypatch.setattr(B, "__path__", list(B.__path__) + [str(tmp_path)])
+    try:
+        assert B.names() == ("triton", "ipex", "turbo", "inductor", "eager")
+        assert "then ipex, then turbo, then inductor" in B.tooltip() and "turbo: a test backend" in B.tooltip()
+        backend, story = resolve("auto", torch.device("cpu"))
+        assert backend.name == "turbo" and story[-1] == "turbo: chosen (always)", story
+        assert resolve("turbo", torch.device("cpu"))[0].name == "turbo"
+    finally:
+        B._REGISTRY.pop("turbo", None)
+        sys.modules.pop(B.__name__ + ".turbo", None)
+
+
 def _run(code, env_extra=None):
     import os
     env = dict(os.environ, **(env_extra or {}))

@@ -88,3 +88,56 @@ def test_interrupt_is_not_a_fallback(tiny_unet, monkeypatch):
     with torch.no_grad(), pytest.raises(InterruptProcessingException):
         unet(*_inputs())
     assert api.accelerator_of(unet).failed == {}
+
+
+# ---- compiles after warmup: counted per prompt, named by shape and guard -------------------
+def test_a_recompile_names_its_prompt_shape_and_guard(tiny_unet, monkeypatch):
+    """Warm 1x64x64 with static shapes, then run batch 2: the compile is counted against the
+    running prompt, and the report, the log and the listener name the shape (outside the warmed
+    range) and the failed guard in plain words. Region bodies traced by dynamo's eager backend:
+    the guards are dynamo's own, without inductor's compile time."""
+    from unet_compiler.compiler import regions as R
+    from unet_compiler.compiler.compat import comfy as comfy_compat
+
+    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config: {
+        key: torch.compile(body, backend="eager", dynamic=False) for key, body in R.BODIES.items()})
+    monkeypatch.setattr(comfy_compat, "current_prompt", lambda: "prompt-7")
+    unet = api.compile_unet(tiny_unet(), "inductor", dynamic_shapes=False)
+    accel = api.accelerator_of(unet)
+    told = []
+    accel.on_recompile = told.append
+    api.warmup(unet, "1x64x64", context_tokens=6)
+    assert accel.warmed_shapes == ["1x64x64"] and accel.stats["recompiles_after_warmup"] == 0
+    with torch.no_grad():
+        unet(*_inputs())                                         # warmed: nothing compiles
+        assert accel.recompiles == [] and told == []
+        x, t, ctx = _inputs()
+        unet(x.repeat(2, 1, 1, 1), t, ctx.repeat(2, 1, 1))       # batch 2: compiles
+    graphs = accel.stats["recompiles_after_warmup"]
+    assert graphs > 0 and accel.recompiles_by_prompt == {"prompt-7": graphs}
+    (event,) = accel.recompiles
+    assert told == [event] and event["prompt"] == "prompt-7" and event["shape"] == "2x64x64"
+    assert event["graphs"] == graphs
+    assert any("batch (dim 0) is 2, the code was compiled for exactly 1" in g for g in event["guards"]), event
+    assert len(event["guards"]) == len(set(event["guards"])) <= 3
+    text = accel.text()
+    assert "recompile: prompt prompt-7: " in text and "for a 2x64x64 call (outside the warmed range)" in text, text
+    assert "warmed shapes: 1x64x64" in text and "Fix: add 2x64x64 to Warmup Shapes" in text, text
+
+
+def test_guards_in_plain_words():
+    from unet_compiler.compiler.compat.dynamo import plain_guard
+    assert plain_guard("0/1: tensor 'L['hidden_states']' size mismatch at index 0. expected 1, actual 2") == (
+        "region input hidden_states: batch (dim 0) is 2, the code was compiled for exactly 1")
+    assert plain_guard("3/2: tensor 'L['x']' dtype mismatch. expected Float, actual Half") == (
+        "region input x: dtype Half, compiled for Float")
+    sym = plain_guard("1/4: L['hidden_states'].size()[2] <= 16")
+    assert sym.startswith("region input hidden_states: height (dim 2) outside the range the code was compiled for")
+    assert "L['hidden_states'].size()[2] <= 16" in sym
+    # torch >= 2.9 names locals bare and appends the source line: kept out of the text
+    bare = plain_guard("2 <= input_tensor.size()[0] <= 15  # return F.silu(input, inplace=self.inplace)")
+    assert bare == ("region input input_tensor: batch (dim 0) outside the range the code was compiled for "
+                    "(guard: 2 <= input_tensor.size()[0] <= 15)")
+    assert plain_guard("0/0: ___check_obj_id(L['self'], 1403)").startswith("an object the code depends on")
+    assert plain_guard("2/1: something new " + "y" * 300).startswith("guard: something new y")
+    assert len(plain_guard("2/1: " + "z" * 300)) < 200

@@ -5,7 +5,8 @@
 //    state (eager / compiling / compiled / fallback);
 //  - keeps the live warmup text ("shape 3/8, 1x768x768, 12.4 s"), which
 //    ComfyUI itself shows under the node from send_progress_text;
-//  - toasts a fallback to eager (or to another backend) with the reason and the fix.
+//  - toasts a fallback to eager (or to another backend) with the reason and the fix;
+//  - toasts a compile after warmup with the shape and the guard that caused it.
 // Plain ES module, no build step. Loaded from WEB_DIRECTORY by ComfyUI.
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -171,6 +172,14 @@ function onFallback({ detail }) {
     `${detail.reason}. Fix: ${detail.fix}.`);
 }
 
+// Code compiled after warmup: one toast per prompt and shape, naming the shape and the guard.
+function onRecompile({ detail }) {
+  const key = `${detail.prompt}|${detail.shape}|${detail.node_ids?.join(",")}`;
+  if (toasted.has(key)) return;
+  toasted.add(key);
+  toast("info", `UNet Compiler: compiled again for ${detail.shape ?? "a new shape"}`, detail.text);
+}
+
 // A cancelled or failed prompt leaves no node "compiling" forever.
 function onStopped() {
   for (const node of app.graph?._nodes ?? []) {
@@ -184,6 +193,7 @@ app.registerExtension({
     api.addEventListener("unet_compiler.compile", onCompile);
     api.addEventListener("unet_compiler.warmup", onWarmup);
     api.addEventListener("unet_compiler.fallback", onFallback);
+    api.addEventListener("unet_compiler.recompile", onRecompile);
     api.addEventListener("execution_interrupted", onStopped);
     api.addEventListener("execution_error", onStopped);
   },

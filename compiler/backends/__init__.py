@@ -1,17 +1,20 @@
 """A tiny backend registry, resolved lazily by name.
 
-A backend module decorates its class with ``@register_backend(name)``; its
-optional dependencies are imported inside it, so choosing ``inductor`` never
-imports triton or IPEX.
+A backend is one module of this package, named as the backend, whose class is decorated with
+``@register_backend(name)`` and says where ``auto`` ranks it, whether an explicit request that
+cannot run falls back to it, whether it uses CUDA graphs, and one line for the menu's tooltip.
+Its optional dependencies are imported inside it, so choosing ``inductor`` never imports triton
+or IPEX. Adding a backend is adding its file; the node menus, ``config.BACKENDS`` and ``auto``
+read this registry.
 """
 from __future__ import annotations
 
 import importlib
 import logging
+import pkgutil
 
 log = logging.getLogger(__name__)
 
-_MODULES = {"eager": ".eager", "inductor": ".inductor", "triton": ".triton", "ipex": ".ipex"}
 _REGISTRY: dict[str, type] = {}
 
 
@@ -23,17 +26,34 @@ def register_backend(name: str):
     return deco
 
 
+def _module_names() -> list[str]:
+    return [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+
+
 def lookup_backend(name: str):
-    """The backend class registered under ``name`` (imports its module on first use)."""
+    """The backend class registered under ``name`` (imports its module, ``.<name>``, on first use)."""
     if name not in _REGISTRY:
-        if name not in _MODULES:
-            raise KeyError(f"unknown backend {name!r}; registered: {', '.join(sorted(_MODULES))}")
-        importlib.import_module(_MODULES[name], __name__)
+        if name not in _module_names():
+            raise KeyError(f"unknown backend {name!r}; registered: {', '.join(names())}")
+        importlib.import_module("." + name, __name__)
     return _REGISTRY[name]
 
 
+def _ranked() -> list[type]:
+    classes = [lookup_backend(n) for n in _module_names()]   # each module is cheap: no optional imports
+    return sorted(classes, key=lambda c: (c.auto_rank is None, c.auto_rank or 0, c.name))
+
+
 def names() -> tuple[str, ...]:
-    return tuple(_MODULES)
+    """Every backend, in ``auto``'s order (the order the menus show)."""
+    return tuple(c.name for c in _ranked())
+
+
+def tooltip() -> str:
+    """The backend menu's tooltip: ``auto`` and one line per backend."""
+    order = ", then ".join(c.name for c in _ranked() if c.auto_rank is not None and c.name != "eager")
+    lines = [f"auto: the first that works here of {order}; eager if none does"]
+    return ". ".join(lines + [f"{c.name}: {c.summary}" for c in _ranked()]) + ". Never changes which LoRA or patch applies."
 
 
 class Backend:
@@ -41,6 +61,16 @@ class Backend:
     ``impls(config)`` -> {region kind: callable(region_module, *inputs)}."""
 
     name = "?"
+    #: where ``auto`` tries it (lower first); None: only when asked for by name
+    auto_rank: int | None = None
+    #: device types ``auto`` tries it on (None: any)
+    auto_devices: tuple | None = None
+    #: an explicitly requested backend that cannot run here falls back to these, in rank order
+    fallback = False
+    #: whether Select Backend's ``cuda_graphs`` applies to it
+    uses_cuda_graphs = False
+    #: one line for the menu's tooltip: what it does, where
+    summary = ""
     #: whether code is specialised per shape (dynamo graphs, Triton kernel variants), so
     #: warmup's probe shapes (batch 1, 64 px) are worth running
     specialises_on_shapes = True
@@ -79,10 +109,12 @@ def resolve(requested: str, device) -> tuple[Backend, list[str]]:
     """Pick the backend to run. Returns it plus the story of how it was chosen
     (each unavailable candidate with its reason) for the report."""
     story: list[str] = []
+    ranked = _ranked()
     if requested == "auto":
-        order = (["triton"] if getattr(device, "type", "cpu") == "cuda" else []) + ["ipex", "inductor", "eager"]
+        dev = getattr(device, "type", "cpu")
+        order = [c.name for c in ranked if c.auto_rank is not None and (c.auto_devices is None or dev in c.auto_devices)]
     else:
-        order = [requested] + [n for n in ("inductor", "eager") if n != requested]
+        order = [requested] + [c.name for c in ranked if c.fallback and c.name != requested]
     for name in order:
         try:
             backend = lookup_backend(name)()

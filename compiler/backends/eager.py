@@ -4,5 +4,8 @@ from . import Backend, register_backend
 
 @register_backend("eager")
 class EagerBackend(Backend):
+    auto_rank, fallback = 3, True
+    summary = "no rewrites, ComfyUI's own code (A/B, debugging)"
+
     def available(self, device):
         return True, "no rewrites"

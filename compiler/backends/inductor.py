@@ -56,6 +56,8 @@ def _cpp_compiler_missing() -> str | None:
 
 @register_backend("inductor")
 class InductorBackend(Backend):
+    auto_rank, fallback, uses_cuda_graphs = 2, True, True
+    summary = "regional torch.compile (CUDA or CPU)"
     def available(self, device):
         old = torch_too_old()
         if old:

@@ -58,6 +58,8 @@ def _plain_copy(module: torch.nn.Module) -> torch.nn.Module:
 
 @register_backend("ipex")
 class IpexBackend(Backend):
+    auto_rank = 1
+    summary = "Intel Extension for PyTorch (an Intel CPU, IPEX beside torch 2.8)"
     specialises_on_shapes = False  # ipex.optimize'd copies run any shape; no probe shapes to prime
 
     def __init__(self):

@@ -289,6 +289,8 @@ class Bodies:
 
 @register_backend("triton")
 class TritonBackend(Backend):
+    auto_rank, auto_devices, uses_cuda_graphs = 0, ("cuda",), True
+    summary = "the pack's fused Triton kernels (CUDA), CUDA graphs optional"
     def __init__(self):
         self.bodies: Bodies | None = None
         self.counting = True

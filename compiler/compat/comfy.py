@@ -42,6 +42,17 @@ def not_a_unet_reason(module) -> str:
             f"nothing in it is rewritten")
 
 
+def current_prompt() -> str | None:
+    """The id of the prompt ComfyUI is executing now (its executing-node context), else None."""
+    mod = sys.modules.get("comfy_execution.utils")
+    get = getattr(mod, "get_executing_context", None)
+    try:
+        ctx = get() if get is not None else None
+    except Exception:
+        return None
+    return getattr(ctx, "prompt_id", None)
+
+
 def has_cast_weights(module) -> bool:
     """True when ComfyUI casts or patches this module's weights per call
     (lowvram partial load, manual_cast, weight_function LoRA patches)."""

@@ -1,0 +1,475 @@
+"""A headless ComfyUI server with this pack installed, driven through its HTTP API, and the
+random-weight SD1.5 checkpoint it loads (no downloads). Used by the end-to-end tests
+(tests/e2e) and the starts benchmark (``python -m unet_compiler starts``).
+
+Nothing here imports ComfyUI into the calling process: the checkpoint is built by a subprocess
+that imports ComfyUI's own model classes, and the server is a second subprocess
+(``main.py --cpu`` unless a GPU is asked for) that loads this checkout as a custom-node pack
+through ``--extra-model-paths-config``, listening on loopback only.
+"""
+from __future__ import annotations
+
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PACK_ROOT = Path(__file__).resolve().parent
+CHECKPOINT_NAME = "unet_compiler_random_sd15.safetensors"
+# Bump when the builder below changes, so a cached file is not reused.
+CHECKPOINT_FORMAT_VERSION = "1"
+SERVER_READY_TIMEOUT_S = 120.0
+
+
+# --------------------------------------------------------------------------
+# Random-weight SD1.5 checkpoint
+# --------------------------------------------------------------------------
+
+# Runs in a subprocess with cwd = the ComfyUI tree. argv[1] = output path.
+# Builds the three models from ComfyUI's own classes, random-initialises them
+# (ComfyUI's ops skip init, leaving torch.empty garbage), saves them with the
+# key prefixes of an original SD1.5 checkpoint, and then checks that ComfyUI's
+# model detection calls the result SD15.
+# Pasted into the builder scripts (this one, tests/e2e's patch assets) (after their imports): the random init and SD1.5's UNet
+# config, as comfy/model_detection.py spells it.
+SD15_HELPERS = r'''
+NORMS = (torch.nn.GroupNorm, torch.nn.LayerNorm)
+
+@torch.no_grad()
+def random_init(root, scale=0.02, generator=None):
+    # ComfyUI's ops skip init, leaving torch.empty garbage: norms to identity, biases to zero
+    for mod in root.modules():
+        for name, p in mod.named_parameters(recurse=False):
+            if isinstance(mod, NORMS):
+                p.fill_(1.0 if name == "weight" else 0.0)
+            elif name == "bias":
+                p.zero_()
+            else:
+                p.normal_(0.0, scale, generator=generator)
+    for name, b in root.named_buffers():
+        if b.is_floating_point() and not torch.isfinite(b).all():
+            raise RuntimeError("non-finite buffer after init: " + name)
+
+SD15_UNET_CONFIG = dict(
+    image_size=32, in_channels=4, out_channels=4, model_channels=320,
+    num_res_blocks=[2, 2, 2, 2], channel_mult=[1, 2, 4, 4],
+    transformer_depth=[1, 1, 1, 1, 1, 1, 0, 0], transformer_depth_middle=1,
+    transformer_depth_output=[1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0],
+    use_spatial_transformer=True, use_linear_in_transformer=False,
+    context_dim=768, num_heads=8, num_head_channels=-1, legacy=False,
+    adm_in_channels=None, use_checkpoint=False,
+    use_temporal_attention=False, use_temporal_resblock=False,
+)
+'''
+
+_BUILD_CHECKPOINT_SCRIPT = r'''
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+out_path = sys.argv[1]
+t0 = time.time()
+
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.model_management
+import comfy.ops
+import comfy.sd1_clip
+import comfy.utils
+import comfy.model_detection
+from comfy.ldm.modules.diffusionmodules.openaimodel import UNetModel
+from comfy.ldm.models.autoencoder import AutoencoderKL
+
+torch.manual_seed(0)
+''' + SD15_HELPERS + r'''
+# UNet: stored in fp16 (ComfyUI on CPU upcasts to fp32 at load) to halve file size and I/O.
+unet_config = SD15_UNET_CONFIG
+unet = UNetModel(**unet_config, dtype=torch.float16, device="cpu",
+                 operations=comfy.ops.disable_weight_init)
+random_init(unet)
+
+# CLIP-L text model from comfy/sd1_clip_config.json. Only text_model.* is
+# saved, like an original SD1.5 file (SD15.process_clip_state_dict would
+# misplace a top-level text_projection key).
+clip = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float32)
+random_init(clip)
+
+# SD1.x KL VAE, the config comfy/sd.py VAE uses for these keys.
+ddconfig = {"double_z": True, "z_channels": 4, "resolution": 256,
+            "in_channels": 3, "out_ch": 3, "ch": 128, "ch_mult": [1, 2, 4, 4],
+            "num_res_blocks": 2, "attn_resolutions": [], "dropout": 0.0}
+vae = AutoencoderKL(ddconfig=ddconfig, embed_dim=4)
+random_init(vae)
+
+sd = {}
+for k, v in unet.state_dict().items():
+    sd["model.diffusion_model." + k] = v
+for k, v in clip.state_dict().items():
+    if k.startswith("transformer.text_model."):
+        sd["cond_stage_model." + k] = v
+for k, v in vae.state_dict().items():
+    sd["first_stage_model." + k] = v
+sd = {k: v.detach().contiguous() for k, v in sd.items()}
+for k, v in sd.items():
+    if v.is_floating_point() and not torch.isfinite(v).all():
+        raise RuntimeError("non-finite tensor: " + k)
+
+# The file must be detected as SD1.5 by the same code CheckpointLoaderSimple runs.
+import comfy.supported_models
+prefix = comfy.model_detection.unet_prefix_from_state_dict(sd)
+model_config = comfy.model_detection.model_config_from_unet(sd, prefix)
+if type(model_config) is not comfy.supported_models.SD15:
+    raise RuntimeError("model detection says %r, not SD15" % (type(model_config),))
+
+tmp = "%s.%d.partial" % (out_path, os.getpid())
+comfy.utils.save_torch_file(sd, tmp, metadata={"unet_compiler_test": "random-sd15"})
+os.replace(tmp, out_path)
+n_unet = sum(v.numel() for k, v in sd.items() if k.startswith("model.diffusion_model."))
+print("built %s: %d tensors, %.0fM UNet params, %s detected, %.1f s"
+      % (out_path, len(sd), n_unet / 1e6, type(model_config).__name__, time.time() - t0))
+'''
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    # Keep ComfyUI's own stdout unbuffered so logs are complete on failure.
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def checkpoint_path(folder: Path) -> Path:
+    """The random SD1.5 checkpoint kept in ``folder`` (``<folder>/checkpoints-v<format>/``),
+    built there first when missing (about a minute, 2 GB)."""
+    ckpt_dir = Path(folder).expanduser() / ("checkpoints-v" + CHECKPOINT_FORMAT_VERSION)
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt_dir / CHECKPOINT_NAME
+    if not ckpt.is_file():
+        build_checkpoint(comfyui_or_fail(), ckpt)
+    return ckpt
+
+
+def comfyui_or_fail() -> Path:
+    from .families import comfy_path
+    path = comfy_path()
+    if path is None:
+        raise RuntimeError("ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI")
+    return path.resolve()
+
+
+def build_checkpoint(comfyui_path: Path, ckpt: Path):
+    t0 = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILD_CHECKPOINT_SCRIPT, str(ckpt)],
+        cwd=str(comfyui_path),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if proc.returncode != 0 or not ckpt.is_file():
+        tail = (proc.stdout + proc.stderr)[-6000:]
+        raise RuntimeError(
+            f"building the random SD1.5 checkpoint failed (rc={proc.returncode}):\n{tail}"
+        )
+    summary = proc.stdout.strip().splitlines()
+    print(f"\n[e2e] {summary[-1] if summary else 'checkpoint built'} "
+          f"(wall {time.time() - t0:.1f} s)")
+
+
+
+# --------------------------------------------------------------------------
+# Headless ComfyUI server
+# --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(path: Path, n_chars: int = 8000) -> str:
+    try:
+        data = path.read_text(errors="replace")
+    except OSError as e:
+        return f"<could not read {path}: {e}>"
+    return data[-n_chars:]
+
+
+@dataclass
+class ComfyServer:
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+    output_dir: Path
+    comfyui_path: Path
+    pack_dir: Path  # the symlink in the server's custom_nodes folder
+    model_dirs: dict = field(default_factory=dict)  # "loras" / "controlnet" -> the folder the server lists
+    root: Path | None = None  # the folder start_server made for it
+    client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    ready_s: float = 0.0      # seconds from start until it answered
+    _object_info: dict | None = None
+
+    # -- HTTP helpers ----------------------------------------------------
+    def get(self, route: str, timeout: float = 30.0) -> bytes:
+        with urllib.request.urlopen(self.url + route, timeout=timeout) as r:
+            return r.read()
+
+    def get_json(self, route: str, timeout: float = 30.0):
+        return json.loads(self.get(route, timeout))
+
+    def post_json(self, route: str, payload: dict, timeout: float = 30.0):
+        req = urllib.request.Request(
+            self.url + route,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            body = e.read().decode(errors="replace")
+            raise AssertionError(f"POST {route} -> HTTP {e.code}: {body}") from None
+
+    def object_info(self) -> dict:
+        if self._object_info is None:
+            self._object_info = self.get_json("/object_info", timeout=120)
+        return self._object_info
+
+    def log_tail(self, n_chars: int = 8000) -> str:
+        return _tail(self.log_path, n_chars)
+
+    def pack_import_report(self) -> str:
+        """What the server log says about importing this pack (its traceback included)."""
+        lines = _tail(self.log_path, 2_000_000).splitlines()
+        key = str(self.pack_dir)
+        mentions = [i for i, line in enumerate(lines) if key in line]
+        if not mentions:
+            return f"(the server log never mentions {key})"
+        failed = [i for i in mentions if lines[i].startswith("Cannot import")]
+        if not failed:
+            return "\n".join(lines[i] for i in mentions)
+        end = failed[-1]
+        start = end
+        while start > 0 and end - start < 80 and not lines[start].startswith("Traceback"):
+            start -= 1
+        if not lines[start].startswith("Traceback"):
+            start = end
+        return "\n".join(lines[start:end + 1])
+
+    # -- prompt helpers (the module-level functions below) ---------------
+    def run_prompt(self, prompt: dict, timeout: float = 300.0) -> dict:
+        return run_prompt(self, prompt, timeout)
+
+    def fetch_image(self, image: dict):
+        return fetch_image(self, image)
+
+    def stop(self):
+        _stop(self.process)
+
+    def check_alive(self):
+        if self.process.poll() is not None:
+            raise AssertionError(
+                f"ComfyUI exited with rc={self.process.returncode}; log tail:\n"
+                + self.log_tail()
+            )
+
+
+def _stop(proc: subprocess.Popen):
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+
+
+# --------------------------------------------------------------------------
+# Prompt helpers
+# --------------------------------------------------------------------------
+
+
+class PromptFailed(AssertionError):
+    pass
+
+
+def run_prompt(server: ComfyServer, prompt: dict, timeout: float = 300.0) -> dict:
+    """Queue an API-format prompt, wait for it, and return its /history entry.
+
+    Raises PromptFailed with ComfyUI's validation or execution error (and the
+    server log tail) if the prompt is rejected or fails.
+    """
+    server.check_alive()
+    resp = server.post_json("/prompt", {"prompt": prompt, "client_id": server.client_id})
+    if resp.get("error") or resp.get("node_errors"):
+        raise PromptFailed(f"prompt rejected: {json.dumps(resp, indent=1)}")
+    prompt_id = resp["prompt_id"]
+
+    deadline = time.time() + timeout
+    while True:
+        history = server.get_json(f"/history/{prompt_id}")
+        entry = history.get(prompt_id)
+        if entry is not None:
+            status = entry.get("status") or {}
+            if status.get("completed") or status.get("status_str") in ("success", "error"):
+                break
+        server.check_alive()
+        if time.time() > deadline:
+            raise PromptFailed(
+                f"prompt {prompt_id} did not finish in {timeout:.0f} s; log tail:\n"
+                + server.log_tail()
+            )
+        time.sleep(0.5)
+
+    status = entry.get("status") or {}
+    if status.get("status_str") != "success":
+        raise PromptFailed(_describe_failure(prompt_id, status) + "\nlog tail:\n"
+                           + server.log_tail(4000))
+    return entry
+
+
+def _describe_failure(prompt_id: str, status: dict) -> str:
+    for name, data in status.get("messages") or []:
+        if name == "execution_error":
+            tb = "".join(data.get("traceback") or [])
+            return (
+                f"prompt {prompt_id} failed in node {data.get('node_id')} "
+                f"({data.get('node_type')}): {data.get('exception_type')}: "
+                f"{data.get('exception_message')}\n{tb}"
+            )
+        if name == "execution_interrupted":
+            return f"prompt {prompt_id} was interrupted: {data}"
+    return f"prompt {prompt_id} did not succeed: {json.dumps(status)}"
+
+
+def fetch_image(server: ComfyServer, image: dict):
+    """Download an output image via GET /view and return it as a uint8 HxWxC array."""
+    import numpy as np
+    from PIL import Image
+
+    query = urllib.parse.urlencode({
+        "filename": image["filename"],
+        "subfolder": image.get("subfolder", ""),
+        "type": image.get("type", "output"),
+    })
+    data = server.get(f"/view?{query}")
+    with Image.open(io.BytesIO(data)) as im:
+        return np.asarray(im.convert("RGB"))
+
+
+
+def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = None, env: dict | None = None,
+                 comfyui_path: Path | None = None, log=print, cpu: bool = True) -> ComfyServer:
+    """Start ComfyUI (``main.py``, with ``--cpu`` unless ``cpu`` is False, on loopback, a free port, its user / output / temp folders
+    under ``root``) with this checkout in its custom_nodes, ``extra_nodes`` (name -> folder) beside
+    it, and ``checkpoint_dir`` as a checkpoints folder; wait until it answers. ``env`` overrides the
+    server's environment (a None value unsets the variable); unless ours or it sets
+    ``TORCHINDUCTOR_CACHE_DIR`` the server compiles into ``root/inductor_cache``, so a stale cache
+    cannot hide a compile (or a cold start)."""
+    comfyui_path = comfyui_path or comfyui_or_fail()
+    root = Path(root)
+    custom_nodes = root / "custom_nodes"
+    custom_nodes.mkdir(parents=True)
+    # The folder name is the module name ComfyUI derives; any name works.
+    (custom_nodes / PACK_ROOT.name).symlink_to(PACK_ROOT, target_is_directory=True)
+    for name, folder in (extra_nodes or {}).items():
+        (custom_nodes / name).symlink_to(folder, target_is_directory=True)
+    dirs = {name: root / name for name in ("output", "input", "temp", "user", "loras", "controlnet")}
+    for d in dirs.values():
+        d.mkdir()
+
+    yaml_path = root / "extra_model_paths.yaml"
+    # JSON strings are valid YAML scalars, so paths with odd characters are safe.
+    yaml_path.write_text(
+        "unet_compiler_e2e:\n"
+        f"    base_path: {json.dumps(str(root))}\n"
+        f"    checkpoints: {json.dumps(str(checkpoint_dir))}\n"
+        f"    loras: {json.dumps(str(dirs['loras']))}\n"
+        f"    controlnet: {json.dumps(str(dirs['controlnet']))}\n"
+        f"    custom_nodes: {json.dumps(str(custom_nodes))}\n"
+    )
+
+    port = _free_port()
+    log_path = root / "comfyui.log"
+    cmd = [
+        sys.executable, "main.py",
+        *(["--cpu"] if cpu else []),
+        "--listen", "127.0.0.1",
+        "--port", str(port),
+        "--database-url", "sqlite:///:memory:",
+        "--use-pytorch-cross-attention",
+        "--extra-model-paths-config", str(yaml_path),
+        "--output-directory", str(dirs["output"]),
+        "--input-directory", str(dirs["input"]),
+        "--temp-directory", str(dirs["temp"]),
+        "--user-directory", str(dirs["user"]),
+        "--disable-api-nodes",
+        "--disable-auto-launch",
+        "--log-stdout",
+    ]
+    full_env = subprocess_env()
+    full_env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(root / "inductor_cache"))
+    for k, v in (env or {}).items():   # None: unset it in the server
+        if v is None:
+            full_env.pop(k, None)
+        else:
+            full_env[k] = v
+    log_file = open(log_path, "wb")
+    proc = subprocess.Popen(
+        cmd,
+        cwd=str(comfyui_path),
+        env=full_env,
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    log_file.close()   # the child holds its own descriptor
+    server = ComfyServer(
+        url=f"http://127.0.0.1:{port}",
+        process=proc,
+        log_path=log_path,
+        output_dir=dirs["output"],
+        comfyui_path=comfyui_path,
+        pack_dir=custom_nodes / PACK_ROOT.name,
+        model_dirs={"loras": dirs["loras"], "controlnet": dirs["controlnet"]},
+        root=root,
+    )
+    try:
+        t0 = time.time()
+        deadline = t0 + SERVER_READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"ComfyUI exited during startup (rc={proc.returncode}); "
+                    f"command: {' '.join(cmd)}\nlog tail ({log_path}):\n{_tail(log_path)}"
+                )
+            try:
+                server.get_json("/system_stats", timeout=5)
+                break
+            except (urllib.error.URLError, ConnectionError, OSError, ValueError):
+                pass
+            if time.time() > deadline:
+                raise RuntimeError(
+                    f"ComfyUI was not ready after {SERVER_READY_TIMEOUT_S:.0f} s; "
+                    f"log tail ({log_path}):\n{_tail(log_path)}"
+                )
+            time.sleep(0.5)
+    except BaseException:
+        _stop(proc)
+        raise
+    server.ready_s = time.time() - t0
+    if log is not None:
+        log(f"ComfyUI ready at {server.url} in {server.ready_s:.1f} s (log: {log_path})")
+    return server

@@ -1,0 +1,78 @@
+"""Why dynamo compiled again: the guard that failed, from torch's own record, in plain words.
+
+Dynamo appends one reason string per failed guard check to ``torch._dynamo.utils.guard_failures``
+(``{code: [reason, ...]}``, on by default: ``torch._dynamo.config.report_guard_failures``). A
+recompile's reasons are the strings appended while the call ran."""
+from __future__ import annotations
+
+import re
+
+
+def _failures() -> dict:
+    try:
+        from torch._dynamo.utils import guard_failures
+    except Exception:  # a torch without it: recompiles are still counted, just not explained
+        return {}
+    return guard_failures
+
+
+def guard_marks() -> dict:
+    """A bookmark in dynamo's guard-failure record (cheap: one length per compiled code object)."""
+    return {code: len(reasons) for code, reasons in list(_failures().items())}
+
+
+def guard_reasons_since(marks: dict) -> list[str]:
+    """The raw reasons dynamo recorded after ``marks``, oldest first, each once."""
+    out = []
+    for code, reasons in list(_failures().items()):
+        for r in reasons[marks.get(code, 0):]:
+            r = str(r).split("\nUser stack trace:", 1)[0]
+            if r not in out:
+                out.append(r)
+    return out
+
+
+_SIZE = re.compile(r"tensor '(?P<name>.+?)' size mismatch at index (?P<dim>\d+)\. expected (?P<exp>\d+), "
+                   r"actual (?P<act>\d+)")
+_DTYPE = re.compile(r"tensor '(?P<name>.+?)' dtype mismatch\. expected (?P<exp>\w+), actual (?P<act>\w+)")
+_SYM = re.compile(r"(?P<name>L\['[^']+'\](?:\.\w+)*|[A-Za-z_][\w.]*)\.size\(\)\[(?P<dim>\d+)\]")
+_NAME = re.compile(r"^L\['(?P<n>[^']+)'\]")
+_DIMS = {0: "batch (dim 0)", 1: "channels (dim 1)", 2: "height (dim 2)", 3: "width (dim 3)"}
+
+
+def _name(raw: str) -> str:
+    m = _NAME.match(raw)
+    return m.group("n") if m else raw
+
+
+def rank(reason: str) -> int:
+    """Which reasons explain a recompile best: a shape first (a region's code object is shared by
+    blocks of several kinds, so other entries' unrelated guards fail too), then a dtype."""
+    return 0 if _SIZE.search(reason) or _SYM.search(reason) else 1 if _DTYPE.search(reason) else 2
+
+
+def plain_guard(reason: str) -> str:
+    """One guard failure in plain words, with the raw guard kept short after it."""
+    reason = re.sub(r"^\[?\d+/\d+\]?:?\s*", "", str(reason).strip())   # dynamo's compile id
+    reason = reason.split("  #", 1)[0].strip()                           # the source line dynamo appends
+    raw = reason if len(reason) <= 160 else reason[:157] + "..."
+    m = _SIZE.search(reason)
+    if m:
+        dim = int(m.group("dim"))
+        return (f"region input {_name(m.group('name'))}: {_DIMS.get(dim, f'dim {dim}')} is {m.group('act')}, the "
+                f"code was compiled for exactly {m.group('exp')}")
+    m = _DTYPE.search(reason)
+    if m:
+        return f"region input {_name(m.group('name'))}: dtype {m.group('act')}, compiled for {m.group('exp')}"
+    m = _SYM.search(reason)
+    if m:
+        dim = int(m.group("dim"))
+        return (f"region input {_name(m.group('name'))}: {_DIMS.get(dim, f'dim {dim}')} outside the range the "
+                f"code was compiled for (guard: {raw})")
+    if "requires_grad mismatch" in reason or "grad_mode" in reason.lower():
+        return f"grad mode differs from warmup's (guard: {raw})"
+    if "dispatch key set mismatch" in reason or "inference" in reason.lower():
+        return f"an input is (or is not) an inference tensor, unlike warmup's (guard: {raw})"
+    if "___check_obj_id" in reason or "___check_type_id" in reason or "ID_MATCH" in reason:
+        return f"an object the code depends on was replaced (a module, option or patch) (guard: {raw})"
+    return f"guard: {raw}"

@@ -1,0 +1,244 @@
+"""Cold and warm starts through a real ComfyUI server: ``python -m unet_compiler starts``.
+
+Every row is its own ComfyUI process (``comfy_server.start_server``: ``main.py``, ``--cpu`` unless
+CUDA is there, loopback, this checkout as a custom-node pack) running one txt2img workflow on the
+random-weight SD1.5 checkpoint twice: the first prompt loads the checkpoint, encodes the text,
+compiles and samples; the second changes only the seed, so ComfyUI reruns KSampler alone (model
+loaded, compiled code ready). Times are ComfyUI's own (the execution_start / execution_success
+timestamps in /history).
+
+    compile overhead = (first - second) - (first - second of the eager row)
+
+is what compiling added before the first image. Rows, in one run, each with fresh caches unless
+it says otherwise:
+
+- ``eager``: plain ComfyUI;
+- ``TorchCompileModel``: ComfyUI's core node (whole-model torch.compile, inductor);
+- ``Compile UNet, one shape``: Compile UNet + Warmup Shapes of the prompt's UNet shape (twice the
+  image batch: CFG runs cond and uncond in one batch);
+- ``Compile UNet, range``: Compile UNet + Warmup Shapes of a batch / resolution range;
+- ``restart``: a new process on the one-shape row's caches (the pack's folder, and inductor's
+  cache the pack placed inside it): what a ComfyUI restart pays;
+- ``second worker``: a new process given a copy of the pack's folder (its entries and the inductor
+  files it placed there), mounted read-only where this machine allows it (a fleet's shared
+  mount), with cold caches of its own: what a scale-out worker pays.
+
+The second prompt's seconds are the step time after warmup (it must not get worse than
+TorchCompileModel's). Nothing is downloaded; the checkpoint is built once (about a minute).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from . import comfy_server as S
+
+ONE_SHAPE, RANGE = "Compile UNet, one shape", "Compile UNet, range"
+
+
+@dataclass
+class StartRow:
+    row: str
+    first_s: float
+    second_s: float
+    ready_s: float                 # server start until it answered
+    overhead_s: float = 0.0        # compile overhead (see the module's docstring)
+    graphs: int | None = None      # graphs compiled (the pack's report), None where it has none
+    from_cache: int | None = None  # of those, taken from the compile cache
+    note: str = ""
+    report: str = field(default="", repr=False)
+
+
+def workflow(ckpt: str, model: str, size: int, batch: int, steps: int, seed: int, shapes: str = "") -> dict:
+    """The txt2img API prompt: checkpoint -> [TorchCompileModel | Compile UNet -> Warmup Shapes] ->
+    KSampler (euler, normal) -> VAE decode -> preview."""
+    p = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": batch}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+        "7": {"class_type": "PreviewImage", "inputs": {"images": ["6", 0]}},
+    }
+    src = ["1", 0]
+    if model == "tcm":
+        p["10"] = {"class_type": "TorchCompileModel", "inputs": {"model": src, "backend": "inductor"}}
+        src = ["10", 0]
+    elif model == "pack":
+        p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": src}}
+        p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
+                   "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": 77}}
+        src = ["12", 0]
+    p["5"] = {"class_type": "KSampler", "inputs": {
+        "model": src, "seed": seed, "steps": steps, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
+        "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
+    return p
+
+
+def prompt_seconds(entry: dict, wall: float) -> float:
+    """ComfyUI's execution_start -> execution_success (ms timestamps); the wall time without them."""
+    stamps = {name: data.get("timestamp") for name, data in (entry.get("status") or {}).get("messages") or []
+              if isinstance(data, dict)}
+    if stamps.get("execution_start") and stamps.get("execution_success"):
+        return (stamps["execution_success"] - stamps["execution_start"]) / 1000
+    return wall
+
+
+def report_text(entry: dict) -> str:
+    out = (entry.get("outputs") or {}).get("12") or {}
+    text = out.get("text")
+    return "\n".join(map(str, text)) if isinstance(text, (list, tuple)) else str(text or "")
+
+
+def graphs_of(text: str) -> tuple[int | None, int | None]:
+    m = re.search(r"graphs compiled: (\d+)(?: \((\d+) from the compile cache\))?", text)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else (None, None)
+
+
+def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shapes: str = "", log=print) -> StartRow:
+    import torch
+    server = S.start_server(root, ckpt.parent, env=env, log=None, cpu=not torch.cuda.is_available())
+    try:
+        times = []
+        entry = {}
+        for seed in (1, 2):
+            t0 = time.perf_counter()
+            entry = server.run_prompt(workflow(ckpt.name, model, args.px, args.batch, args.steps, seed, shapes),
+                                      timeout=3600)
+            times.append(prompt_seconds(entry, time.perf_counter() - t0))
+            if seed == 1 and model == "pack":
+                first_report = report_text(entry)
+        row = StartRow(name, times[0], times[1], server.ready_s)
+        if model == "pack":
+            row.report = first_report
+            row.graphs, row.from_cache = graphs_of(first_report)
+    finally:
+        server.stop()
+    log(f"  {name}: first prompt {row.first_s:.1f} s, second {row.second_s:.1f} s"
+        + (f", {row.graphs} graph(s) compiled ({row.from_cache} from the compile cache)" if row.graphs is not None
+           else ""))
+    return row
+
+
+def _read_only(folder: Path) -> tuple[Path, str, callable]:
+    """``folder`` as a read-only path: a read-only bind mount (root on Linux), else file modes
+    (which root ignores: then it says so). Returns (path, how, undo)."""
+    target = Path(tempfile.mkdtemp(prefix="unet_compiler_ro_"))
+    if os.name == "posix" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        ok = subprocess.run(["mount", "--bind", str(folder), str(target)], capture_output=True).returncode == 0
+        if ok and subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], capture_output=True).returncode == 0:
+            return target, "read-only bind mount", lambda: subprocess.run(["umount", str(target)], capture_output=True)
+        if ok:
+            subprocess.run(["umount", str(target)], capture_output=True)
+    shutil.rmtree(target, ignore_errors=True)
+    for p in [folder, *folder.rglob("*")]:
+        p.chmod(p.stat().st_mode & ~0o222)
+    how = "file modes a-w" + (" (ignored by root: the folder stays writable)" if os.name == "posix"
+                              and os.geteuid() == 0 else "")
+    return folder, how, lambda: [p.chmod(p.stat().st_mode | 0o200) for p in [folder, *folder.rglob("*")]]
+
+
+def second_worker(cache: Path, root: Path, ckpt: Path, args, shapes: str, log=print) -> StartRow:
+    """A new ComfyUI process given a copy of ``cache`` (the pack's entries and the inductor folder
+    it placed beside them), read-only as a fleet's shared mount, and cold caches of its own."""
+    shared = root.with_name(root.name + "_shared_cache")
+    shutil.copytree(cache, shared, ignore=shutil.ignore_patterns("locks"))
+    ro, how, undo = _read_only(shared)
+    try:
+        env = {"UNET_COMPILER_CACHE_DIR": str(ro), "UNET_COMPILER_CACHE": None,
+               "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(root / "triton"),
+               "TMPDIR": str(root / "tmp")}   # its own temp: the pack's local copy of the inductor files lands there
+        (root / "tmp").mkdir(parents=True, exist_ok=True)
+        row = run_row("second worker (a read-only copy of the folder)", root, ckpt, "pack", args, env, shapes,
+                      log=log)
+    finally:
+        undo()
+    row.note = how
+    return row
+
+
+def measure(args, log=print) -> list[StartRow]:
+    home = Path(args.work or tempfile.mkdtemp(prefix="unet_compiler_starts_"))
+    ckpt = S.checkpoint_path(Path(args.checkpoint_dir).expanduser())
+    one = f"{2 * args.batch}x{args.px}x{args.px}"   # CFG runs cond and uncond in one UNet batch
+    rows = []
+
+    def fresh(name):
+        return home / name
+
+    # every row's torch caches are its own and cold; the pack rows let the pack place inductor's
+    # cache in its own folder (as a user who set nothing gets)
+    pack_env = lambda d: {"UNET_COMPILER_CACHE_DIR": str(d / "pack_cache"), "UNET_COMPILER_CACHE": None,  # noqa: E731
+                          "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(d / "triton")}
+    eager_dir, tcm_dir, one_dir, range_dir = (fresh(n) for n in ("eager", "tcm", "one", "range"))
+    log("starts: each row a fresh ComfyUI process; two prompts each")
+    rows.append(run_row("eager", eager_dir, ckpt, "eager", args, {}, log=log))
+    rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))
+    rows.append(run_row(f"{ONE_SHAPE} ({one})", one_dir, ckpt, "pack", args, pack_env(one_dir), one, log=log))
+    rows.append(run_row(f"{RANGE} ({args.range})", range_dir, ckpt, "pack", args, pack_env(range_dir), args.range,
+                        log=log))
+    # restart: the one-shape row's folders again, a new process
+    env = pack_env(one_dir)
+    rows.append(run_row("restart of the one-shape row", fresh("restart"), ckpt, "pack", args, env, one, log=log))
+    rows.append(second_worker(one_dir / "pack_cache", fresh("worker"), ckpt, args, one, log))
+    base = rows[0].first_s - rows[0].second_s
+    for r in rows:
+        r.overhead_s = (r.first_s - r.second_s) - base
+    return rows
+
+
+def table(rows: list[StartRow]) -> str:
+    tcm = next((r for r in rows if r.row.startswith("TorchCompileModel")), None)
+    one = next((r for r in rows if r.row.startswith(ONE_SHAPE)), None)
+    lines = ["| row | first prompt s | second prompt s | compile overhead s | vs TorchCompileModel | "
+             "vs its cold row | graphs compiled (from cache) |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        vs_tcm = f"{r.overhead_s / tcm.overhead_s:.2f}x" if tcm and r is not rows[0] and tcm.overhead_s > 0 else "-"
+        cold = one if r.row.startswith(("restart", "second worker")) else None
+        vs_cold = f"{r.overhead_s / cold.overhead_s:.0%}" if cold and cold.overhead_s > 0 else "-"
+        g = "-" if r.graphs is None else f"{r.graphs} ({r.from_cache})"
+        note = f" ({r.note})" if r.note else ""
+        lines.append(f"| {r.row}{note} | {r.first_s:.1f} | {r.second_s:.1f} | "
+                     f"{'-' if r is rows[0] else f'{r.overhead_s:.1f}'} | {vs_tcm} | {vs_cold} | {g} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler starts",
+                                 description="Cold and warm starts through a real ComfyUI server (see the module doc)")
+    ap.add_argument("--px", type=int, default=64, help="the prompt's image side in pixels (default 64)")
+    ap.add_argument("--batch", type=int, default=1, help="the prompt's batch (default 1)")
+    ap.add_argument("--steps", type=int, default=4, help="KSampler steps (default 4)")
+    ap.add_argument("--range", default="2x64x64, 4x128x128",
+                    help="the range row's Warmup Shapes, UNet batches (CFG doubles the image batch; default: "
+                         "images of batch 1-2 across 64-128 px)")
+    ap.add_argument("--checkpoint-dir", default=os.environ.get("UNET_COMPILER_TEST_CACHE")
+                    or str(Path.home() / ".cache" / "unet-compiler"),
+                    help="where the random SD1.5 checkpoint is kept (built there once)")
+    ap.add_argument("--work", default="", help="folder for the servers' folders (default: a fresh temp folder)")
+    ap.add_argument("--out", default="", help="write the rows as JSON into this folder (e.g. docs)")
+    a = ap.parse_args(argv)
+    S.comfyui_or_fail()
+    rows = measure(a)
+    import torch
+    print(f"\nstarts: ComfyUI server, random SD1.5, {a.batch}x{a.px}x{a.px}, {a.steps} euler steps, "
+          f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, "
+          f"{time.strftime('%Y-%m-%d')}")
+    print(table(rows))
+    print("compile overhead = (first - second prompt) - the same for eager; vs its cold row: the restart and "
+          "second-worker rows against the one-shape row")
+    if a.out:
+        out = Path(a.out) / f"starts_sd15_{'cuda' if torch.cuda.is_available() else 'cpu'}_{a.px}px.json"
+        out.write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "torch": torch.__version__,
+                                   "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
+                                   "rows": [asdict(r) for r in rows]}, indent=1))
+        print(f"wrote {out}")

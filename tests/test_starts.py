@@ -1,0 +1,60 @@
+"""The starts benchmark's pieces (``python -m unet_compiler starts``) without a server: the
+workflow it sends, how it reads ComfyUI's /history and the pack's report, and its arithmetic.
+The two-server fleet run is tests/e2e/test_starts_server.py."""
+from __future__ import annotations
+
+from unet_compiler import starts
+from unet_compiler.compiler.report import Report
+from unet_compiler.starts import StartRow
+
+
+def test_workflow_places_the_compiler_between_checkpoint_and_sampler():
+    eager = starts.workflow("m.safetensors", "eager", 64, 1, 4, seed=1)
+    tcm = starts.workflow("m.safetensors", "tcm", 64, 1, 4, seed=1)
+    pack = starts.workflow("m.safetensors", "pack", 96, 2, 3, seed=7, shapes="1x64x64, 2x128x128")
+    assert eager["5"]["inputs"]["model"] == ["1", 0]
+    assert tcm["10"]["class_type"] == "TorchCompileModel" and tcm["5"]["inputs"]["model"] == ["10", 0]
+    assert pack["11"]["class_type"] == "UNetCompiler_CompileUNet"
+    assert pack["12"]["inputs"] == {"model": ["11", 0], "shapes": "1x64x64, 2x128x128", "context_tokens": 77}
+    assert pack["5"]["inputs"]["model"] == ["12", 0] and pack["5"]["inputs"]["seed"] == 7
+    assert pack["4"]["inputs"] == {"width": 96, "height": 96, "batch_size": 2}
+    # only the seed differs between a row's two prompts: ComfyUI reruns KSampler (and what follows) alone
+    a, b = (starts.workflow("m", "pack", 64, 1, 4, seed=s, shapes="1x64x64") for s in (1, 2))
+    assert [k for k in a if a[k] != b[k]] == ["5"]
+
+
+def test_graphs_are_read_from_the_packs_own_report():
+    r = Report(backend="inductor", family="SD1.5")
+    stats = {"calls": 4, "graphs_compiled": 9}
+    assert starts.graphs_of(r.text(stats)) == (9, 0)
+    assert starts.graphs_of(r.text(dict(stats, graphs_from_cache=9))) == (9, 9)
+    assert starts.graphs_of(r.text()) == (None, None)
+
+
+def test_prompt_seconds_are_comfyuis_timestamps():
+    entry = {"status": {"messages": [["execution_start", {"prompt_id": "p", "timestamp": 1000}],
+                                     ["execution_cached", {"nodes": [], "timestamp": 1100}],
+                                     ["execution_success", {"prompt_id": "p", "timestamp": 13500}]]}}
+    assert starts.prompt_seconds(entry, wall=99.0) == 12.5
+    assert starts.prompt_seconds({"status": {"messages": []}}, wall=99.0) == 99.0
+
+
+def test_report_text_is_the_warmup_nodes_ui_text():
+    entry = {"outputs": {"12": {"text": ["UNet Compiler: backend inductor", "  graphs compiled: 3"]}}}
+    assert starts.report_text(entry) == "UNet Compiler: backend inductor\n  graphs compiled: 3"
+    assert starts.report_text({"outputs": {}}) == ""
+
+
+def test_table_nets_out_eagers_own_first_prompt_cost():
+    rows = [StartRow("eager", 10.0, 2.0, 5.0), StartRow("TorchCompileModel (inductor)", 108.0, 2.0, 5.0),
+            StartRow(f"{starts.ONE_SHAPE} (1x64x64)", 33.0, 1.0, 5.0, graphs=7, from_cache=0),
+            StartRow("restart of the one-shape row", 11.5, 1.0, 5.0, graphs=7, from_cache=7)]
+    base = rows[0].first_s - rows[0].second_s
+    for r in rows:
+        r.overhead_s = (r.first_s - r.second_s) - base
+    assert [r.overhead_s for r in rows] == [0.0, 98.0, 24.0, 2.5]
+    text = starts.table(rows)
+    lines = text.splitlines()
+    assert lines[2].startswith("| eager |") and "| - | - | - | - |" in lines[2]
+    assert "| 24.0 | 0.24x | - | 7 (0) |" in lines[4], lines[4]
+    assert "| 2.5 | 0.03x | 10% | 7 (7) |" in lines[5], lines[5]
