@@ -50,6 +50,7 @@ FORMAT = "unet-compiler-mega-cache-1"
 PACK_VERSION = "0.1.0"   # pyproject's version; a new release is a new key
 _loaded: set = set()       # keys loaded into this process's torch caches
 _cleared = [False]
+_copied: dict = {}         # local copies of read-only folders' inductor files made in this process -> seconds
 
 
 def mode() -> str:
@@ -138,12 +139,7 @@ class CompileCache:
             self.state = "miss (compiles, then saves)"
             return False
         t0 = time.perf_counter()
-        try:
-            meta = json.loads(meta_path.read_text())
-            data = bin_path.read_bytes()
-            why = self._mismatch(meta, data)
-        except (OSError, ValueError) as e:
-            why = f"unreadable ({type(e).__name__}: {e})"
+        data, why = self._read()
         if why:
             log.warning("UNet Compiler: compile cache entry %s discarded: %s; it is rebuilt", self.key, why)
             self._discard()
@@ -192,16 +188,18 @@ class CompileCache:
         # (the compiled C++ / Triton kernels the entry does not carry) are copied to a local folder
         local = Path(tempfile.gettempdir()) / ("unet_compiler_inductor_"
                                                + hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:12])
-        t0 = time.perf_counter()
-        try:
-            shutil.copytree(target, local, dirs_exist_ok=True, ignore=shutil.ignore_patterns("locks", "*.lock"))
-        except (OSError, shutil.Error) as e:
-            log.warning("UNet Compiler: compile cache: copying %s to %s failed (%s); torch's caches stay in "
-                        "their default folder", target, local, e)
-            return
+        if local not in _copied:   # once per process: later models use the same copy
+            t0 = time.perf_counter()
+            try:
+                shutil.copytree(target, local, dirs_exist_ok=True, ignore=shutil.ignore_patterns("locks", "*.lock"))
+            except (OSError, shutil.Error) as e:
+                log.warning("UNet Compiler: compile cache: copying %s to %s failed (%s); torch's caches stay in "
+                            "their default folder", target, local, e)
+                return
+            _copied[local] = time.perf_counter() - t0
         os.environ[env] = str(local)
         self.torch_dirs.append(f"torch's own inductor cache, copied from the read-only folder to {local} in "
-                               f"{time.perf_counter() - t0:.1f} s")
+                               f"{_copied[local]:.1f} s")
 
     def _mismatch(self, meta: dict, data: bytes) -> str:
         if meta.get("format") != FORMAT:
@@ -254,14 +252,18 @@ class CompileCache:
     def _current_entry(self) -> bytes | None:
         """The entry on disk if it is intact (another worker may have added to it), else what this
         process loaded or wrote."""
+        data, why = self._read()
+        return self._entry if why else data
+
+    def _read(self) -> tuple[bytes | None, str]:
+        """The entry's bytes and why they cannot be used ("" when they match the .json the pack wrote)."""
         bin_path, meta_path = self.paths
         try:
+            meta = json.loads(meta_path.read_text())
             data = bin_path.read_bytes()
-            if not self._mismatch(json.loads(meta_path.read_text()), data):
-                return data
-        except (OSError, ValueError):
-            pass
-        return self._entry
+        except (OSError, ValueError) as e:
+            return None, f"unreadable ({type(e).__name__}: {e})"
+        return data, self._mismatch(meta, data)
 
     @staticmethod
     def _atomic_write(path: Path, data: bytes):

@@ -339,5 +339,5 @@ class Accelerator:
         extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])
         extra += self.cache.lines() if self.cache is not None else []
         extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(self.patches_seen.items())]
-        extra += [f"  recompile: {self.recompile_sentence(e)}" for e in self.recompiles[-5:]]
+        extra += [f"  recompile: {e['text']}" for e in self.recompiles[-5:]]
         return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -76,9 +76,10 @@ class DerivedCache:
         self._cache[key] = (sig, value)
         return value
 
-    def get(self, w: torch.Tensor, derive: Callable[[torch.Tensor], torch.Tensor]):
-        """The copy of ``w`` that ``derive(w.detach())`` makes, current for ``w`` now."""
-        return self.derived(w, signature(w), lambda: derive(w.detach()))
+    def get(self, w: torch.Tensor, derive: Callable[[torch.Tensor], torch.Tensor], key: tuple = ()):
+        """The copy of ``w`` that ``derive(w.detach())`` makes, current for ``w`` now (and for
+        ``key``: what else the copy depends on; a new key re-derives the one copy)."""
+        return self.derived(w, signature(w) + key, lambda: derive(w.detach()))
 
     def values(self) -> list:
         return [v for _, v in self._cache.values()]

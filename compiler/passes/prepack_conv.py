@@ -38,9 +38,9 @@ def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
     of the key: a copy packed for another size runs 3-7x slower at some SD sizes (measured on CPU,
     1280 channels at 2x2 and 320 at 8x8: slower than plain aten), which made a range warmup's
     smallest shape crawl. One copy per weight is kept: a shape change re-packs it once."""
-    shape = tuple(int(s) for s in x_shape)
-    return _cache.derived(w, weights.signature(w) + (shape,), lambda: torch._C._nn.mkldnn_reorder_conv2d_weight(
-        w.detach().to_mkldnn(), list(padding), list(stride), list(dilation), groups, list(shape)))
+    shape = [int(s) for s in x_shape]
+    return _cache.get(w, lambda t: torch._C._nn.mkldnn_reorder_conv2d_weight(
+        t.to_mkldnn(), list(padding), list(stride), list(dilation), groups, shape), key=(tuple(shape),))
 
 
 @torch.library.custom_op("unet_compiler::conv2d_prepacked", mutates_args=())
