@@ -351,6 +351,10 @@ def compat(args):
     if families.comfy_path() is None:
         print("\ncompatibility table: skipped: no ComfyUI tree (set COMFYUI_PATH or install it at ~/comfy/ComfyUI)")
         return
+    problem = families.comfy_problem()
+    if problem:
+        print(f"\ncompatibility table: skipped: {problem}")
+        return
     backend = getattr(args, "compat_backend", "inductor")
     log = lambda m: print("  " + m, flush=True)  # noqa: E731
     if getattr(args, "only", "") != "patches":

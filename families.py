@@ -31,6 +31,7 @@ real (the label_emb input is one Linear) so ComfyUI's own ``encode_adm`` /
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -144,6 +145,9 @@ FAMILIES = {f.key: f for f in [
 
 
 # ---- ComfyUI ------------------------------------------------------------------
+COMFY_NOT_FOUND = "ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI (see DEVELOPERS.md)"
+
+
 def comfy_path() -> Path | None:
     for p in (os.environ.get("COMFYUI_PATH"), str(Path.home() / "comfy" / "ComfyUI")):
         if p and (Path(p) / "main.py").is_file():
@@ -151,11 +155,45 @@ def comfy_path() -> Path | None:
     return None
 
 
-def import_comfy():
-    """Import ComfyUI in-process on CPU (what tests/conftest.py's ``comfy`` fixture does)."""
+def comfy_missing(path: Path) -> list[str]:
+    """ComfyUI's requirements (its requirements.txt, and requests) not installed in this Python:
+    without them it does not import. torchaudio is left out (only its audio nodes need it)."""
+    from importlib import metadata
+    req = path / "requirements.txt"
+    lines = req.read_text().splitlines() if req.is_file() else []
+    names = [m.group(0) for m in (re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", ln.strip()) for ln in lines) if m]
+    missing = []
+    for name in [*names, "requests"]:
+        if name.lower() == "torchaudio":
+            continue
+        try:
+            metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            missing.append(name)
+    return missing
+
+
+def comfy_problem() -> str | None:
+    """Why ComfyUI cannot run in this Python, as one line naming the fix; None when it can."""
     path = comfy_path()
     if path is None:
-        raise RuntimeError("ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI")
+        return COMFY_NOT_FOUND
+    missing = comfy_missing(path)
+    if not missing:
+        return None
+    here = Path(__file__).resolve().parent
+    fix = (f"{here / 'bin' / 'setup'} {sys.prefix}" if sys.prefix != sys.base_prefix else
+           f"{sys.executable} -m pip install -c {here / 'constraints.txt'} -r {path / 'requirements.txt'} requests")
+    shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    return f"ComfyUI at {path} is found but its requirements are not installed here ({shown}): run {fix}"
+
+
+def import_comfy():
+    """Import ComfyUI in-process on CPU (what tests/conftest.py's ``comfy`` fixture does)."""
+    problem = comfy_problem()
+    if problem:
+        raise RuntimeError(problem)
+    path = comfy_path()
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     from comfy.cli_args import args

@@ -37,7 +37,7 @@ def _map_out(out, fn):
 def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     # fp16/bf16 precision runs the regions under autocast; the caller gets the model's dtype back
     # (ComfyUI casts apply_model's output itself; a diffusers scheduler would get bf16 otherwise)
-    dtype = accel.model_dtype if accel._autocast is not None else None
+    dtype = accel.model_dtype if accel.autocast_dtype is not None else None
 
     def in_model_dtype(t):
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t

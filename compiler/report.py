@@ -1,7 +1,70 @@
-"""The short human report every Compile / Warmup run returns."""
+"""The short human report every Compile / Warmup run returns, and the facts behind it.
+
+A backend or probe that cannot run says why as a :class:`Reason`: ``what`` (the subject, e.g. the
+backend), ``why`` and ``fix``; its ``str`` is the one sentence the log and the report print.
+:func:`compile_facts` and :func:`warmup_facts` turn a run into a state (``compiled`` /
+``fallback`` / ``eager``), a reason and a fix; :func:`status_line` draws the ``status:`` sentence.
+The node layer (nodes/feedback.py) only sends and draws these.
+"""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+
+class Reason(str):
+    """Why something cannot run here, with its parts: ``what`` (the subject, "" when the sentence
+    has none), ``why`` (the cause) and ``fix`` (what the user does; "" when the cause names none).
+
+    It is the sentence itself (a ``str``: logged, joined, compared and sent as JSON unchanged):
+    ``<what>: <why>. Fix: <fix>`` unless ``text`` spells it otherwise (a message whose wording
+    users already know)."""
+
+    what: str
+    why: str
+    fix: str
+
+    def __new__(cls, why: str, fix: str = "", what: str = "", text: str | None = None):
+        if text is None:
+            text = why + (f". Fix: {fix}" if fix else "")
+        self = super().__new__(cls, f"{what}: {text}" if what else text)
+        self.what, self.why, self.fix = what, why, fix
+        return self
+
+    def __getnewargs__(self):  # pickle / copy: rebuild from the parts, not from the sentence
+        return (self.why, self.fix, self.what, self[len(self.what) + 2:] if self.what else str(self))
+
+    def about(self, what: str) -> Reason:
+        """The same reason, said of ``what`` (``<what>: ...``)."""
+        return Reason(self.why, self.fix, what, self[len(self.what) + 2:] if self.what else str(self))
+
+    @property
+    def cause(self) -> str:
+        """The sentence without its fix: ``<what>: <why>``."""
+        return f"{self.what}: {self.why}" if self.what else self.why
+
+    @classmethod
+    def of(cls, text: str, what: str = "") -> Reason:
+        """``text`` as a Reason: itself when it is one, else read from a plain sentence (what a
+        backend outside this package may still return): a leading ``<name>: `` is ``what``; a
+        ``Fix: ...``, a trailing ``; install ...`` or ``(use <backend>)`` is the fix."""
+        if isinstance(text, Reason):
+            return text.about(what) if what and not text.what else text
+        body = str(text)
+        if not what:
+            m = re.match(r"([\w.+-]+): ", body)
+            if m:
+                what, body = m.group(1), body[m.end():]
+        m = re.search(r"\s*\bFix:\s*", body)
+        if m:
+            return cls(body[:m.start()].rstrip(" .;"), body[m.end():].rstrip(" ."), what, body)
+        m = re.search(r";\s*(install .+)$", body)
+        if m:
+            return cls(body[:m.start()], m.group(1).rstrip(" .") + ", then restart ComfyUI", what, body)
+        m = re.search(r"\s*\(use (\w+)\)\s*$", body)
+        if m:
+            return cls(body[:m.start()], f"choose {m.group(1)} or auto in Select Backend", what, body)
+        return cls(body, "", what)
 
 
 @dataclass
@@ -49,3 +112,76 @@ class Report:
             if stats.get("compile_seconds"):
                 lines.append(f"  seconds in calls that compiled: {stats['compile_seconds']:.1f}")
         return "\n".join(lines)
+
+
+# ---- the facts the UI, /history and the log get -------------------------------------
+def compile_facts(rep: Report) -> dict:
+    """What Compile UNet did: the backend that runs, its state (``compiled`` / ``fallback`` /
+    ``eager``) and, unless compiled, the reason and the fix (one sentence each)."""
+    from .config import DISABLE_ENV, disabled_by_env   # config imports the backends, which import this
+
+    requested, backend = rep.backend_requested, rep.backend
+    reason = fix = ""
+    if disabled_by_env():
+        state = "eager"
+        reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"
+    elif requested == "eager":
+        state = "eager"
+        reason, fix = "chosen in Select Backend (no rewrites)", "choose auto in Select Backend"
+    elif backend == "eager" or (requested != "auto" and backend != requested):
+        state = "fallback"
+        why = [Reason.of(w) for w in rep.why]
+        mine = [w for w in why if w.what == requested] if requested != "auto" else []
+        story = mine or [w for w in why if not w.why.startswith("chosen")] or [Reason("no backend works here")]
+        reason = "; ".join(w.cause for w in story)
+        # where a candidate names its own fix, that is the one to give; else the generic one
+        named = [w.fix for w in story if w.fix]
+        fix = "; or ".join(dict.fromkeys(named)) if named else _generic_fix(backend)
+    elif not rep.regions:
+        state = "fallback"
+        reason = "no region of this UNet matched a rewrite" + (
+            f" ({'; '.join(f'{k} x{n}: {why}' for k, n, why in rep.skipped)})" if rep.skipped else "")
+        fix = "none needed for correctness; the model runs as loaded"
+    else:
+        state = "compiled"
+    return {"backend": backend, "requested": requested, "state": state, "reason": reason, "fix": fix,
+            "family": rep.family, "regions": dict(rep.regions), "notes": list(rep.notes)}
+
+
+def _generic_fix(backend: str) -> str:
+    if backend == "eager":
+        return "install what the backend above needs, or choose eager in Select Backend to run without the pack"
+    return f"choose {backend} or auto in Select Backend (this is what runs now)"
+
+
+def status_line(facts: dict) -> str:
+    """One sentence: what runs, in which state, and for a fallback why and the fix."""
+    backend, state = facts["backend"], facts["state"]
+    if state == "compiled":
+        n = sum(facts.get("regions", {}).values())
+        return f"{backend}: compiled, {n} regions accelerated; graphs build in Warmup Shapes or on the first run"
+    if state == "eager":
+        return f"eager: {facts['reason']}. To accelerate: {facts['fix']}."
+    asked = f" (asked {facts['requested']})" if facts.get("requested") not in (None, "auto", backend) else ""
+    return f"{backend}: {state}{asked}: {facts['reason']}. Fix: {facts['fix']}."
+
+
+def warmup_facts(rep: Report, backend: str, failed: dict) -> dict:
+    """A warmup's state (``compiled`` / ``fallback`` / ``eager``), reason and fix: region kinds
+    that failed at run time (``failed``: {kind: error}) make it a fallback."""
+    if failed:
+        return {"state": "fallback", "fix": "none needed for correctness; see the log for the error",
+                "reason": "; ".join(f"{k} regions failed ({why}) and run eager" for k, why in failed.items())}
+    if backend == "eager":
+        facts = compile_facts(rep)
+        return {k: facts[k] for k in ("state", "reason", "fix")}
+    return {"state": "compiled", "reason": "", "fix": ""}
+
+
+def runtime_fallback(backend: str, kind: str, error: str) -> Reason:
+    """A region kind failed at run time (``error``) and runs eager from now on."""
+    from .config import DISABLE_ENV
+    fix = (f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
+           f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
+    why = f"{kind} regions failed ({error}) and run eager now"
+    return Reason(why, fix, backend, text=f"fallback: {why}. Fix: {fix}.")

@@ -23,7 +23,7 @@ from .compat import comfy as comfy_compat
 from .compat.dynamo import guard_marks, guard_reasons_since, plain_guard, rank
 from .compat.torch_version import torch_too_old
 from .config import DISABLE_ENV, CompileConfig, disabled_by_env
-from .report import Report
+from .report import Reason, Report
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class Accelerator:
         requested = self.config.backend
         old = torch_too_old()
         if disabled_by_env():
-            requested, rep.why = "eager", [f"{DISABLE_ENV} is set: every rewrite is off"]
+            requested, rep.why = "eager", [Reason(f"{DISABLE_ENV} is set: every rewrite is off")]
         elif old:
             requested, rep.why = "eager", [old]
         if requested == "eager":
@@ -216,6 +216,16 @@ class Accelerator:
                 self.on_fallback(kind, self.failed[kind])
             except Exception:  # a listener must not turn a soft fallback into a crash
                 log.debug("on_fallback listener failed", exc_info=True)
+
+    @property
+    def bypassed(self) -> bool:
+        """Whether calls run the model's own code now (inside ``bypass()``: warmup's eager reference)."""
+        return self._bypass
+
+    @property
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The dtype the regions run in under autocast (precision fp16 / bf16), else None."""
+        return self._autocast
 
     # ---- one UNet call -----------------------------------------------------
     @contextlib.contextmanager

@@ -41,12 +41,11 @@ Events (``PromptServer.send_sync(EVENT_PREFIX + name, data)``), all JSON:
 from __future__ import annotations
 
 import logging
-import re
 import sys
 import threading
 import time
 
-from ..compiler.config import DISABLE_ENV, disabled_by_env
+from ..compiler.report import compile_facts, runtime_fallback, status_line, warmup_facts
 from ..compiler.warmup import warmup_probes
 
 log = logging.getLogger(__name__)
@@ -90,69 +89,10 @@ def progress_text(text: str, node_id) -> None:
 
 
 # ---- what happened at Compile UNet ------------------------------------------------
-def _split_fix(reason: str, backend: str) -> tuple[str, str]:
-    """(reason, fix) from a backend's one-sentence story."""
-    m = re.search(r"\s*\bFix:\s*", reason)
-    if m:
-        return reason[:m.start()].rstrip(" .;"), reason[m.end():].rstrip(" .")
-    m = re.search(r";\s*(install .+)$", reason)
-    if m:
-        return reason[:m.start()], m.group(1).rstrip(" .") + ", then restart ComfyUI"
-    m = re.search(r"\s*\(use (\w+)\)\s*$", reason)
-    if m:
-        return reason[:m.start()], f"choose {m.group(1)} or auto in Select Backend"
-    if backend == "eager":
-        return reason, "install what the backend above needs, or choose eager in Select Backend to run without the pack"
-    return reason, f"choose {backend} or auto in Select Backend (this is what runs now)"
-
-
-def compile_facts(accel) -> dict:
-    """Backend in use, state and, unless compiled, the reason and the fix."""
-    rep, requested = accel.report, accel.config.backend
-    backend = rep.backend
-    reason = fix = ""
-    if disabled_by_env():
-        state = "eager"
-        reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"
-    elif requested == "eager":
-        state = "eager"
-        reason, fix = "chosen in Select Backend (no rewrites)", "choose auto in Select Backend"
-    elif backend == "eager" or (requested != "auto" and backend != requested):
-        state = "fallback"
-        mine = [w for w in rep.why if w.startswith(f"{requested}:")] if requested != "auto" else []
-        story = mine or [w for w in rep.why if ": chosen" not in w] or ["no backend works here"]
-        parts = [_split_fix(w, backend) for w in story]
-        reason = "; ".join(r for r, _ in parts)
-        # where a candidate names its own fix, that is the one to give; else the generic one
-        named = [f for (r, f), w in zip(parts, story, strict=True) if "Fix:" in w or "; install" in w]
-        fix = "; or ".join(dict.fromkeys(named)) if named else parts[-1][1]
-    elif not rep.regions:
-        state = "fallback"
-        reason = "no region of this UNet matched a rewrite" + (
-            f" ({'; '.join(f'{k} x{n}: {why}' for k, n, why in rep.skipped)})" if rep.skipped else "")
-        fix = "none needed for correctness; the model runs as loaded"
-    else:
-        state = "compiled"
-    return {"backend": backend, "requested": requested, "state": state, "reason": reason, "fix": fix,
-            "family": rep.family, "regions": dict(rep.regions), "notes": list(rep.notes)}
-
-
-def status_line(facts: dict) -> str:
-    """One sentence: what runs, in which state, and for a fallback why and the fix."""
-    backend, state = facts["backend"], facts["state"]
-    if state == "compiled":
-        n = sum(facts.get("regions", {}).values())
-        return f"{backend}: compiled, {n} regions accelerated; graphs build in Warmup Shapes or on the first run"
-    if state == "eager":
-        return f"eager: {facts['reason']}. To accelerate: {facts['fix']}."
-    asked = f" (asked {facts['requested']})" if facts.get("requested") not in (None, "auto", backend) else ""
-    return f"{backend}: {state}{asked}: {facts['reason']}. Fix: {facts['fix']}."
-
-
 def compiled(accel, node_id) -> dict:
     """Announce the Compile UNet result and remember the node for run-time
     fallbacks. Returns the facts (their ``text`` is the status line)."""
-    facts = compile_facts(accel)
+    facts = compile_facts(accel.report)
     facts["text"] = status_line(facts)
     attach(accel, node_id)
     send("compile", {"node_id": _id(node_id), **facts})
@@ -173,11 +113,10 @@ class _FallbackListener:
 
     def __call__(self, kind: str, reason: str) -> None:
         backend = self.accel.backend.name
-        fix = (f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
-               f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
-        text = f"{backend}: fallback: {kind} regions failed ({reason}) and run eager now. Fix: {fix}."
+        said = runtime_fallback(backend, kind, reason)
+        text = str(said)
         send("fallback", {"node_ids": list(self.node_ids), "backend": backend, "kind": kind,
-                          "state": "fallback", "reason": reason, "fix": fix, "text": text})
+                          "state": "fallback", "reason": reason, "fix": said.fix, "text": text})
         for node_id in self.node_ids:
             progress_text(text, node_id)
 
@@ -245,7 +184,7 @@ class WarmupFeedback:
         def labelled(shape):
             k, self._calls = self._calls, self._calls + 1
             compiles = self.accel.backend.name != "eager"
-            if getattr(self.accel, "_bypass", False):
+            if self.accel.bypassed:
                 label, verb = f"eager reference, {shape.label}", "running"
             elif k < len(self._probes):
                 label, verb = f"priming {k + 1}/{len(self._probes)}, {shape.label}", "compiling"
@@ -276,16 +215,8 @@ class WarmupFeedback:
         accel = self.accel
         secs = time.perf_counter() - self._t0
         graphs = accel.stats["graphs_compiled"] - self._graphs0
-        reason = fix = ""
-        if accel.failed:
-            state = "fallback"
-            reason = "; ".join(f"{k} regions failed ({why}) and run eager" for k, why in accel.failed.items())
-            fix = "none needed for correctness; see the log for the error"
-        elif accel.backend.name == "eager":
-            facts = compile_facts(accel)
-            state, reason, fix = facts["state"], facts["reason"], facts["fix"]
-        else:
-            state = "compiled"
+        facts = warmup_facts(accel.report, accel.backend.name, accel.failed)
+        state, reason, fix = facts["state"], facts["reason"], facts["fix"]
         diff = accel.report.max_abs_diff
         if state == "eager":
             text = f"eager: {self.total} shape(s) in {secs:.1f} s, no rewrites: {reason}."

@@ -1,4 +1,4 @@
-"""ComfyUI ModelPatcher glue shared by the V3 and V1 nodes.
+"""ComfyUI ModelPatcher glue behind the V3 nodes (nodes/v3.py).
 
 Rule 1: never mutate the shared model. Compile UNet clones the patcher and
 adds one keyed APPLY_MODEL wrapper (plus an ON_APPLY_HOOKS callback); the

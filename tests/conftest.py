@@ -1,5 +1,5 @@
 """Shared fixtures. ComfyUI is found via COMFYUI_PATH, else ~/comfy/ComfyUI;
-without it, the ComfyUI tests skip with one line."""
+without it, or without its requirements in this env, the ComfyUI tests skip with one line."""
 from __future__ import annotations
 
 import os
@@ -21,18 +21,17 @@ if "UNET_COMPILER_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["UNET_COMPILER_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_test_cache_")
 
-COMFY_SKIP = "ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI (see DEVELOPERS.md)"
-
-
-from unet_compiler.families import comfy_path  # noqa: E402 - after TRITON_INTERPRET is chosen
+from unet_compiler.families import comfy_path, comfy_problem  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 
 @pytest.fixture(scope="session")
 def comfy():
-    """Import ComfyUI in-process on CPU; returns a namespace of its modules."""
+    """Import ComfyUI in-process on CPU; returns a namespace of its modules. Skips with one line
+    without a ComfyUI tree, or when its requirements are not installed in this env (naming the command)."""
+    problem = comfy_problem()
+    if problem:
+        pytest.skip(problem)
     path = comfy_path()
-    if path is None:
-        pytest.skip(COMFY_SKIP)
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
     from comfy.cli_args import args

@@ -9,8 +9,7 @@ import torch
 
 from unet_compiler.compiler.backends import lookup_backend, resolve
 from unet_compiler.compiler.config import CompileConfig
-from unet_compiler.compiler.shapes import Shape, ShapeError, parse_shapes, probe_shapes
-from unet_compiler.nodes.v1 import WarmupShapes as V1Warmup
+from unet_compiler.compiler.shapes import Shape, ShapeError, parse_shapes, probe_shapes, validate_shapes_input
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,14 +36,14 @@ def test_malformed_shapes_rejected_naming_the_entry(text, why):
     bad_entry = text.split(",")[-1].strip()
     if bad_entry:
         assert repr(bad_entry) in str(e.value)
-    # the node rejects it in validate, before any work
-    msg = V1Warmup.VALIDATE_INPUTS(shapes=text)
+    # the node rejects it in validate, before any work (Warmup Shapes' validate_inputs returns this)
+    msg = validate_shapes_input(text)
     assert isinstance(msg, str) and why in msg
 
 
 def test_good_shapes_parse():
     assert parse_shapes("1x512x512\n2x768x512, 4X64x64") == [Shape(1, 512, 512), Shape(2, 768, 512), Shape(4, 64, 64)]
-    assert V1Warmup.VALIDATE_INPUTS(shapes="1x512x512") is True
+    assert validate_shapes_input("1x512x512") is True
 
 
 def test_probe_shapes_cover_specialisations_generic_first():
@@ -122,7 +121,8 @@ def test_pack_imports_without_comfyui_triton_ipex_diffusers():
     spec = importlib.util.spec_from_file_location('some_custom_node_dir', {str(ROOT / '__init__.py')!r},
                                                   submodule_search_locations=[{str(ROOT)!r}])
     mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
-    assert sorted(mod.NODE_CLASS_MAPPINGS) == ['UNetCompiler_CompileUNet', 'UNetCompiler_SelectBackend', 'UNetCompiler_WarmupShapes']
+    # no ComfyUI: nothing registered (V1 is gone; an older ComfyUI gets a log line, test below)
+    assert not hasattr(mod, 'NODE_CLASS_MAPPINGS') and mod.WEB_DIRECTORY == './web'
     assert not hasattr(mod, 'comfy_entrypoint')
     from some_custom_node_dir.compiler.backends import resolve
     import torch
@@ -149,3 +149,54 @@ def test_env_switch_turns_everything_off():
     r = _run(code, {"UNET_COMPILER_DISABLE": "1"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert "backend eager (asked inductor)" in r.stdout and "UNET_COMPILER_DISABLE is set" in r.stdout
+
+
+def test_old_comfyui_gets_one_log_line_and_no_nodes():
+    """A ComfyUI without comfy_api.latest (older than pyproject's requires-comfyui): one line, no nodes."""
+    code = f"""
+    import sys, types, logging, importlib.util, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] == 'comfy_api':
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    sys.modules['comfy'] = types.ModuleType('comfy')   # ComfyUI's own package, loaded before custom nodes
+    logging.basicConfig(level=logging.INFO, format='%(message)s')
+    spec = importlib.util.spec_from_file_location('some_custom_node_dir', {str(ROOT / '__init__.py')!r},
+                                                  submodule_search_locations=[{str(ROOT)!r}])
+    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+    assert not hasattr(mod, 'NODE_CLASS_MAPPINGS') and not hasattr(mod, 'comfy_entrypoint')
+    print(mod.MIN_COMFYUI)
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == ["ComfyUI too old: UNet Compiler needs >= 0.3.48"], r.stderr
+    import tomllib
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["comfy"]["requires-comfyui"]
+    assert floor == ">=" + r.stdout.strip() == ">=0.3.48"
+
+
+def test_library_api_at_the_top_level():
+    """``from unet_compiler import compile_unet, warmup, report``; importing the package alone (what
+    ComfyUI's node loading does first) imports neither torch nor the compiler."""
+    code = """
+    import sys, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in ('comfy', 'comfy_api'):
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    import unet_compiler
+    assert 'torch' not in sys.modules and 'unet_compiler.compiler' not in sys.modules, 'imported eagerly'
+    from unet_compiler import compile_unet, report, uncompile_unet, warmup
+    from unet_compiler.compiler import api
+    assert (compile_unet, warmup, report, uncompile_unet) == (api.compile_unet, api.warmup, api.report,
+                                                              api.uncompile_unet)
+    try:
+        unet_compiler.nope
+    except AttributeError:
+        print('ok')
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "ok"

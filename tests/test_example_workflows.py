@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from unet_compiler.nodes.v1 import NODE_CLASS_MAPPINGS
+from unet_compiler.nodes.spec import NODES
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "example_workflows"
 UI_FILES = sorted(EXAMPLES.glob("*.json"))
@@ -22,7 +22,7 @@ API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
 # the core nodes the examples use, and frontend-only (virtual) nodes
 CORE = {"CheckpointLoaderSimple", "CLIPTextEncode", "EmptyLatentImage", "KSampler", "VAEDecode", "SaveImage"}
 FRONTEND_ONLY = {"MarkdownNote", "Note"}
-PACK = set(NODE_CLASS_MAPPINGS)
+PACK = {n.node_id for n in NODES}
 CHAIN = ["CheckpointLoaderSimple", "UNetCompiler_SelectBackend", "UNetCompiler_CompileUNet",
          "UNetCompiler_WarmupShapes", "KSampler", "VAEDecode", "SaveImage"]
 
@@ -65,11 +65,10 @@ def test_api_workflow(path):
             if isinstance(value, list):
                 src, slot = value
                 assert src in prompt and isinstance(slot, int), (path.name, node_id, name, value)
-        cls = NODE_CLASS_MAPPINGS.get(node["class_type"])
-        if cls is not None:  # the pack's own nodes: exactly their declared inputs
-            spec = cls.INPUT_TYPES()
-            declared = set(spec.get("required", {})) | set(spec.get("optional", {}))
-            assert set(node["inputs"]) <= declared and set(spec["required"]) <= set(node["inputs"]), (
+        spec = next((n for n in NODES if n.node_id == node["class_type"]), None)
+        if spec is not None:  # the pack's own nodes: exactly their declared inputs
+            declared = set(spec.required) | set(spec.optional)
+            assert set(node["inputs"]) <= declared and set(spec.required) <= set(node["inputs"]), (
                 path.name, node["class_type"], sorted(node["inputs"]), sorted(declared))
     # the chain the README describes, each fed by the one before
     by_type = {t: k for k, t in types.items()}

@@ -51,7 +51,7 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     be.name = backend
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
-                           warmed=False, _bypass=False, on_fallback=None)
+                           warmed=False, bypassed=False, on_fallback=None)
 
 
 def test_no_server_is_a_noop(monkeypatch, caplog):
@@ -199,3 +199,30 @@ def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, ser
     assert end["phase"] == "end" and end["state"] == "fallback" and "simulated kernel failure" in end["reason"]
     assert "status: inductor: fallback" in report and "simulated kernel failure" in report  # /history
     assert any(n == "5" and "fallback" in t for n, t in server.texts)
+
+
+# ---- the structured reason (compiler/report.py) -------------------------------------
+def test_reason_is_the_sentence_and_its_parts():
+    import pickle
+
+    from unet_compiler.compiler.report import Reason
+    r = Reason("no GPU", "buy one", "triton")
+    assert r == "triton: no GPU. Fix: buy one" and (r.what, r.why, r.fix, r.cause) == ("triton", "no GPU", "buy one",
+                                                                                    "triton: no GPU")
+    assert pickle.loads(pickle.dumps(r)).fix == "buy one" and pickle.loads(pickle.dumps(r)) == r
+    said = Reason("no C++ compiler", "install gcc, then restart ComfyUI", text="no C++ compiler; install gcc")
+    assert said.about("inductor") == "inductor: no C++ compiler; install gcc" and said.about("inductor").fix == said.fix
+    # a plain sentence (a backend outside the package) is read into the same parts
+    legacy = Reason.of("inductor: no C++ compiler (g++) found; install gcc (Linux)")
+    assert (legacy.what, legacy.why, legacy.fix) == ("inductor", "no C++ compiler (g++) found",
+                                                     "install gcc (Linux), then restart ComfyUI")
+    assert Reason.of("ipex: not installed").fix == "" and Reason.of("torch is old. Fix: upgrade.").fix == "upgrade"
+
+
+def test_probe_reasons_give_their_fix(server):
+    from unet_compiler.compiler.compat import ipex as ipex_compat
+    from unet_compiler.compiler.report import Reason
+    bad = ipex_compat.mismatch("2.8.0", "2.13.0")
+    assert isinstance(bad, Reason) and str(bad).endswith(f". Fix: {bad.fix}") and "Fix" not in bad.why
+    facts = feedback.compiled(fake_accel("ipex", "inductor", [bad.about("ipex"), Reason("chosen", what="inductor")]), "4")
+    assert facts["state"] == "fallback" and facts["fix"] == bad.fix and facts["reason"] == f"ipex: {bad.why}"

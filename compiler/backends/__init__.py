@@ -76,6 +76,8 @@ class Backend:
     specialises_on_shapes = True
 
     def available(self, device) -> tuple[bool, str]:
+        """(True, what it does here) or (False, why not: a ``report.Reason`` with the fix, or a
+        plain sentence)."""
         return True, ""
 
     def auto_ok(self, device) -> tuple[bool, str]:
@@ -108,7 +110,8 @@ class Backend:
 def resolve(requested: str, device) -> tuple[Backend, list[str]]:
     """Pick the backend to run. Returns it plus the story of how it was chosen
     (each unavailable candidate with its reason) for the report."""
-    story: list[str] = []
+    from ..report import Reason
+    story: list[Reason] = []
     ranked = _ranked()
     if requested == "auto":
         dev = getattr(device, "type", "cpu")
@@ -124,10 +127,10 @@ def resolve(requested: str, device) -> tuple[Backend, list[str]]:
                 why = why if ok else not_auto
         except Exception as e:  # a probe must never take ComfyUI down
             log.warning("probing backend %s failed", name, exc_info=True)
-            ok, why = False, f"probe failed: {e}"
+            ok, why = False, Reason(f"probe failed: {e}")
         if ok:
             if story or requested == "auto":
-                story.append(f"{name}: chosen" + (f" ({why})" if why else ""))
+                story.append(Reason("chosen" + (f" ({why})" if why else ""), what=name))
             return backend, story
-        story.append(f"{name}: {why}")
+        story.append(Reason.of(why, what=name))
     raise AssertionError("the eager backend is always available")

@@ -17,6 +17,7 @@ import torch
 from .. import regions as R
 from ..compat.torch_version import torch_too_old
 from ..plan import PROJECTION
+from ..report import Reason
 from . import Backend, register_backend
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,8 @@ class InductorBackend(Backend):
         if getattr(device, "type", "cpu") == "cpu":
             missing = _cpp_compiler_missing()
             if missing:
-                return False, missing + "; install gcc (Linux) or MSVC Build Tools (Windows)"
+                install = "install gcc (Linux) or MSVC Build Tools (Windows)"
+                return False, Reason(missing, f"{install}, then restart ComfyUI", text=f"{missing}; {install}")
         return True, "regional torch.compile"
 
     def impls(self, config) -> dict:

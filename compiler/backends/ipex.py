@@ -33,6 +33,7 @@ from .. import regions as R
 from .. import weights
 from ..compat import ipex as ipex_compat
 from ..plan import PROJECTION
+from ..report import Reason
 from . import Backend, register_backend
 
 log = logging.getLogger(__name__)
@@ -69,7 +70,7 @@ class IpexBackend(Backend):
 
     def available(self, device):
         if getattr(device, "type", "cpu") != "cpu":
-            return False, f"IPEX accelerates CPU models here; this model is on {device}"
+            return False, Reason(f"IPEX accelerates CPU models here; this model is on {device}")
         ipex, why = ipex_compat.load()
         if ipex is None:
             return False, why
@@ -78,7 +79,7 @@ class IpexBackend(Backend):
 
     def auto_ok(self, device):
         if not ipex_compat.is_intel_cpu():
-            return False, "not an Intel CPU (auto picks IPEX only on Intel; choose ipex to force it)"
+            return False, Reason("not an Intel CPU (auto picks IPEX only on Intel; choose ipex to force it)")
         return True, ""
 
     # ---- the copies -----------------------------------------------------

@@ -14,6 +14,8 @@ from importlib import metadata
 
 import torch
 
+from ..report import Reason
+
 log = logging.getLogger(__name__)
 
 DIST = "intel_extension_for_pytorch"
@@ -38,10 +40,10 @@ def mismatch(ipex_v: str, torch_v: str | None = None) -> str | None:
     if _major_minor(ipex_v) == _major_minor(torch_v):
         return None
     need = ".".join(str(p) for p in _major_minor(ipex_v))
-    return (f"IPEX {ipex_v} only works with torch {need}.x but torch {torch_v} is installed, and importing it "
-            f"would crash the process, so it was not imported. Fix: pip install torch=={need}.* (IPEX "
-            f"{LAST_RELEASE} is Intel's last release, for torch 2.8), or pip uninstall {DIST} and use the "
-            f"inductor backend")
+    return Reason(f"IPEX {ipex_v} only works with torch {need}.x but torch {torch_v} is installed, and importing "
+                  f"it would crash the process, so it was not imported",
+                  f"pip install torch=={need}.* (IPEX {LAST_RELEASE} is Intel's last release, for torch 2.8), or "
+                  f"pip uninstall {DIST} and use the inductor backend")
 
 
 def is_intel_cpu() -> bool:
@@ -61,7 +63,7 @@ def load():
     otherwise (None, one-sentence reason with the fix). Cached: imported once."""
     v = ipex_version()
     if v is None:
-        return None, f"{DIST} is not installed (optional; pip install {DIST}=={LAST_RELEASE} beside torch 2.8)"
+        return None, Reason(f"{DIST} is not installed (optional; pip install {DIST}=={LAST_RELEASE} beside torch 2.8)")
     bad = mismatch(v)
     if bad:
         return None, bad
@@ -69,5 +71,5 @@ def load():
         import intel_extension_for_pytorch as ipex
     except BaseException as e:  # SystemExit from its own version check included
         log.warning("UNet Compiler: importing IPEX %s failed", v, exc_info=True)
-        return None, f"IPEX {v} is installed but failed to import ({type(e).__name__}: {e})"
+        return None, Reason(f"IPEX {v} is installed but failed to import ({type(e).__name__}: {e})")
     return ipex, None

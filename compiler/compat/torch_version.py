@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from ..report import Reason
+
 MIN_TORCH = (2, 3)
 
 
@@ -11,11 +13,13 @@ def torch_version() -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def torch_too_old() -> str | None:
-    """One sentence when this torch cannot run the compiled path, else None."""
+def torch_too_old() -> Reason | None:
+    """Why this torch cannot run the compiled path, else None."""
     if torch_version() < MIN_TORCH:
-        return (f"torch {torch.__version__} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, which torch.compile "
-                f"regional compilation needs; running eager. Fix: upgrade torch (pip install -U torch).")
+        why = (f"torch {torch.__version__} is older than {MIN_TORCH[0]}.{MIN_TORCH[1]}, which torch.compile "
+               f"regional compilation needs; running eager")
+        fix = "upgrade torch (pip install -U torch)"
+        return Reason(why, fix, text=f"{why}. Fix: {fix}.")
     return None
 
 

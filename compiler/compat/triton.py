@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..report import Reason
+
 #: torch minor -> the triton-windows series built for it (woct0rdho/triton-windows)
 WINDOWS_SERIES = {(2, 6): "3.2", (2, 7): "3.3", (2, 8): "3.4", (2, 9): "3.5"}
 
@@ -92,38 +94,39 @@ def windows_pip_command(torch_version: str) -> str:
     return f'pip install -U "triton-windows>={series},<{major}.{int(minor) + 1}"'
 
 
-def problem(f: Facts) -> str | None:
-    """None when the triton backend can run, else one sentence: what, why, the fix."""
+def problem(f: Facts) -> Reason | None:
+    """None when the triton backend can run, else why not, with the fix."""
     if not f.cuda_available:
-        return "no CUDA GPU: the triton backend needs one (CPU runs use inductor or ipex)"
+        return Reason("no CUDA GPU: the triton backend needs one (CPU runs use inductor or ipex)")
     pip_line = windows_pip_command(f.torch_version) if f.system == "Windows" else "pip install triton"
     if f.triton_version is None:
         if f.system == "Windows":
-            return f"triton is not installed (Windows needs the triton-windows package). Fix: {pip_line}"
-        return ("triton is not installed (CUDA builds of torch on Linux ship it; a CPU build or a custom "
-                f"install does not). Fix: {pip_line}" + (f"=={f.torch_requires_triton}" if f.torch_requires_triton else ""))
+            return Reason("triton is not installed (Windows needs the triton-windows package)", pip_line)
+        return Reason("triton is not installed (CUDA builds of torch on Linux ship it; a CPU build or a custom "
+                      "install does not)",
+                      pip_line + (f"=={f.torch_requires_triton}" if f.torch_requires_triton else ""))
     if f.system == "Windows":
         want = windows_pip_command(f.torch_version)
         series = WINDOWS_SERIES.get(_mm(f.torch_version))
         ok = (_mm(f.triton_version) < (3, 7)) if _mm(f.torch_version) >= (2, 10) else (
             series is not None and "%d.%d" % _mm(f.triton_version) == series)
         if not ok:
-            return (f"{f.triton_dist} {f.triton_version} does not match torch {f.torch_version}. Fix: {want}")
+            return Reason(f"{f.triton_dist} {f.triton_version} does not match torch {f.torch_version}", want)
         if not (f.has_include and f.has_libs):
             missing = " and ".join(n for n, ok_ in (("include", f.has_include), ("libs", f.has_libs)) if not ok_)
             v = ".".join(str(p) for p in f.python_version)
-            return (f"this Python ({f.base_prefix}) has no {missing} folder, which triton needs to build its "
-                    f"launcher (ComfyUI's portable build ships an embedded Python without them). Fix: copy the "
-                    f"include and libs folders of a full Python {v} install into {f.base_prefix}")
+            return Reason(f"this Python ({f.base_prefix}) has no {missing} folder, which triton needs to build "
+                          f"its launcher (ComfyUI's portable build ships an embedded Python without them)",
+                          f"copy the include and libs folders of a full Python {v} install into {f.base_prefix}")
     elif f.torch_requires_triton and f.triton_version.split("+")[0] != f.torch_requires_triton.split("+")[0]:
-        return (f"triton {f.triton_version} does not match torch {f.torch_version}, which was built against "
-                f"triton {f.torch_requires_triton}. Fix: pip install triton=={f.torch_requires_triton}")
+        return Reason(f"triton {f.triton_version} does not match torch {f.torch_version}, which was built "
+                      f"against triton {f.torch_requires_triton}", f"pip install triton=={f.torch_requires_triton}")
     return None
 
 
-def cuda_graphs_problem(f: Facts) -> str | None:
+def cuda_graphs_problem(f: Facts) -> Reason | None:
     """CUDA graphs cannot capture with the cudaMallocAsync allocator ComfyUI enables by default."""
     if f.allocator_backend == "cudaMallocAsync":
-        return ("CUDA graphs are off: ComfyUI runs torch's cudaMallocAsync allocator, which graph capture does "
-                "not support. Fix: start ComfyUI with --disable-cuda-malloc")
+        return Reason("CUDA graphs are off: ComfyUI runs torch's cudaMallocAsync allocator, which graph capture "
+                      "does not support", "start ComfyUI with --disable-cuda-malloc")
     return None

@@ -105,3 +105,24 @@ def test_template_browser_lists_the_examples(comfy_server):
     assert sorted(mine) == sorted(p.stem for p in UI_FILES), mine
     thumb = comfy_server.get(f"/api/workflow_templates/{comfy_server.pack_dir.name}/{UI_FILES[0].stem}.jpg")
     assert thumb[:3] == b"\xff\xd8\xff", "thumbnail is not served as a JPEG"
+
+
+def test_bad_shapes_entry_is_reported_once_against_shapes(comfy_server, sd15_checkpoint):
+    """ComfyUI runs Warmup Shapes' validate_inputs before anything runs: a bad entry is one error,
+    filed against ``shapes`` (not also against ``model``), naming the entry."""
+    import urllib.error
+    import urllib.request
+    prompt = json.loads(API_FILES[0].read_text(encoding="utf-8"))
+    by_type = {n["class_type"]: k for k, n in prompt.items()}
+    prompt[by_type["CheckpointLoaderSimple"]]["inputs"]["ckpt_name"] = sd15_checkpoint.name
+    warm = by_type["UNetCompiler_WarmupShapes"]
+    prompt[warm]["inputs"]["shapes"] = "2x64x64, 512x"
+    req = urllib.request.Request(comfy_server.url + "/prompt", data=json.dumps({"prompt": prompt}).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(req, timeout=30)
+    body = json.loads(e.value.read())
+    errors = body["node_errors"][warm]["errors"]
+    assert [(x["type"], x["extra_info"]["input_name"]) for x in errors] == [("custom_validation_failed", "shapes")], (
+        errors)
+    assert "'512x'" in errors[0]["details"] and "not BxWxH" in errors[0]["details"], errors

@@ -1,0 +1,93 @@
+"""The pack's nodes, declared once: id, display name, description, inputs (name, ComfyUI type,
+widget options, tooltip), outputs. ``nodes/v3.py`` builds the V3 schemas from this; the tests read
+it without ComfyUI. Ids, input names and outputs are a public API: never rename one once published.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..compiler.backends import tooltip as backend_tooltip
+from ..compiler.config import BACKENDS, PRECISIONS
+
+CATEGORY = "UNet Compiler"
+
+
+@dataclass(frozen=True)
+class Input:
+    name: str
+    #: ComfyUI type: COMBO, BOOLEAN, STRING, INT, MODEL, or the pack's UNET_BACKEND
+    type: str
+    tooltip: str
+    optional: bool = False
+    #: the widget's options (``default``, ``options``, ``multiline``, ``min``, ``max``)
+    widget: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Node:
+    node_id: str
+    display_name: str
+    description: str
+    inputs: tuple[Input, ...]
+    #: (ComfyUI type, display name or None) per output
+    outputs: tuple[tuple[str, str | None], ...]
+    #: the node writes text to its own UI (gets its unique id)
+    reports: bool = False
+
+    @property
+    def required(self) -> list[str]:
+        return [i.name for i in self.inputs if not i.optional]
+
+    @property
+    def optional(self) -> list[str]:
+        return [i.name for i in self.inputs if i.optional]
+
+
+SELECT_BACKEND = Node(
+    "UNetCompiler_SelectBackend", "Select Backend", "Choose how Compile UNet accelerates the model.",
+    inputs=(
+        Input("backend", "COMBO", backend_tooltip(), widget={"options": list(BACKENDS), "default": "auto"}),
+        Input("precision", "COMBO",
+              "auto keeps the dtype ComfyUI chose (same math as eager). fp16/bf16 run under autocast: faster on "
+              "hardware with those units; Warmup Shapes reports the error.",
+              widget={"options": list(PRECISIONS), "default": "auto"}),
+        Input("dynamic_shapes", "BOOLEAN",
+              "On: new batch sizes / resolutions inside the warmed range reuse compiled code (no recompiles). "
+              "Off: each new shape compiles again.", widget={"default": True}),
+        Input("cuda_graphs", "BOOLEAN",
+              "CUDA only (triton, inductor): replay each region as a CUDA graph from its 2nd call at a shape; fewer "
+              "launches, the SD1.5 win. Costs GPU memory per shape. Needs ComfyUI started with "
+              "--disable-cuda-malloc.", optional=True, widget={"default": False}),
+    ),
+    outputs=(("UNET_BACKEND", "backend"),),
+)
+
+COMPILE_UNET = Node(
+    "UNetCompiler_CompileUNet", "Compile UNet",
+    "Accelerate the UNet's leaf regions; ComfyUI's patches, ControlNet and LoRA keep working.",
+    inputs=(
+        Input("model", "MODEL", "The MODEL to accelerate (SD1.5 / SDXL UNet). It is cloned, never modified."),
+        Input("backend", "UNET_BACKEND", "From Select Backend. Absent = auto, fp as loaded, dynamic shapes on.",
+              optional=True),
+    ),
+    outputs=(("MODEL", None),),
+    reports=True,
+)
+
+WARMUP_SHAPES = Node(
+    "UNetCompiler_WarmupShapes", "Warmup Shapes",
+    "Compile ahead of sampling for the listed shapes so KSampler never waits or recompiles.",
+    inputs=(
+        Input("model", "MODEL", "The MODEL from Compile UNet."),
+        Input("shapes", "STRING",
+              "Entries BxWxH in pixels (batch x width x height), one per line or comma separated. Batch and "
+              "resolution anywhere inside the listed range then run without recompiling. Remember CFG doubles the "
+              "UNet batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
+        Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk).", optional=True,
+              widget={"default": 77, "min": 1, "max": 77 * 16}),
+    ),
+    outputs=(("MODEL", None), ("STRING", "report")),
+    reports=True,
+)
+
+NODES = (SELECT_BACKEND, COMPILE_UNET, WARMUP_SHAPES)
