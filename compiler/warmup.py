@@ -36,6 +36,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     one compiled; compare the first shape against the eager reference. Marks
     the accelerator warmed (later compiles are counted as recompiles)."""
     rep = accel.report
+    accel.fix_shape(shapes)
 
     def timed(shape, label):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]

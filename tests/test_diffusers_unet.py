@@ -144,3 +144,29 @@ def test_zero_recompiles_after_warmup(kind_):
         out.add_(1.0)  # the caller may modify the output in place (it is not an inference tensor)
     assert accel.stats["recompiles_after_warmup"] == 0, report(u)
     assert "recompiles after warmup: 0" in report(u)
+
+
+def test_one_warmup_shape_compiles_that_shape_static():
+    """One warmup shape: static code for exactly it (cheaper to compile, load and run); a new
+    shape is one named recompile, after which sizes are dynamic; a range keeps dynamic code."""
+    u = _unet("sd15")
+    compile_unet(u, "inductor")
+    text = warmup(u, "1x64x64", context_tokens=77)
+    accel = accelerator_of(u)
+    assert accel.config.dynamic_shapes is None and "compiled for exactly 1x64x64" in text
+    assert "(probe)" not in text   # static code needs no probe shapes
+    _run(u, _inputs(u, b=1, side=8, tokens=77))
+    assert accel.stats["recompiles_after_warmup"] == 0, report(u)
+    for b in (2, 3):
+        out = _run(u, _inputs(u, b=b, side=8, tokens=77))
+        with accel.bypass():
+            _close(out, _run(u, _inputs(u, b=b, side=8, tokens=77)))
+        if b == 2:
+            after_change = accel.stats["recompiles_after_warmup"]
+            assert after_change > 0 and len(accel.recompiles) == 1, report(u)
+    assert accel.stats["recompiles_after_warmup"] == after_change, "batch 3 should reuse the dynamic code"
+
+    r = _unet("sd15")
+    compile_unet(r, "inductor")
+    warmup(r, "1x64x64, 2x64x64", context_tokens=77)
+    assert accelerator_of(r).config.dynamic_shapes is True

@@ -74,6 +74,9 @@ class Backend:
     #: whether code is specialised per shape (dynamo graphs, Triton kernel variants), so
     #: warmup's probe shapes (batch 1, 64 px) are worth running
     specialises_on_shapes = True
+    #: whether its code follows ``config.dynamic_shapes`` (dynamo-compiled bodies), so one warmup
+    #: shape can be compiled static (``Accelerator.fix_shape``)
+    follows_dynamic_shapes = False
 
     def available(self, device) -> tuple[bool, str]:
         """(True, what it does here) or (False, why not: a ``report.Reason`` with the fix, or a

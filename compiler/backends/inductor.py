@@ -38,9 +38,10 @@ def _make_dynamo_backend(prepack: bool, prepack_lin: bool = False):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_body(body, dynamic: bool, prepack: bool, prepack_lin: bool = False):
+def compiled_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool = False):
     """One torch.compile wrapper per (body, options), shared process-wide so
-    every clone / Compile UNet node reuses the same compiled code."""
+    every clone / Compile UNet node reuses the same compiled code. ``dynamic`` None: the first
+    shape static, dynamic after a change (torch's automatic dynamic shapes)."""
     return torch.compile(body, backend=_make_dynamo_backend(prepack, prepack_lin), dynamic=dynamic)
 
 
@@ -59,6 +60,7 @@ def _cpp_compiler_missing() -> str | None:
 class InductorBackend(Backend):
     auto_rank, fallback, uses_cuda_graphs = 2, True, True
     summary = "regional torch.compile (CUDA or CPU)"
+    follows_dynamic_shapes = True
     def available(self, device):
         old = torch_too_old()
         if old:
@@ -80,7 +82,7 @@ class InductorBackend(Backend):
         return out
 
     def dynamo_config(self, config):
-        if not config.dynamic_shapes:
+        if config.dynamic_shapes is not True:   # False: static; None: static first (fix_shape)
             return (torch._dynamo.config.patch(recompile_limit=64),)
         return (
             # channel counts symbolic too: blocks that differ only in width share one graph.
