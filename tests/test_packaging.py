@@ -1,7 +1,9 @@
-"""Install surface: what ComfyUI-Manager and the Comfy Registry read."""
+"""Install surface: what ComfyUI-Manager and the Comfy Registry read, and a clean import of the pack
+(no ComfyUI, triton, IPEX or diffusers needed)."""
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -49,3 +51,34 @@ def test_ruff_security_rules_clean():
         assert not re.search(r"(?<![\w.])(exec|eval)\(", src)
     else:
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _run(code, env_extra=None):
+    import os
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT.parent))
+
+
+def test_pack_imports_without_comfyui_triton_ipex_diffusers():
+    code = f"""
+    import sys, importlib.util, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in ('comfy', 'comfy_api', 'triton', 'intel_extension_for_pytorch', 'diffusers'):
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    spec = importlib.util.spec_from_file_location('some_custom_node_dir', {str(ROOT / '__init__.py')!r},
+                                                  submodule_search_locations=[{str(ROOT)!r}])
+    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+    assert sorted(mod.NODE_CLASS_MAPPINGS) == ['UNetCompiler_CompileUNet', 'UNetCompiler_SelectBackend', 'UNetCompiler_WarmupShapes']
+    assert not hasattr(mod, 'comfy_entrypoint')
+    from some_custom_node_dir.compiler.backends import resolve
+    import torch
+    b, _ = resolve('inductor', torch.device('cpu'))
+    assert 'triton' not in sys.modules and 'intel_extension_for_pytorch' not in sys.modules
+    print('ok', b.name)
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ok inductor" in r.stdout
