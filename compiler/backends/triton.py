@@ -9,7 +9,7 @@ Every weight is read from the live module at call time; to_q/to_k/to_v/to_out
 and the convs/linears stay module calls (LoRA and attention patches address
 them by name; cuBLAS/cuDNN do the GEMMs). A kernel that cannot take its
 inputs raises KernelUnsupported and the torch ops it replaces run instead;
-one that escapes a body makes that call run the model's own code.
+one that escapes a body makes that call run the body on the torch ops.
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ class TritonBackend(Backend):
                 ops.where = key[1]
                 try:
                     return body(module, *args)
-                except ops.Unsupported as e:  # a size the kernels cannot do: this call runs the model's code
+                except ops.Unsupported as e:  # a size the kernels cannot do: this call runs on the torch ops
                     ops.declined[str(e).split(":")[0]] += 1
                     log.debug("triton region fallback: %s", e)
                     return own[key](module, *args)
