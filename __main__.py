@@ -99,8 +99,8 @@ def _graphs() -> int:
     of its graphs)."""
     import sys
     from torch._dynamo.utils import counters
-    tb = sys.modules.get(__package__ + ".compiler.backends.triton") if __package__ else None
-    return int(counters["stats"]["unique_graphs"]) + (tb.kernel_compiles() if tb is not None else 0)
+    tc = sys.modules.get(__package__ + ".compiler.compat.triton") if __package__ else None
+    return int(counters["stats"]["unique_graphs"]) + (tc.kernel_compiles() if tc is not None else 0)
 
 
 # (label, batch, latent side): the shape changes users hit between prompts

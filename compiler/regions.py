@@ -1,19 +1,61 @@
-"""The leaf-region bodies the backends accelerate.
+"""The leaf-region bodies every backend accelerates, written once over the ops they are made of.
 
 Each body is a plain function of (region module, inputs) so that ONE compiled
 callable serves every instance of a block (regional compilation: identical
 blocks share compiled code; parameters are graph inputs, read live on every
-call). Where the model's own method is already a pure leaf (ResBlock bodies,
-feed-forwards) we use it as is, so ComfyUI / diffusers code changes flow
-through; attention is rewritten onto SDPA because ComfyUI's CPU attention
-(sub-quadratic, memory probes) breaks graphs.
+call). A body is built from a few ops (GroupNorm+SiLU, attention, GEGLU, conv
++ residual) that it takes as ``ops``: :class:`Ops`, whose members are the torch
+ops, by default (what inductor compiles and IPEX runs), or a backend's own
+(the triton backend's: a kernel or these torch ops, whichever measured faster).
+With the torch ops each body computes what the model's own code computes, op
+for op; a variant a body does not cover (scale-shift norm, up/down ResBlocks,
+non-GEGLU feed-forwards) runs the model's own code. Attention is rewritten onto
+SDPA because ComfyUI's CPU attention (sub-quadratic, memory probes) breaks
+graphs. Every weight is read from the live module at call time;
+to_q/to_k/to_v/to_out, the convs and the linears stay module calls (LoRA and
+attention patches address them by name).
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
 
 from .plan import ATTENTION, FEEDFORWARD, NORM_ACT, RESBLOCK
+
+
+class Ops:
+    """The ops a region body is made of, each as the torch ops it stands for. A backend with
+    faster versions subclasses this and overrides members; the bodies stay as they are."""
+
+    def decline(self, why: str) -> None:
+        """A body met a variant it does not cover and runs the model's own code (``why``: the
+        reason a backend reports). Nothing to do for the torch ops."""
+
+    def group_norm_silu(self, norm, x):
+        """``SiLU(norm(x))`` for a GroupNorm module ``norm``."""
+        return F.silu(norm(x))
+
+    def attention(self, q, k, v):
+        """Attention on (b, heads, n, d) views of q, k and v: no mask, not causal."""
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def geglu(self, hidden, approximate: str):
+        """GEGLU's epilogue on the projection's output: ``a * gelu(gate)`` of its two halves."""
+        a, gate = hidden.chunk(2, dim=-1)
+        return a * F.gelu(gate, approximate=approximate)
+
+    def conv_residual(self, conv, h, residual):
+        """``conv(h) + residual`` (the bias+residual epilogue of a ResBlock's last conv)."""
+        return conv(h) + residual
+
+
+TORCH_OPS = Ops()
+
+
+def _is(m, name):
+    return type(m).__name__ == name or any(c.__name__ == name for c in type(m).__mro__)
 
 
 def split_heads(q, k, v, heads):
@@ -31,17 +73,47 @@ def split_heads(q, k, v, heads):
             v.view(b, tokens(v), heads, d).transpose(1, 2))
 
 
-def _sdpa(q, k, v, heads):
+def attend(q, k, v, heads, *, ops: Ops = TORCH_OPS):
+    """Multi-head attention on (b, n, heads*d) q, k, v (k and v viewed as ComfyUI does)."""
     b, n, inner = q.shape
-    out = F.scaled_dot_product_attention(*split_heads(q, k, v, heads))
+    out = ops.attention(*split_heads(q, k, v, heads))
     return out.transpose(1, 2).reshape(b, n, inner)
 
 
-def comfy_resblock(block, x, emb):
-    return type(block)._forward(block, x, emb)
+def comfy_resblock(block, x, emb, *, ops: Ops = TORCH_OPS):
+    """ComfyUI ResBlock._forward for the plain SD block (no up/down, no scale-shift norm)."""
+    if (block.updown or block.use_scale_shift_norm or block.skip_t_emb
+            or getattr(block, "exchange_temb_dims", False) or len(block.in_layers) != 3
+            or not isinstance(block.in_layers[0], torch.nn.GroupNorm)
+            or not isinstance(block.in_layers[1], torch.nn.SiLU)
+            or len(block.out_layers) != 4 or not isinstance(block.out_layers[1], torch.nn.SiLU)):
+        ops.decline("resblock variant")
+        return type(block)._forward(block, x, emb)
+    h = block.in_layers[2](ops.group_norm_silu(block.in_layers[0], x))
+    emb_out = block.emb_layers(emb).type(h.dtype)
+    while emb_out.dim() < h.dim():
+        emb_out = emb_out[..., None]
+    h = h + emb_out
+    h = block.out_layers[2](ops.group_norm_silu(block.out_layers[0], h))  # [2] is Dropout (identity in eval)
+    return ops.conv_residual(block.out_layers[3], h, block.skip_connection(x))
 
 
-def comfy_attention(attn, x, context=None, value=None):
+def diffusers_resblock(block, input_tensor, temb, *, ops: Ops = TORCH_OPS):
+    """diffusers ResnetBlock2D.forward for the plain SD block (default time-embedding norm, SiLU,
+    no up/down, output scale 1)."""
+    if (block.upsample is not None or block.downsample is not None or block.time_embedding_norm != "default"
+            or not isinstance(block.nonlinearity, torch.nn.SiLU) or block.output_scale_factor != 1.0
+            or temb is None or block.time_emb_proj is None):
+        ops.decline("resblock variant")
+        return type(block).forward(block, input_tensor, temb)
+    h = block.conv1(ops.group_norm_silu(block.norm1, input_tensor))
+    t = block.time_emb_proj(temb if block.skip_time_act else F.silu(temb))[:, :, None, None]
+    h = block.dropout(ops.group_norm_silu(block.norm2, h + t))
+    skip = block.conv_shortcut(input_tensor) if block.conv_shortcut is not None else input_tensor
+    return ops.conv_residual(block.conv2, h, skip)
+
+
+def comfy_attention(attn, x, context=None, value=None, *, ops: Ops = TORCH_OPS):
     """ComfyUI CrossAttention.forward (mask=None, no override) on SDPA.
 
     to_q/to_k/to_v/to_out stay the real modules: LoRA keys and attention
@@ -51,30 +123,36 @@ def comfy_attention(attn, x, context=None, value=None):
     ctx = x if context is None else context
     k = attn.to_k(ctx)
     v = attn.to_v(ctx if value is None else value)
-    out = _sdpa(q, k, v, attn.heads)
-    return attn.to_out(out)
+    return attn.to_out(attend(q, k, v, attn.heads, ops=ops))
 
 
-def diffusers_attention(attn, hidden_states, encoder_hidden_states=None):
+def diffusers_attention(attn, hidden_states, encoder_hidden_states=None, *, ops: Ops = TORCH_OPS):
     """diffusers Attention + AttnProcessor2_0 for the plain SD/SDXL case the
     planner admits (no norms, no residual, rescale 1, 3-D input)."""
     ctx = hidden_states if encoder_hidden_states is None else encoder_hidden_states
     q, k, v = attn.to_q(hidden_states), attn.to_k(ctx), attn.to_v(ctx)
-    out = _sdpa(q, k, v, attn.heads).to(q.dtype)
+    out = attend(q, k, v, attn.heads, ops=ops).to(q.dtype)
     out = attn.to_out[0](out)
     return attn.to_out[1](out)
 
 
-def diffusers_resblock(block, input_tensor, temb):
-    return type(block).forward(block, input_tensor, temb)
+def feedforward(ff, x, *, ops: Ops = TORCH_OPS):
+    """A GEGLU feed-forward (ComfyUI's and diffusers' FeedForward: GEGLU, dropout, linear)."""
+    glu = ff.net[0]
+    proj = getattr(glu, "proj", None)
+    approximate = getattr(glu, "approximate", "none")
+    if not _is(glu, "GEGLU") or proj is None or approximate not in ("none", "tanh"):
+        ops.decline("feed-forward without GEGLU")
+        return type(ff).forward(ff, x)
+    h = ops.geglu(proj(x), approximate)
+    for m in list(ff.net)[1:]:
+        h = m(h)
+    return h
 
 
-def feedforward(ff, x):
-    return type(ff).forward(ff, x)
-
-
-def sequential(seq, x):
-    return torch.nn.Sequential.forward(seq, x)
+def norm_act(seq, x, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's output head ``Sequential(GroupNorm, SiLU, conv)`` (the planner checks that shape)."""
+    return seq[2](ops.group_norm_silu(seq[0], x))
 
 
 #: (family, region kind) -> body; every backend accelerates these same functions
@@ -82,8 +160,13 @@ BODIES = {
     ("comfy", RESBLOCK): comfy_resblock,
     ("comfy", ATTENTION): comfy_attention,
     ("comfy", FEEDFORWARD): feedforward,
-    ("comfy", NORM_ACT): sequential,
+    ("comfy", NORM_ACT): norm_act,
     ("diffusers", RESBLOCK): diffusers_resblock,
     ("diffusers", ATTENTION): diffusers_attention,
     ("diffusers", FEEDFORWARD): feedforward,
 }
+
+
+def bodies(ops: Ops) -> dict:
+    """BODIES on a backend's ops: {(family, region kind): callable(region module, *inputs)}."""
+    return {key: functools.partial(body, ops=ops) for key, body in BODIES.items()}

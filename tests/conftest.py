@@ -98,17 +98,24 @@ def graph_standin():
     return GraphStandIn
 
 
+#: the tiny SD1.5-shaped diffusers UNet every diffusers test builds (``tiny_unet``)
+TINY_UNET = dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
+                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8, norm_num_groups=8)
+
+
 @pytest.fixture
 def tiny_unet():
     """Factory of a random-weight tiny SD-shaped diffusers UNet (2 levels, cross-attention
-    on a 32-wide context), eval mode, on CPU."""
+    on a 32-wide context), eval mode, on CPU: ``tiny_unet(seed, **config overrides)``.
+    ``tiny_unet.config(**overrides)`` is its config, for a test that builds it in a subprocess."""
     diffusers = pytest.importorskip("diffusers", reason="diffusers not installed")
+
+    def config(**over):
+        return {**TINY_UNET, **over}
 
     def make(seed=0, **over):
         torch.manual_seed(seed)
-        cfg = dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-                   down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                   up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8, norm_num_groups=8)
-        cfg.update(over)
-        return diffusers.UNet2DConditionModel(**cfg).eval()
+        return diffusers.UNet2DConditionModel(**config(**over)).eval()
+    make.config = config
     return make

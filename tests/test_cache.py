@@ -118,10 +118,7 @@ _RUN = textwrap.dedent('''
     import json, time, torch, diffusers
     from unet_compiler.compiler import api
     torch.manual_seed(0)
-    unet = diffusers.UNet2DConditionModel(
-        sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-        attention_head_dim=8, norm_num_groups=8).eval()
+    unet = diffusers.UNet2DConditionModel(**{config}).eval()
     api.compile_unet(unet, "inductor", dynamic_shapes=False)
     t0 = time.perf_counter()
     print(api.warmup(unet, "1x64x64", context_tokens=6))
@@ -129,8 +126,9 @@ _RUN = textwrap.dedent('''
 ''')
 
 
-def _run(env) -> str:
-    proc = subprocess.run([sys.executable, "-c", _RUN], env=env, capture_output=True, text=True, timeout=900)
+def _run(env, unet_config: dict) -> str:
+    code = _RUN.format(config=repr(unet_config))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     return proc.stdout
 
@@ -139,19 +137,20 @@ def _stats(out: str) -> dict:
     return json.loads(out.split("STATS", 1)[1])
 
 
-def test_restart_and_second_worker_compile_nothing(tmp_path):
+def test_restart_and_second_worker_compile_nothing(tmp_path, tiny_unet):
     """1: cold, nothing anywhere. 2: a restart: the pack's folder holds its entry and torch's own
     caches (the pack placed them there). 3: a second worker on another machine: only the pack's
     folder (the entry), torch's caches cold. 2 and 3 take every graph from the cache."""
     env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", C.MODE_ENV)}
     env.update(UNET_COMPILER_CACHE_DIR=str(tmp_path / "pack"), TORCH_NUM_THREADS="1")
-    first = _run(env)
+    first = _run(env, tiny_unet.config())
     assert "compile cache: miss" in first and "compile cache: saved" in first, first
     assert "torch's own inductor cache" in first, first
     assert (tmp_path / "pack" / "inductor").is_dir() and list((tmp_path / "pack").glob("*.bin")), first
     assert "from the compile cache" not in first.split("STATS")[0], first
-    restart = _run(env)
-    worker = _run(dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind2"), TRITON_CACHE_DIR=str(tmp_path / "tri2")))
+    restart = _run(env, tiny_unet.config())
+    worker = _run(dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind2"), TRITON_CACHE_DIR=str(tmp_path / "tri2")),
+                  tiny_unet.config())
     for out in (restart, worker):
         assert "compile cache: hit" in out and "all from the compile cache" in out, out
         assert "compile cache: saved" not in out, "nothing new to save"

@@ -16,28 +16,28 @@ from unet_compiler.compiler.compat import diffusers as dcompat  # noqa: E402
 
 BACKENDS = [b.strip() for b in os.environ.get("UNET_COMPILER_TEST_BACKENDS", "inductor").split(",") if b.strip()]
 
+#: tiny_unet overrides per kind (sd15: the fixture's own SD1.5-shaped config)
 TINY = {
-    "sd15": dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-                 down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                 up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8, norm_num_groups=8),
+    "sd15": {},
     # SDXL-shaped: linear projections, head dim 8 (attention_head_dim is per-head width there),
     # text_time added conditioning, 2-deep transformer at the lowest level
-    "sdxl": dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-                 down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+    "sdxl": dict(down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
                  up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(4, 8),
-                 transformer_layers_per_block=(1, 2), use_linear_projection=True, norm_num_groups=8,
+                 transformer_layers_per_block=(1, 2), use_linear_projection=True,
                  addition_embed_type="text_time", addition_time_embed_dim=8,
                  projection_class_embeddings_input_dim=32 + 6 * 8),
 }
 
 
-def _unet(kind, seed=0):
-    torch.manual_seed(seed)
-    u = diffusers.UNet2DConditionModel(**TINY[kind]).eval()
-    with torch.no_grad():  # diffusers zero-inits some outputs: make every weight matter
-        for p in u.parameters():
-            p.add_(0.02 * torch.randn_like(p))
-    return u
+@pytest.fixture
+def make_unet(tiny_unet):
+    def make(kind, seed=0):
+        u = tiny_unet(seed, **TINY[kind])
+        with torch.no_grad():  # diffusers zero-inits some outputs: make every weight matter
+            for p in u.parameters():
+                p.add_(0.02 * torch.randn_like(p))
+        return u
+    return make
 
 
 def _inputs(u, b=2, side=8, tokens=77, seed=1):
@@ -83,8 +83,8 @@ def test_layout_resolved_from_the_installed_diffusers():
     print(f"diffusers {diffusers.__version__}: blocks from {cls['CrossAttnDownBlock2D'].__module__}")
 
 
-def test_parity_and_regions_fired(kind, backend):
-    u = _unet(kind)
+def test_parity_and_regions_fired(kind, backend, make_unet):
+    u = make_unet(kind)
     inputs = _inputs(u)
     ref = _run(u, inputs)
     compile_unet(u, backend)
@@ -103,10 +103,10 @@ def test_parity_and_regions_fired(kind, backend):
     assert f"backend {backend}" in text and "resblock x" in text and "attention x" in text
 
 
-def test_weight_changes_after_compile_are_seen(backend):
+def test_weight_changes_after_compile_are_seen(backend, make_unet):
     """A LoRA merged after compiling (a new Parameter, as ComfyUI writes it) and
     an in-place strength change (copy_ into the same storage) both show up."""
-    u = _unet("sd15")
+    u = make_unet("sd15")
     inputs = _inputs(u)
     compile_unet(u, backend)
     _run(u, inputs)  # compiled + packed with the original weights
@@ -129,8 +129,8 @@ def test_weight_changes_after_compile_are_seen(backend):
 
 
 @pytest.mark.parametrize("kind_", ["sd15", "sdxl"])
-def test_zero_recompiles_after_warmup(kind_):
-    u = _unet(kind_)
+def test_zero_recompiles_after_warmup(kind_, make_unet):
+    u = make_unet(kind_)
     compile_unet(u, "inductor")
     warmup(u, "1x64x64, 4x128x128", context_tokens=77)
     accel = accelerator_of(u)

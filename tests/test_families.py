@@ -97,10 +97,10 @@ def bodies_uncompiled(monkeypatch):
 
 @pytest.fixture
 def triton_here(monkeypatch):
-    from unet_compiler.compiler.backends import triton as TB
+    from unet_compiler.compiler.backends import _kernel_choice as KC, triton as TB
     if not torch.cuda.is_available():
         monkeypatch.setattr(TB.TritonBackend, "available", lambda self, device: (True, "interpreter (test)"))
-    monkeypatch.setenv(TB.CHOICE_ENV, "triton")
+    monkeypatch.setenv(KC.CHOICE_ENV, "triton")
 
 
 # ---- what the plan must find, derived from the config alone -------------------------

@@ -19,9 +19,7 @@ import torch
 from diffusers import UNet2DConditionModel
 from unet_compiler.compiler import compile_unet, report
 from unet_compiler.compiler.api import accelerator_of
-u = UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
-    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
-    attention_head_dim=8, norm_num_groups=8).eval()
+u = UNet2DConditionModel(**{config}).eval()
 compile_unet(u, "ipex", prepack_conv=False)
 import sys
 print("IPEX IMPORTED" if "intel_extension_for_pytorch" in sys.modules else "ipex not imported")
@@ -31,9 +29,10 @@ print(report(u))
 """
 
 
-def _run(pythonpath: str):
+def _run(pythonpath: str, unet_config: dict):
     env = dict(os.environ, PYTHONPATH=pythonpath + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, env=env, timeout=600)
+    code = CODE.format(config=repr(unet_config))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 
 
 def _check_fallback(r, ipex_v):
@@ -46,7 +45,7 @@ def _check_fallback(r, ipex_v):
 
 
 @pytest.mark.skipif(ipex_compat.mismatch("2.8.0") is None, reason="this env has torch 2.8: no mismatch to show")
-def test_mismatched_ipex_is_never_imported(tmp_path):
+def test_mismatched_ipex_is_never_imported(tmp_path, tiny_unet):
     """A stand-in IPEX 2.8.0 whose import kills the process, as the real one does."""
     pkg = tmp_path / "intel_extension_for_pytorch"
     pkg.mkdir()
@@ -54,7 +53,7 @@ def test_mismatched_ipex_is_never_imported(tmp_path):
     meta = tmp_path / "intel_extension_for_pytorch-2.8.0.dist-info"
     meta.mkdir()
     (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: intel_extension_for_pytorch\nVersion: 2.8.0\n")
-    _check_fallback(_run(str(tmp_path)), "2.8.0")
+    _check_fallback(_run(str(tmp_path), tiny_unet.config()), "2.8.0")
 
 
 def _real_ipex_site() -> Path | None:
@@ -67,13 +66,13 @@ def _real_ipex_site() -> Path | None:
 @pytest.mark.skipif(_real_ipex_site() is None, reason="UNET_COMPILER_IPEX_SITE (the IPEX lane's site-packages, "
                     "set by .ci/run) not set: the real-IPEX mismatch case skips")
 @pytest.mark.skipif(ipex_compat.mismatch("2.8.0") is None, reason="this env has torch 2.8: no mismatch to show")
-def test_real_ipex_beside_the_wrong_torch_falls_back(tmp_path):
+def test_real_ipex_beside_the_wrong_torch_falls_back(tmp_path, tiny_unet):
     """The real IPEX 2.8.0 package put beside this env's torch (2.13)."""
     site = _real_ipex_site()
     for entry in site.iterdir():
         if entry.name.startswith("intel_extension_for_pytorch"):
             (tmp_path / entry.name).symlink_to(entry)
-    r = _run(str(tmp_path))
+    r = _run(str(tmp_path), tiny_unet.config())
     from importlib import metadata
     v = next(metadata.distributions(path=[str(tmp_path)])).version
     _check_fallback(r, v)
@@ -98,17 +97,12 @@ def test_ipex_missing_is_a_reason_not_an_error(monkeypatch):
 
 
 @pytest.mark.skipif(ipex_compat.load()[0] is None, reason="IPEX not importable here (runs in the IPEX lane)")
-def test_real_ipex_prepacks_quietly_and_reports_in_plain_words(caplog, recwarn):
+def test_real_ipex_prepacks_quietly_and_reports_in_plain_words(caplog, recwarn, tiny_unet):
     """None of the BatchNorm-folding / concat_linear noise users saw, and the
     report says what IPEX did."""
     import logging
-    diffusers = pytest.importorskip("diffusers")
     from unet_compiler.compiler import compile_unet, report
-    torch.manual_seed(0)
-    u = diffusers.UNet2DConditionModel(sample_size=8, block_out_channels=(32, 64), layers_per_block=1,
-                                       cross_attention_dim=32, down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
-                                       up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=8,
-                                       norm_num_groups=8).eval()
+    u = tiny_unet()
     compile_unet(u, "ipex")
     with caplog.at_level(logging.WARNING), torch.inference_mode():
         u(torch.randn(1, 4, 8, 8), torch.tensor([1.0]), torch.randn(1, 77, 32))

@@ -1,7 +1,9 @@
-"""Install surface: what ComfyUI-Manager and the Comfy Registry read."""
+"""Install surface: what ComfyUI-Manager and the Comfy Registry read, and a clean import of the pack
+(no ComfyUI, triton, IPEX or diffusers needed)."""
 import re
 import subprocess
 import sys
+import textwrap
 import tomllib
 from pathlib import Path
 
@@ -95,3 +97,86 @@ def test_comfyui_without_its_requirements_skips_with_one_line(tmp_path, monkeypa
     monkeypatch.setenv("COMFYUI_PATH", str(tmp_path / "nowhere"))
     monkeypatch.setenv("HOME", str(tmp_path / "nowhere"))
     assert families.comfy_problem() == families.COMFY_NOT_FOUND
+
+
+def _run(code, env_extra=None):
+    import os
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env=env, cwd=str(ROOT.parent))
+
+
+def test_pack_imports_without_comfyui_triton_ipex_diffusers():
+    code = f"""
+    import sys, importlib.util, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in ('comfy', 'comfy_api', 'triton', 'intel_extension_for_pytorch', 'diffusers'):
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    spec = importlib.util.spec_from_file_location('some_custom_node_dir', {str(ROOT / '__init__.py')!r},
+                                                  submodule_search_locations=[{str(ROOT)!r}])
+    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+    # no ComfyUI: nothing registered (V1 is gone; an older ComfyUI gets a log line, test below)
+    assert not hasattr(mod, 'NODE_CLASS_MAPPINGS') and mod.WEB_DIRECTORY == './web'
+    assert not hasattr(mod, 'comfy_entrypoint')
+    from some_custom_node_dir.compiler.backends import resolve
+    import torch
+    b, _ = resolve('inductor', torch.device('cpu'))
+    assert 'triton' not in sys.modules and 'intel_extension_for_pytorch' not in sys.modules
+    print('ok', b.name)
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "ok inductor" in r.stdout
+
+
+def test_old_comfyui_gets_one_log_line_and_no_nodes():
+    """A ComfyUI without comfy_api.latest (older than pyproject's requires-comfyui): one line, no nodes."""
+    code = f"""
+    import sys, types, logging, importlib.util, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] == 'comfy_api':
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    sys.modules['comfy'] = types.ModuleType('comfy')   # ComfyUI's own package, loaded before custom nodes
+    logging.basicConfig(level=logging.INFO, format='%(message)s')
+    spec = importlib.util.spec_from_file_location('some_custom_node_dir', {str(ROOT / '__init__.py')!r},
+                                                  submodule_search_locations=[{str(ROOT)!r}])
+    mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)
+    assert not hasattr(mod, 'NODE_CLASS_MAPPINGS') and not hasattr(mod, 'comfy_entrypoint')
+    print(mod.MIN_COMFYUI)
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines() == ["ComfyUI too old: UNet Compiler needs >= 0.3.48"], r.stderr
+    import tomllib
+    floor = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["comfy"]["requires-comfyui"]
+    assert floor == ">=" + r.stdout.strip() == ">=0.3.48"
+
+
+def test_library_api_at_the_top_level():
+    """``from unet_compiler import compile_unet, warmup, report``; importing the package alone (what
+    ComfyUI's node loading does first) imports neither torch nor the compiler."""
+    code = """
+    import sys, importlib.abc
+    class Block(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split('.')[0] in ('comfy', 'comfy_api'):
+                raise ImportError('blocked ' + name)
+    sys.meta_path.insert(0, Block())
+    import unet_compiler
+    assert 'torch' not in sys.modules and 'unet_compiler.compiler' not in sys.modules, 'imported eagerly'
+    from unet_compiler import compile_unet, report, uncompile_unet, warmup
+    from unet_compiler.compiler import api
+    assert (compile_unet, warmup, report, uncompile_unet) == (api.compile_unet, api.warmup, api.report,
+                                                              api.uncompile_unet)
+    try:
+        unet_compiler.nope
+    except AttributeError:
+        print('ok')
+    """
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "ok"

@@ -12,6 +12,7 @@ pytest.importorskip("diffusers", reason="diffusers not installed")
 
 from unet_compiler.compiler import compile_unet, report  # noqa: E402
 from unet_compiler.compiler.api import accelerator_of  # noqa: E402
+from unet_compiler.compiler.backends import _kernel_choice as KC  # noqa: E402
 from unet_compiler.compiler.backends import triton as TB  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -21,7 +22,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def triton_here(monkeypatch):
     if DEV.type == "cpu":
         monkeypatch.setattr(TB.TritonBackend, "available", lambda self, device: (True, "interpreter (test)"))
-    monkeypatch.setenv(TB.CHOICE_ENV, "triton")  # on a GPU: the kernels, not whichever measured faster
+    monkeypatch.setenv(KC.CHOICE_ENV, "triton")  # on a GPU: the kernels, not whichever measured faster
 
 
 def _attention_as_expected(bodies) -> bool:
@@ -56,8 +57,8 @@ def test_diffusers_unet_parity_and_kernels_fired(tiny_unet, triton_here):
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-4)
     text = report(u)
     assert "backend triton" in text, text
-    fired = accelerator_of(u).backend.bodies.fired
-    assert fired["groupnorm_silu"] > 0 and fired["geglu"] > 0 and _attention_as_expected(accelerator_of(u).backend.bodies)
+    fired = accelerator_of(u).backend.ops.fired
+    assert fired["groupnorm_silu"] > 0 and fired["geglu"] > 0 and _attention_as_expected(accelerator_of(u).backend.ops)
     assert fired["bias_residual"] > 0
     assert "triton kernels fired:" in text
     # where: GroupNorm+SiLU in ResBlocks (and the output norm), GEGLU in feed-forward regions
@@ -90,7 +91,7 @@ def test_kernel_refusal_runs_the_models_own_code(tiny_unet, triton_here, monkeyp
     ref = _run(u)
     compile_unet(u, "triton")
     torch.testing.assert_close(_run(u), ref, rtol=2e-4, atol=2e-4)
-    bodies = accelerator_of(u).backend.bodies
+    bodies = accelerator_of(u).backend.ops
     assert bodies.declined["attention"] > 0 and bodies.fired["attention"] == 0  # a refused launch is not "fired"
     # the refusal costs that piece only: SDPA ran on the q/k/v already projected, the region stayed accelerated
     assert accelerator_of(u).stats["ran_attention"] > 0 and bodies.fired["geglu"] > 0
@@ -118,7 +119,7 @@ def test_comfy_unet_parity(triton_here, make_comfy_model):
     assert "backend triton" in text, text
     assert next(cm.model.diffusion_model.parameters()).device.type == DEV.type
     torch.testing.assert_close(apply(cm), ref, rtol=2e-4, atol=2e-4)
-    bodies = patcher.accelerator_of(cm).backend.bodies
+    bodies = patcher.accelerator_of(cm).backend.ops
     assert bodies.fired["groupnorm_silu"] > 0 and bodies.fired["geglu"] > 0 and _attention_as_expected(bodies)
 
 
@@ -126,8 +127,8 @@ def test_measured_choice_runs_torch_where_it_is_faster(tiny_unet, triton_here, m
     """The per-signature kernel-vs-torch choice, with timings handed in (on a GPU
     they come from CUDA events): torch wins GEGLU, the kernels win the rest;
     each signature is measured once and the report names what torch served."""
-    monkeypatch.setattr(TB, "_measurable", lambda device: True)
-    monkeypatch.setattr(TB, "_CHOICE", {})
+    monkeypatch.setattr(KC, "_measurable", lambda device: True)
+    monkeypatch.setattr(KC, "_CHOICE", {})
     timed = []
 
     def fake_ms(fn, reps=5):
@@ -136,13 +137,13 @@ def test_measured_choice_runs_torch_where_it_is_faster(tiny_unet, triton_here, m
         name, is_kernel = fake_ms.current, fn is fake_ms.kernel
         return (2.0 if is_kernel else 1.0) if name == "geglu" else (1.0 if is_kernel else 2.0)
     fake_ms.current = fake_ms.kernel = None
-    real_pick = TB.Bodies.pick
+    real_pick = KC.KernelChoice.pick
 
     def pick(self, name, tensors, kernel, reference):
         fake_ms.current, fake_ms.kernel = name, kernel
         return real_pick(self, name, tensors, kernel, reference)
-    monkeypatch.setattr(TB, "_measure_ms", fake_ms)
-    monkeypatch.setattr(TB.Bodies, "pick", pick)
+    monkeypatch.setattr(KC, "_measure_ms", fake_ms)
+    monkeypatch.setattr(KC.KernelChoice, "pick", pick)
     u = _unet(tiny_unet)
     ref = _run(u)
     compile_unet(u, "triton")
@@ -150,7 +151,7 @@ def test_measured_choice_runs_torch_where_it_is_faster(tiny_unet, triton_here, m
     n_measured = len(timed)
     torch.testing.assert_close(_run(u, seed=5), _ref_of(u, seed=5), rtol=2e-4, atol=2e-4)
     assert len(timed) == n_measured  # same signatures: measured once
-    b = accelerator_of(u).backend.bodies
+    b = accelerator_of(u).backend.ops
     assert b.torch_faster["geglu"] > 0 and b.fired["geglu"] == 0
     assert b.fired["groupnorm_silu"] > 0 and b.fired["bias_residual"] > 0 and _attention_as_expected(b)
     assert "torch measured faster on this GPU, ran instead: geglu x" in report(u)
@@ -193,7 +194,7 @@ def test_bf16_precision_returns_the_model_dtype(tiny_unet, triton_here):
     assert out.dtype == torch.float32
     err = float((out - ref).abs().max())
     assert 0 < err < 0.1, err  # bf16 rounding, not a different model
-    assert "precision bf16" in report(u) and accelerator_of(u).backend.bodies.fired["attention"] > 0
+    assert "precision bf16" in report(u) and accelerator_of(u).backend.ops.fired["attention"] > 0
 
 
 def _variant_key(fn, args, kwargs) -> tuple:
@@ -298,7 +299,7 @@ def test_conv_residual_checks_dtype_and_layout_before_the_conv(monkeypatch):
     """Under fp16/bf16 precision an fp32 model's conv gives bf16 while the skip stays fp32: the
     bias+residual pass cannot take them. That is decided before the conv runs (the conv runs
     once, nothing is measured or re-run), and the call gives conv(h) + skip."""
-    bodies = TB.Bodies()
+    bodies = TB.TritonOps()
     conv = torch.nn.Conv2d(8, 8, 3, padding=1).to(DEV)
     h, skip = torch.randn(2, 8, 6, 6, device=DEV), torch.randn(2, 8, 6, 6, device=DEV)
     calls = []

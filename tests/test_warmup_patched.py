@@ -17,12 +17,12 @@ pytestmark = pytest.mark.comfy
 def backend(monkeypatch):
     """The triton backend under the interpreter on CPU (compiles nothing: fast), else inductor."""
     try:
-        from unet_compiler.compiler.backends import triton as TB
+        from unet_compiler.compiler.backends import _kernel_choice as KC, triton as TB
     except ImportError:
         return CompileConfig(backend="inductor")
     if not torch.cuda.is_available():
         monkeypatch.setattr(TB.TritonBackend, "available", lambda self, device: (True, "interpreter (test)"))
-    monkeypatch.setenv(TB.CHOICE_ENV, "triton")
+    monkeypatch.setenv(KC.CHOICE_ENV, "triton")
     return CompileConfig(backend="triton")
 
 

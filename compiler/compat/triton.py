@@ -130,3 +130,39 @@ def cuda_graphs_problem(f: Facts) -> Reason | None:
         return Reason("CUDA graphs are off: ComfyUI runs torch's cudaMallocAsync allocator, which graph capture "
                       "does not support", "start ComfyUI with --disable-cuda-malloc")
     return None
+
+
+#: Triton compiles of the pack's kernels in this process (each new specialisation of a kernel:
+#: dtype, block config, an int argument becoming divisible by 16 or equal to 1)
+_KERNEL_COMPILES = [0]
+_COUNTING: list = []   # [True] once the hook is installed, [False] when this triton has no hook
+
+
+def kernel_compiles() -> int:
+    return _KERNEL_COMPILES[0]
+
+
+def count_kernel_compiles() -> bool:
+    """Install (once) a chained ``triton.knobs.runtime.jit_post_compile_hook``
+    that counts compiles of this pack's kernels. False where triton has no
+    such hook (before 3.4): compiles then go uncounted and the report says so."""
+    if _COUNTING:
+        return _COUNTING[0]
+    try:
+        from triton import knobs
+        runtime = knobs.runtime
+        previous = runtime.jit_post_compile_hook
+    except (ImportError, AttributeError):
+        _COUNTING.append(False)
+        return False
+    from ... import kernels
+    prefix = kernels.__name__ + "."
+
+    def unet_compiler_count_compiles(*args, **kwargs):
+        fn = kwargs.get("fn")
+        if str(getattr(fn, "module", "")).startswith(prefix):
+            _KERNEL_COMPILES[0] += 1
+        return previous(*args, **kwargs) if previous is not None else None
+    runtime.jit_post_compile_hook = unet_compiler_count_compiles
+    _COUNTING.append(True)
+    return True

@@ -1,0 +1,110 @@
+"""Kernel or torch, measured: ops whose members run a Triton kernel or the torch ops it replaces.
+
+Kernel choice is measured, not assumed: the first time a kernel meets an
+input signature on a GPU, the kernel and the torch ops it replaces are each
+timed a few times (CUDA events) and the faster one serves that signature from
+then on (remembered per process; the report counts both). So on a GPU where
+cuDNN's attention or a fused torch op beats a kernel at some size, the
+backend is never slower there than eager. UNET_COMPILER_KERNEL_CHOICE=triton
+always runs the kernels (kernel tests, A/B).
+
+(A private module: every public module of this package is a backend.)
+"""
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+
+import torch
+
+from ..regions import Ops
+
+log = logging.getLogger(__name__)
+
+CHOICE_ENV = "UNET_COMPILER_KERNEL_CHOICE"
+#: (kernel, device, input signature) -> "triton" | "torch", measured once per process
+_CHOICE: dict = {}
+
+
+def _measurable(device) -> bool:
+    """Whether kernel-vs-torch timing is meaningful here (a real GPU, not the interpreter)."""
+    return device.type == "cuda" and os.environ.get(CHOICE_ENV, "measure").strip().lower() != "triton"
+
+
+def _measure_ms(fn, reps: int = 10) -> float:
+    """Median device time of ``fn`` in ms. Both candidates are measured the same
+    way: from an idle GPU, with a GPU-side sleep queued first so every launch is
+    queued before the first timed one runs (device time, not Python gaps)."""
+    fn()  # first call: compile / config probe, untimed
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(2_000_000)
+    for start, end in zip(starts, ends, strict=True):
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 2]
+
+
+class KernelChoice(Ops):
+    """Ops whose members go through :meth:`pick`. ``fired`` counts kernel launches per kernel
+    (``fired_in``: per kernel and region kind), ``torch_faster`` the calls served by torch
+    because it measured faster, ``declined`` what a kernel or a body did not take, by reason."""
+
+    def __init__(self):
+        self.fired: Counter = Counter()
+        self.fired_in: Counter = Counter()   # (kernel, region kind) -> launches
+        self.where = "?"                     # the region kind being run (set per call by the backend)
+        self.declined: Counter = Counter()
+        self.torch_faster: Counter = Counter()
+        from ...kernels._common import KernelUnsupported
+        self.Unsupported = KernelUnsupported
+
+    def decline(self, why: str) -> None:
+        self.declined[why] += 1
+
+    def pick(self, name, tensors, kernel, reference):
+        """Run ``kernel()`` or ``reference()`` (same result), whichever measured faster for this signature."""
+        dev = tensors[0].device
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):  # triton launches on the current device and its stream
+                return self._pick(name, tensors, dev, kernel, reference)
+        return self._pick(name, tensors, dev, kernel, reference)
+
+    def _pick(self, name, tensors, dev, kernel, reference):
+        choice = "triton"
+        if _measurable(dev):
+            sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+            key = (name, str(dev), sig)
+            choice = _CHOICE.get(key)
+            if choice is None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                choice = "triton"  # no timing inside a capture (a graph captures on a signature's 2nd call)
+            elif choice is None:
+                try:
+                    t_kernel = _measure_ms(kernel)
+                except self.Unsupported as e:   # the kernel refuses these inputs: nothing to measure
+                    return self._declined(e, reference)
+                t_torch = _measure_ms(reference)
+                choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
+                log.debug("%s %s: triton %.3f ms, torch %.3f ms -> %s", name, sig, t_kernel, t_torch, choice)
+        if choice == "torch":
+            self.torch_faster[name] += 1
+            return reference()
+        try:
+            out = kernel()
+        except self.Unsupported as e:
+            return self._declined(e, reference)
+        self.fired[name] += 1
+        self.fired_in[(name, self.where)] += 1
+        return out
+
+    def _declined(self, e, reference):
+        """A kernel that cannot take these inputs (dtype, size, GPU): the torch ops it replaces run
+        on the same inputs, so the rest of the region stays on the kernels and nothing re-runs."""
+        self.declined[str(e).split(":")[0]] += 1
+        log.debug("triton kernel declined: %s", e)
+        return reference()

@@ -1,0 +1,118 @@
+"""kernels/_common.py and the package: what every launcher relies on (import without triton,
+the 32-bit offset margin, the TF32 choice, autograd refusal, the block-config fallback).
+
+See tests/kernels/_helpers.py for the device, dtypes and tolerances."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernels._helpers import DEV, TOL, KernelUnsupported, _common, close, load, rand
+
+groupnorm = load("groupnorm")
+layernorm = load("layernorm")
+epilogue = load("epilogue")
+
+
+def test_package_import_does_not_import_triton():
+    code = ("import sys, unet_compiler.kernels, unet_compiler.kernels._common as c; "
+            "assert 'triton' not in sys.modules, 'importing the kernels package imported triton'; "
+            "assert issubclass(c.KernelUnsupported, ValueError)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_unsupported_device_and_size_raise():
+    x = torch.empty(2, 64, 4, 4, device="meta")
+    with pytest.raises(KernelUnsupported, match="meta"):
+        groupnorm.groupnorm(x, 32)
+    huge = torch.empty(1, device="meta").as_strided((2, 8), (2**31, 1))  # offsets past 32 bits
+    with pytest.raises(KernelUnsupported, match="32-bit"):
+        layernorm.layernorm(huge)
+
+
+def test_max_numel_leaves_room_for_the_last_block():
+    """The masked lanes of a last block compute offsets up to a block past the end:
+    a tensor just under 2**31 elements would overflow them, so it is declined."""
+    assert _common.MAX_NUMEL + 4096 < 2**31 - 1
+    near = torch.empty(1, device="meta").as_strided((2**31 - 2**20,), (1,))
+    with pytest.raises(KernelUnsupported, match="32-bit"):
+        epilogue.bias_residual(near)
+    with pytest.raises(KernelUnsupported, match="row stride"):
+        _common.check_row_block("geglu", "h", 256, 2**17)
+
+
+class _Matmul:
+    """A stand-in for torch.backends.cuda.matmul: the new API's value, or an AttributeError
+    (torch < 2.9); the legacy flag, or the RuntimeError torch >= 2.9 raises once the new
+    API was used."""
+
+    def __init__(self, new, legacy):
+        self.new, self.legacy = new, legacy
+
+    def __getattr__(self, name):
+        value = {"fp32_precision": self.new, "allow_tf32": self.legacy}[name]
+        if isinstance(value, Exception):
+            raise value
+        return value
+
+
+@pytest.mark.parametrize("new,legacy,expected", [
+    ("tf32", RuntimeError("mix of the legacy and new APIs"), "tf32"),
+    ("ieee", RuntimeError("mix of the legacy and new APIs"), "ieee"),
+    ("none", False, "ieee"),
+    (AttributeError("Unknown attribute fp32_precision"), True, "tf32"),
+    (AttributeError("Unknown attribute fp32_precision"), False, "ieee"),
+], ids=["new-tf32", "new-ieee", "default", "legacy-tf32", "legacy-ieee"])
+def test_matmul_precision_reads_the_fp32_precision_api(monkeypatch, new, legacy, expected):
+    monkeypatch.setattr(torch.backends.cuda, "matmul", _Matmul(new, legacy))
+    assert _common.matmul_precision(torch.float32) == expected
+    assert _common.matmul_precision(torch.float16) == "ieee"
+
+
+@pytest.mark.skipif(not hasattr(torch.backends, "fp32_precision"), reason="torch < 2.9: no fp32_precision API")
+def test_matmul_precision_after_the_new_api_was_used():
+    """In a fresh process (the setting is global): once ``fp32_precision`` is set, torch's
+    legacy ``allow_tf32`` read raises; the launchers' read must not."""
+    code = ("import torch; from unet_compiler.kernels._common import matmul_precision as p; "
+            "m = torch.backends.cuda.matmul; m.fp32_precision = 'tf32'; assert p(torch.float32) == 'tf32'; "
+            "m.fp32_precision = 'ieee'; assert p(torch.float32) == 'ieee'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_autograd_inputs_raise_and_no_grad_runs():
+    w = torch.ones(64, device=DEV, requires_grad=True)  # an nn.Parameter-like weight
+    x = rand(1, 64, 2, 2)
+    with pytest.raises(KernelUnsupported, match="forward-only"):
+        groupnorm.groupnorm(x, 32, w)
+    with torch.no_grad():
+        close(groupnorm.groupnorm(x, 32, w), F.group_norm(x, 32), TOL[torch.float32])
+
+
+def test_launch_first_fitting_falls_back_and_remembers(monkeypatch):
+    from triton.runtime.errors import OutOfResources
+
+    calls = []
+
+    class FakeKernel:
+        __name__ = "fake_kernel"
+
+        def __getitem__(self, grid):
+            def run(*args, **kw):
+                calls.append(kw["BLOCK"])
+                if kw["BLOCK"] > 32:
+                    raise OutOfResources(200000, 101376, "shared memory")
+            return run
+
+    monkeypatch.setattr(_common, "_CONFIG_CHOICE", {})
+    configs = [dict(BLOCK=128), dict(BLOCK=64), dict(BLOCK=32)]
+    for _ in range(2):
+        _common.launch_first_fitting(FakeKernel(), ("k",), configs, lambda c: (1,), (), {}, "fake", DEV)
+    assert calls == [128, 64, 32, 32]  # the probe runs once, then the fitting config is reused
+    with pytest.raises(KernelUnsupported, match="no block configuration fits"):
+        _common.launch_first_fitting(FakeKernel(), ("other",), configs[:2], lambda c: (1,), (), {}, "fake", DEV)
