@@ -146,10 +146,10 @@ def test_zero_recompiles_after_warmup(kind_, make_unet):
     assert "recompiles after warmup: 0" in report(u)
 
 
-def test_one_warmup_shape_compiles_that_shape_static():
+def test_one_warmup_shape_compiles_that_shape_static(make_unet):
     """One warmup shape: static code for exactly it (cheaper to compile, load and run); a new
     shape is one named recompile, after which sizes are dynamic; a range keeps dynamic code."""
-    u = _unet("sd15")
+    u = make_unet("sd15")
     compile_unet(u, "inductor")
     text = warmup(u, "1x64x64", context_tokens=77)
     accel = accelerator_of(u)
@@ -166,7 +166,7 @@ def test_one_warmup_shape_compiles_that_shape_static():
             assert after_change > 0 and len(accel.recompiles) == 1, report(u)
     assert accel.stats["recompiles_after_warmup"] == after_change, "batch 3 should reuse the dynamic code"
 
-    r = _unet("sd15")
+    r = make_unet("sd15")
     compile_unet(r, "inductor")
     warmup(r, "1x64x64, 2x64x64", context_tokens=77)
     assert accelerator_of(r).config.dynamic_shapes is True
