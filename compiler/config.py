@@ -7,22 +7,14 @@ LoRA/patch compatibility.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 from .backends import names as _backend_names
+from .switch import DISABLE_ENV, disabled_by_env  # noqa: F401 - public here too
 
 #: "auto" and every registered backend, in auto's order (compiler/backends)
 BACKENDS = ("auto",) + _backend_names()
 PRECISIONS = ("auto", "fp32", "fp16", "bf16")
-
-#: Set to 1/true/yes to turn every rewrite off globally (the pack then runs
-#: ComfyUI's / diffusers' own eager code and says so in every report).
-DISABLE_ENV = "UNET_COMPILER_DISABLE"
-
-
-def disabled_by_env() -> bool:
-    return os.environ.get(DISABLE_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .switch import DISABLE_ENV, disabled_by_env
+
 
 class Reason(str):
     """Why something cannot run here, with its parts: ``what`` (the subject, "" when the sentence
@@ -118,7 +120,6 @@ class Report:
 def compile_facts(rep: Report) -> dict:
     """What Compile UNet did: the backend that runs, its state (``compiled`` / ``fallback`` /
     ``eager``) and, unless compiled, the reason and the fix (one sentence each)."""
-    from .config import DISABLE_ENV, disabled_by_env   # config imports the backends, which import this
 
     requested, backend = rep.backend_requested, rep.backend
     reason = fix = ""
@@ -180,7 +181,6 @@ def warmup_facts(rep: Report, backend: str, failed: dict) -> dict:
 
 def runtime_fallback(backend: str, kind: str, error: str) -> Reason:
     """A region kind failed at run time (``error``) and runs eager from now on."""
-    from .config import DISABLE_ENV
     fix = (f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
            f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
     why = f"{kind} regions failed ({error}) and run eager now"

@@ -180,3 +180,53 @@ def test_library_api_at_the_top_level():
     r = _run(code)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "ok"
+
+
+def _import_graph() -> dict:
+    """The pack's modules and which of them each imports (top level or inside a function)."""
+    import ast
+    mods = {}
+    for p in ROOT.rglob("*.py"):
+        rel = p.relative_to(ROOT)
+        if rel.parts[0] == "tests" or any(x.startswith(".") or x == "build" for x in rel.parts):
+            continue
+        name = ".".join(("unet_compiler",) + rel.with_suffix("").parts).removesuffix(".__init__")
+        mods[name] = p
+    graph = {m: set() for m in mods}
+    for m, p in mods.items():
+        pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
+        for n in ast.walk(ast.parse(p.read_text())):
+            if isinstance(n, ast.ImportFrom):
+                base = n.module or ""
+                if n.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[:len(parts) - n.level + 1]) + (f".{n.module}" if n.module else "")
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in n.names]
+            elif isinstance(n, ast.Import):
+                targets = [a.name for a in n.names]
+            else:
+                continue
+            graph[m] |= {t for t in targets if t in mods and t != m}
+    return graph
+
+
+def test_import_graph_has_no_cycle():
+    """No module imports (even lazily, inside a function) one that imports it back: the layers run
+    one way (nodes -> compiler -> kernels; compat at the bottom)."""
+    graph = _import_graph()
+    assert len(graph) > 30 and graph["unet_compiler.compiler.runtime"], "the scan found the package"
+    state, cycles = {}, []
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":
+                cycles.append(path[path.index(n):] + [n])
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = "done"
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
