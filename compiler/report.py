@@ -69,6 +69,9 @@ class Reason(str):
         return cls(body, "", what)
 
 
+_DYNAMIC = {True: "on", False: "off", None: "on, the one warmup shape compiled for exactly it"}
+
+
 @dataclass
 class Report:
     backend_requested: str = "auto"
@@ -76,7 +79,7 @@ class Report:
     why: list = field(default_factory=list)
     family: str = ""
     precision: str = "auto"
-    dynamic_shapes: bool = True
+    dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (Accelerator.fix_shape)
     regions: dict = field(default_factory=dict)       # kind -> count
     skipped: list = field(default_factory=list)       # (kind, count, reason)
     notes: list = field(default_factory=list)
@@ -88,7 +91,7 @@ class Report:
     def text(self, stats=None) -> str:
         lines = [f"UNet Compiler: backend {self.backend}"
                  + (f" (asked {self.backend_requested})" if self.backend_requested != self.backend else "")
-                 + f", {self.family} UNet, precision {self.precision}, dynamic shapes {'on' if self.dynamic_shapes else 'off'}"]
+                 + f", {self.family} UNet, precision {self.precision}, dynamic shapes {_DYNAMIC[self.dynamic_shapes]}"]
         lines += [f"  backend choice: {w}" for w in self.why]
         if self.regions:
             lines.append("  accelerated regions: " + ", ".join(f"{k} x{n}" for k, n in self.regions.items()))

@@ -127,6 +127,7 @@ class Accelerator:
                 or not self.backend.follows_dynamic_shapes):
             return False
         self.config = self.config.replace(dynamic_shapes=None)
+        self.report.dynamic_shapes = None
         self._install(self.backend.impls(self.config))
         self.report.notes.append(f"one warmup shape: compiled for exactly {shapes[0].label}; another shape "
                                  f"compiles once, then for any size. Warm a range: list its smallest and "

@@ -201,24 +201,6 @@ def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, ser
     assert any(n == "5" and "fallback" in t for n, t in server.texts)
 
 
-# ---- the structured reason (compiler/report.py) -------------------------------------
-def test_reason_is_the_sentence_and_its_parts():
-    import pickle
-
-    from unet_compiler.compiler.report import Reason
-    r = Reason("no GPU", "buy one", "triton")
-    assert r == "triton: no GPU. Fix: buy one" and (r.what, r.why, r.fix, r.cause) == ("triton", "no GPU", "buy one",
-                                                                                    "triton: no GPU")
-    assert pickle.loads(pickle.dumps(r)).fix == "buy one" and pickle.loads(pickle.dumps(r)) == r
-    said = Reason("no C++ compiler", "install gcc, then restart ComfyUI", text="no C++ compiler; install gcc")
-    assert said.about("inductor") == "inductor: no C++ compiler; install gcc" and said.about("inductor").fix == said.fix
-    # a plain sentence (a backend outside the package) is read into the same parts
-    legacy = Reason.of("inductor: no C++ compiler (g++) found; install gcc (Linux)")
-    assert (legacy.what, legacy.why, legacy.fix) == ("inductor", "no C++ compiler (g++) found",
-                                                     "install gcc (Linux), then restart ComfyUI")
-    assert Reason.of("ipex: not installed").fix == "" and Reason.of("torch is old. Fix: upgrade.").fix == "upgrade"
-
-
 def test_probe_reasons_give_their_fix(server):
     from unet_compiler.compiler.compat import ipex as ipex_compat
     from unet_compiler.compiler.report import Reason

@@ -1,0 +1,77 @@
+"""compiler/report.py: the structured reason, the report text and the facts the UI and /history get."""
+from __future__ import annotations
+
+import pytest
+
+from unet_compiler.compiler.report import Reason, Report, compile_facts, runtime_fallback, status_line, warmup_facts
+from unet_compiler.compiler.switch import DISABLE_ENV
+
+
+def test_reason_is_the_sentence_and_its_parts():
+    import pickle
+
+    r = Reason("no GPU", "buy one", "triton")
+    assert r == "triton: no GPU. Fix: buy one" and (r.what, r.why, r.fix, r.cause) == ("triton", "no GPU", "buy one",
+                                                                                    "triton: no GPU")
+    assert pickle.loads(pickle.dumps(r)).fix == "buy one" and pickle.loads(pickle.dumps(r)) == r
+    said = Reason("no C++ compiler", "install gcc, then restart ComfyUI", text="no C++ compiler; install gcc")
+    assert said.about("inductor") == "inductor: no C++ compiler; install gcc" and said.about("inductor").fix == said.fix
+    # a plain sentence (a backend outside the package) is read into the same parts
+    legacy = Reason.of("inductor: no C++ compiler (g++) found; install gcc (Linux)")
+    assert (legacy.what, legacy.why, legacy.fix) == ("inductor", "no C++ compiler (g++) found",
+                                                     "install gcc (Linux), then restart ComfyUI")
+    assert Reason.of("ipex: not installed").fix == "" and Reason.of("torch is old. Fix: upgrade.").fix == "upgrade"
+
+
+def _report(**kw) -> Report:
+    base = dict(backend_requested="auto", backend="inductor", family="sd15", regions={"resblock": 22})
+    return Report(**{**base, **kw})
+
+
+def test_compiled_state_and_its_status_line(monkeypatch):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    facts = compile_facts(_report())
+    assert facts["state"] == "compiled" and facts["reason"] == facts["fix"] == ""
+    assert status_line(facts).startswith("inductor: compiled, 22 regions accelerated")
+
+
+@pytest.mark.parametrize("kw, state, reason_has, fix_has", [
+    (dict(backend_requested="triton", why=[Reason("no CUDA device", "run on a GPU", "triton")]),
+     "fallback", "triton: no CUDA device", "run on a GPU"),
+    (dict(backend_requested="eager", backend="eager", regions={}), "eager", "chosen in Select Backend",
+     "choose auto"),
+    (dict(regions={}, skipped=[("attention", 16, "masked")]), "fallback", "attention x16: masked",
+     "none needed for correctness"),
+])
+def test_fallback_and_eager_states_name_reason_and_fix(monkeypatch, kw, state, reason_has, fix_has):
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    facts = compile_facts(_report(**kw))
+    assert facts["state"] == state and reason_has in facts["reason"] and fix_has in facts["fix"], facts
+    line = status_line(facts)
+    assert reason_has in line and fix_has in line and "\n" not in line
+
+
+def test_off_switch_is_the_reason(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    facts = compile_facts(_report())
+    assert facts["state"] == "eager" and DISABLE_ENV in facts["reason"] and f"unset {DISABLE_ENV}" in facts["fix"]
+
+
+def test_warmup_and_runtime_fallbacks():
+    assert warmup_facts(_report(), "inductor", {})["state"] == "compiled"
+    w = warmup_facts(_report(), "inductor", {"attention": "RuntimeError: boom"})
+    assert w["state"] == "fallback" and "attention regions failed (RuntimeError: boom)" in w["reason"]
+    r = runtime_fallback("triton", "resblock", "ValueError: x")
+    assert r.what == "triton" and r.startswith("triton: fallback: resblock regions failed") and DISABLE_ENV in r.fix
+
+
+def test_report_text_says_what_ran():
+    rep = _report(notes=["a note"], warmup=[("2x64x64", 3.25, 4)], from_cache={"2x64x64": 4}, max_abs_diff=1e-5,
+                  diff_label="at 2x64x64")
+    text = rep.text({"calls": 3, "graphs_compiled": 4, "graphs_from_cache": 4, "recompiles_after_warmup": 0})
+    assert text.splitlines()[0] == ("UNet Compiler: backend inductor (asked auto), sd15 UNet, precision auto, "
+                                     "dynamic shapes on")
+    for part in ("accelerated regions: resblock x22", "note: a note", "warmed 2x64x64: 3.2 s, 4 graph(s) compiled, "
+                 "all from the compile cache", "max |compiled - eager| at 2x64x64: 1e-05", "recompiles after warmup: 0"):
+        assert part in text, text
+    assert "dynamic shapes on, the one warmup shape compiled for exactly it" in _report(dynamic_shapes=None).text()
