@@ -40,7 +40,9 @@ class CompileConfig:
     dynamic_shapes:
         True (default): batch, height, width and context length are symbolic,
         so a new batch size or resolution reuses the compiled code (zero
-        recompiles inside the warmed range). False: every new shape compiles
+        recompiles inside the warmed range). A warmup of one shape compiles that
+        shape static (``Accelerator.fix_shape``): another shape recompiles once,
+        then runs dynamic code. False: every new shape compiles
         its own specialised code (slightly faster kernels, a compile per
         shape: only for workflows with one fixed shape).
     prepack_conv:
