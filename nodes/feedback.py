@@ -66,7 +66,8 @@ def _server():
 
 def send(event: str, data: dict) -> None:
     """Send a custom event to the client that queued the prompt (all clients
-    when it has none). No-op without a server."""
+    when it has none). No-op without a server. Run-time events (``fallback``,
+    ``recompile``) are also kept for the running prompt's ``/history``."""
     srv = _server()
     if srv is None:
         return
@@ -74,6 +75,59 @@ def send(event: str, data: dict) -> None:
         srv.send_sync(EVENT_PREFIX + event, data, getattr(srv, "client_id", None))
     except Exception:  # feedback must never fail a prompt
         log.debug("UNet Compiler: event %s not sent", event, exc_info=True)
+    if event in HISTORY_EVENTS:
+        _keep_for_history(srv, EVENT_PREFIX + event, data)
+
+
+# ---- run-time events into the prompt's /history ------------------------------------
+#: events that happen while KSampler runs, when none of the pack's nodes executes: their text would
+#: otherwise reach only the browser and the log
+HISTORY_EVENTS = ("fallback", "recompile")
+#: at most this many kept per prompt (a long queue item cannot grow its history without bound)
+HISTORY_MAX = 20
+_pending: dict = {}   # prompt id -> [(event, data)]
+
+
+def _keep_for_history(srv, event: str, data: dict) -> None:
+    """Keep ``event`` for the prompt running now; ComfyUI's queue puts it into that prompt's
+    ``/history`` entry (``status.messages``, beside its own ``execution_start`` ...) when the
+    prompt ends. Never raises."""
+    try:
+        from ..compiler.compat.comfy import current_prompt
+        prompt = current_prompt()
+        queue = getattr(srv, "prompt_queue", None)
+        if not prompt or queue is None or not _hook_task_done(queue):
+            return
+        kept = _pending.setdefault(prompt, [])
+        if len(kept) < HISTORY_MAX:
+            kept.append((event, {**data, "timestamp": int(time.time() * 1000)}))
+    except Exception:
+        log.debug("UNet Compiler: event %s not kept for /history", event, exc_info=True)
+
+
+def _hook_task_done(queue) -> bool:
+    """Wrap this queue's ``task_done(item_id, history_result, status, ...)`` (ComfyUI's
+    PromptQueue, which writes ``/history``) once, so the prompt's kept events join its status
+    messages. False where the queue does not look like ComfyUI's (then nothing is kept)."""
+    done = getattr(queue, "task_done", None)
+    if getattr(done, "unet_compiler_history", False):
+        return True
+    if done is None or not hasattr(queue, "currently_running"):
+        return False
+
+    def task_done(item_id, history_result, status=None, *args, **kwargs):
+        try:
+            item = queue.currently_running.get(item_id)
+            kept = _pending.pop(item[1], None) if item is not None else None
+            if kept and status is not None and hasattr(status, "_replace"):
+                status = status._replace(messages=list(status.messages or []) + kept)
+        except Exception:
+            log.debug("UNet Compiler: kept events not added to /history", exc_info=True)
+        return done(item_id, history_result, status, *args, **kwargs)
+
+    task_done.unet_compiler_history = True
+    queue.task_done = task_done
+    return True
 
 
 def progress_text(text: str, node_id) -> None:

@@ -171,6 +171,45 @@ def test_runtime_fallback_listener(server):
     assert ("11", data["text"]) in server.texts and ("12", data["text"]) in server.texts
 
 
+def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
+    """A fallback or recompile during sampling (no pack node runs then) joins that prompt's
+    /history status messages, through the queue's task_done, as ComfyUI's own messages do."""
+    from collections import namedtuple
+
+    from unet_compiler.compiler.compat import comfy as comfy_compat
+    status_t = namedtuple("ExecutionStatus", ["status_str", "completed", "messages"])
+    history = {}
+
+    class Queue:   # the part of ComfyUI's PromptQueue the hook relies on
+        def __init__(self):
+            self.currently_running = {7: (0, "prompt-A", {}, {}, []), 8: (1, "prompt-B", {}, {}, [])}
+
+        def task_done(self, item_id, history_result, status, process_item=None):
+            prompt = self.currently_running.pop(item_id)
+            history[prompt[1]] = {"status": status._asdict(), **history_result}
+
+    server.prompt_queue = Queue()
+    accel = fake_accel()
+    feedback.compiled(accel, "11")
+    monkeypatch.setattr(comfy_compat, "current_prompt", lambda: "prompt-A")
+    accel.on_fallback("attention", "RuntimeError: boom")
+    for i in range(feedback.HISTORY_MAX + 5):
+        accel.on_recompile({"prompt": "prompt-A", "shape": "4x64x64", "graphs": 2, "seconds": 1.0, "guards": [],
+                            "text": f"recompile {i}"})
+    started = ("execution_start", {"prompt_id": "prompt-A", "timestamp": 1})
+    server.prompt_queue.task_done(7, {"outputs": {}}, status=status_t("success", True, [started]))
+    server.prompt_queue.task_done(8, {"outputs": {}}, status_t("success", True, []))   # another prompt: nothing added
+    messages = history["prompt-A"]["status"]["messages"]
+    assert messages[0] == started and len(messages) == 1 + feedback.HISTORY_MAX
+    names = [name for name, _ in messages[1:]]
+    assert names[0] == "unet_compiler.fallback" and set(names[1:]) == {"unet_compiler.recompile"}
+    assert "RuntimeError: boom" in messages[1][1]["text"] and messages[2][1]["text"] == "recompile 0"
+    assert history["prompt-B"]["status"]["messages"] == [] and not feedback._pending
+    monkeypatch.setattr(comfy_compat, "current_prompt", lambda: None)   # outside a prompt: only sent
+    accel.on_fallback("resblock", "RuntimeError: again")
+    assert not feedback._pending and server.named("fallback")[-1]["kind"] == "resblock"
+
+
 # ---- through the real nodes' glue and ComfyUI's own UNet (skips without ComfyUI) ----
 @pytest.mark.comfy
 def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, server, monkeypatch):

@@ -198,6 +198,32 @@ def test_compiled_matches_eager(eager_result, request):
     )
 
 
+def test_recompile_during_sampling_reaches_that_prompts_history(comfy_server, sd15_checkpoint, request):
+    """The compiled graph again with a batch of 2 images (UNet batch 4, outside the one warmed shape):
+    ComfyUI reuses the cached Compile UNet / Warmup Shapes outputs, so none of the pack's nodes runs,
+    and the recompile during KSampler is told in this prompt's /history (status messages), not only
+    in the browser and the log."""
+    request.getfixturevalue("compiled_result")
+    prompt = txt2img_prompt(sd15_checkpoint.name, "e2e_compiled_batch2", model_ref=("12", 0))
+    prompt["4"]["inputs"]["batch_size"] = 2
+    prompt["10"] = {"class_type": "UNetCompiler_SelectBackend",
+                    "inputs": {"backend": "inductor", "precision": "auto",
+                               "dynamic_shapes": True, "cuda_graphs": True}}
+    prompt["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0], "backend": ["10", 0]}}
+    prompt["12"] = {"class_type": "UNetCompiler_WarmupShapes",
+                    "inputs": {"model": ["11", 0], "shapes": WARMUP_SHAPES, "context_tokens": 77}}
+    entry = comfy_server.run_prompt(prompt, timeout=900)
+    messages = (entry.get("status") or {}).get("messages") or []
+    names = [name for name, _ in messages]
+    assert "execution_cached" in names, names   # the pack's nodes did not run again
+    cached = next(d for n, d in messages if n == "execution_cached")
+    assert "12" in cached.get("nodes", []), cached
+    recompiles = [d for n, d in messages if n == "unet_compiler.recompile"]
+    assert recompiles, f"no recompile event in /history: {names}"
+    assert recompiles[0]["shape"] == f"4x{SIZE}x{SIZE}" and recompiles[0]["graphs"] > 0, recompiles[0]
+    assert "4x64x64" in recompiles[0]["text"] and "Warmup Shapes" in recompiles[0]["text"], recompiles[0]["text"]
+
+
 def test_shared_model_still_eager_after_compile(comfy_server, sd15_checkpoint,
                                                 eager_result, request):
     """Compiling a clone must leave the loader's MODEL untouched (DESIGN.md rule 1).
