@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -69,7 +70,10 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     uncompile_unet(module)
     accel = Accelerator(module, config)
     module.__dict__[_ATTR] = accel
-    module.__dict__["forward"] = lambda *a, **k: _accelerated_forward(accel, module, *a, **k)
+    # the module holds its forward: a weak reference back, so dropping the module frees it (and the
+    # accelerator) at once, not at Python's next cyclic collection
+    ref = weakref.ref(module)
+    module.__dict__["forward"] = lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k)
     return module
 
 

@@ -41,6 +41,7 @@ reuse another's without corrupting anything that is still read.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections import Counter
 
 import torch
@@ -145,17 +146,19 @@ class _Region:
 
     def __init__(self, module):
         # (owner module, attribute name) for every parameter/buffer: read live each call,
-        # so a replaced Parameter (ComfyUI's set_attr_param) is noticed
-        self.slots = [(m, "_parameters", n) for m in module.modules() for n in m._parameters] + \
-                     [(m, "_buffers", n) for m in module.modules() for n in m._buffers]
+        # so a replaced Parameter (ComfyUI's set_attr_param) is noticed. The modules are held
+        # weakly: a region's entry must not keep its own key (the region module) alive.
+        self.slots = [(weakref.ref(m), "_parameters", n) for m in module.modules() for n in m._parameters] + \
+                     [(weakref.ref(m), "_buffers", n) for m in module.modules() for n in m._buffers]
         self.ptrs = None
         self.graphs: dict = {}   # signature -> (graph, static inputs, static output)
         self.seen: set = set()
 
     def weight_ptrs(self) -> tuple:
         out = []
-        for m, where, n in self.slots:
-            t = getattr(m, where).get(n)
+        for ref, where, n in self.slots:
+            m = ref()
+            t = None if m is None else getattr(m, where).get(n)
             out.append(None if t is None else t.data_ptr())
         return tuple(out)
 
@@ -164,7 +167,10 @@ class RegionGraphs:
     def __init__(self, max_shapes: int = 4, graphs=None):
         self.max_shapes = max_shapes
         self.graphs = graphs if graphs is not None else CudaGraphs()
-        self.regions: dict[int, _Region] = {}
+        #: region module -> its graphs; weak keys: a region module that dies (its model dropped, or
+        #: the module replaced) takes its graphs and static buffers with it, and a new module that
+        #: happens to get the dead one's id() never finds the dead one's graphs
+        self.regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.stats: Counter = Counter()
         self.skipped: Counter = Counter()
         self.off: str | None = None
@@ -186,9 +192,9 @@ class RegionGraphs:
         if why is not None:
             self.skipped[why] += 1
             return impl(module, *args)
-        reg = self.regions.get(id(module))
+        reg = self.regions.get(module)
         if reg is None:
-            reg = self.regions[id(module)] = _Region(module)
+            reg = self.regions[module] = _Region(module)
         ptrs = reg.weight_ptrs()
         if ptrs != reg.ptrs:
             if reg.graphs:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections import Counter
 
 import torch
@@ -42,8 +43,16 @@ def cache_hits() -> int:
 
 
 class Accelerator:
+    """The accelerated regions of one UNet and what they did.
+
+    Lifetime: the accelerator holds its UNet weakly and nothing in it refers back to the
+    accelerator (its shims call it through a weak method), so it is freed by reference counting
+    the moment its owner (ComfyUI's patcher wrappers, or the diffusers module it is attached to)
+    is, and with it the UNet, its compiled regions' per-model state and its CUDA-graph buffers:
+    never left to Python's cyclic collector, as an unloaded ComfyUI model is not either."""
+
     def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None):
-        self.root = unet
+        self._root = weakref.ref(unet)
         self.config = config or CompileConfig()
         self.plan = P.build_plan(unet)
         self.stats: Counter = Counter()
@@ -134,6 +143,11 @@ class Accelerator:
                                  f"largest shapes")
         return True
 
+    @property
+    def root(self) -> torch.nn.Module | None:
+        """The UNet this accelerates (None once it is gone)."""
+        return self._root()
+
     def _graphs(self, device):
         """The region CUDA graphs, when asked for and possible here; else a note why not."""
         if not self.config.cuda_graphs:
@@ -176,6 +190,7 @@ class Accelerator:
         module, kind, leaves = region.module, region.kind, region.leaves
         original = getattr(type(module), region.hook)
         stats, failed = self.stats, self.failed
+        run = weakref.WeakMethod(self._run)   # the accelerator holds its shims: no cycle back to it
 
         if kind == P.ATTENTION and region.family == "comfy":
             def shim(x, context=None, value=None, mask=None, transformer_options={}):
@@ -184,7 +199,7 @@ class Accelerator:
                     stats["region_eager"] += 1
                     return original(module, x, context=context, value=value, mask=mask,
                                     transformer_options=transformer_options)
-                return self._run(kind, impl, module, original, (x, context, value),
+                return run()(kind, impl, module, original, (x, context, value),
                                  dict(context=context, value=value, mask=mask, transformer_options=transformer_options))
             return shim
         if kind == P.ATTENTION:
@@ -192,7 +207,7 @@ class Accelerator:
                 if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
                     stats["region_eager"] += 1
                     return original(module, hidden_states, encoder_hidden_states, attention_mask, **kw)
-                return self._run(kind, impl, module, original, (hidden_states, encoder_hidden_states),
+                return run()(kind, impl, module, original, (hidden_states, encoder_hidden_states),
                                  dict(encoder_hidden_states=encoder_hidden_states))
             return shim
 
@@ -203,7 +218,7 @@ class Accelerator:
             if kwargs or kind in failed or any(comfy_compat.has_cast_weights(m) for m in leaves):
                 stats["region_eager"] += 1
                 return original(module, *args, **kwargs)
-            return self._run(kind, impl, module, original, args, None)
+            return run()(kind, impl, module, original, args, None)
         return shim
 
     def _run(self, kind, impl, module, original, args, eager_kwargs):

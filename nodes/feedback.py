@@ -159,14 +159,16 @@ def compiled(accel, node_id) -> dict:
 
 # ---- run-time fallbacks ------------------------------------------------------------
 class _FallbackListener:
-    """``Accelerator.on_fallback``: a region kind failed and now runs eager."""
+    """``Accelerator.on_fallback``: a region kind failed and now runs eager. Keeps the backend's
+    name, not the accelerator: the accelerator holds this listener, and a cycle between them would
+    keep the UNet alive after ComfyUI drops the model, until Python's cyclic collector runs."""
 
     def __init__(self, accel):
-        self.accel = accel
+        self.backend = accel.backend.name
         self.node_ids: list[str] = []
 
     def __call__(self, kind: str, reason: str) -> None:
-        backend = self.accel.backend.name
+        backend = self.backend
         said = runtime_fallback(backend, kind, reason)
         text = str(said)
         send("fallback", {"node_ids": list(self.node_ids), "backend": backend, "kind": kind,
@@ -176,10 +178,10 @@ class _FallbackListener:
 
     def recompiled(self, event: dict) -> None:
         """``Accelerator.on_recompile``: code compiled after warmup, during this prompt."""
-        send("recompile", {"node_ids": list(self.node_ids), "backend": self.accel.backend.name,
+        send("recompile", {"node_ids": list(self.node_ids), "backend": self.backend,
                            **{k: event.get(k) for k in ("prompt", "shape", "graphs", "seconds", "guards", "text")}})
         for node_id in self.node_ids:
-            progress_text(f"{self.accel.backend.name}: recompile: {event.get('text')}", node_id)
+            progress_text(f"{self.backend}: recompile: {event.get('text')}", node_id)
 
 
 def attach(accel, node_id) -> None:
