@@ -58,6 +58,7 @@ def traced_regions(monkeypatch):
         if key not in made:
             fresh = types.FunctionType(body.__code__.replace(), body.__globals__, body.__name__,
                                        body.__defaults__, body.__closure__)
+            fresh.__kwdefaults__ = body.__kwdefaults__   # the bodies' keyword-only ops=TORCH_OPS
             made[key] = torch.compile(fresh, backend=backend_for(prepack, prepack_lin), dynamic=dynamic)
         return made[key]
     monkeypatch.setattr(inductor, "compiled_body", compiled_body)
