@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from .. import regions as R
 from ..compat import comfy as comfy_compat
 from ..compat import triton as triton_compat
+from ..report import Reason
 from . import Backend, register_backend
 from ._kernel_choice import KernelChoice
 
@@ -108,14 +109,16 @@ class TritonBackend(Backend):
     def available(self, device):
         facts = triton_compat.gather()
         if getattr(device, "type", "cpu") != "cuda" and facts.cuda_available:
-            return False, f"the model is on {device}; the Triton kernels run on CUDA"
+            return False, Reason(f"the model is on {device}; the Triton kernels run on CUDA",
+                                 "load the model on the GPU (ComfyUI without --cpu), or choose inductor")
         why = triton_compat.problem(facts)
         if why:
             return False, why
         try:
             _kernels()
         except Exception as e:
-            return False, f"triton {facts.triton_version} is installed but the kernels failed to load ({e})"
+            return False, Reason(f"triton {facts.triton_version} is installed but the kernels failed to load ({e})",
+                                 "reinstall the triton that matches torch, or choose inductor")
         return True, f"fused Triton kernels (triton {facts.triton_version})"
 
     def compile_count(self) -> int:
