@@ -565,7 +565,11 @@ def _pack_frames(exc: BaseException) -> list[str]:
     out = []
     for f in traceback.extract_tb(exc.__traceback__):
         p = Path(f.filename).resolve()
-        if p.is_relative_to(PACK_ROOT) and "tests" not in p.relative_to(PACK_ROOT).parts and p != Path(__file__).resolve():
+        if not p.is_relative_to(PACK_ROOT) or p == Path(__file__).resolve():
+            continue
+        parts = p.relative_to(PACK_ROOT).parts
+        # not the tests', nor a virtual env's inside the checkout (the README's .venv: torch's own frames)
+        if "tests" not in parts and not any(x.startswith(".") or x == "site-packages" for x in parts):
             out.append(f"{p.name}:{f.name}")
     return out
 
