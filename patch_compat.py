@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from .families import import_comfy, init_random
+from .layout import is_pack_file
 
 STEPS = 3
 CFG = 5.0
@@ -554,24 +555,17 @@ def run_case(ctx, mp, name, order, config=None) -> CaseRun:
                    IPAdapterAttn2.calls - calls_before)
 
 
-PACK_ROOT = Path(__file__).resolve().parent
 #: pack frames the model's own exception may pass through: the apply_model wrapper and the
 #: context manager around the call, and a region shim handing the call to the model's own code
 PASS_THROUGH = {"patcher.py:unet_compiler_apply_model", "runtime.py:active", "runtime.py:shim", "runtime.py:_run"}
 
 
 def _pack_frames(exc: BaseException) -> list[str]:
-    """The pack's frames in an exception's traceback (not this harness's, not the tests')."""
-    out = []
-    for f in traceback.extract_tb(exc.__traceback__):
-        p = Path(f.filename).resolve()
-        if not p.is_relative_to(PACK_ROOT) or p == Path(__file__).resolve():
-            continue
-        parts = p.relative_to(PACK_ROOT).parts
-        # not the tests', nor a virtual env's inside the checkout (the README's .venv: torch's own frames)
-        if "tests" not in parts and not any(x.startswith(".") or x == "site-packages" for x in parts):
-            out.append(f"{p.name}:{f.name}")
-    return out
+    """The pack's frames in an exception's traceback (not this harness's, not the tests', not a
+    virtual env's inside the checkout: ``layout.pack_files``)."""
+    here = Path(__file__).resolve()
+    return [f"{Path(f.filename).name}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)
+            if is_pack_file(f.filename) and Path(f.filename).resolve() != here]
 
 
 def what_the_pack_added(e: BaseException, accel) -> list[str]:

@@ -5,7 +5,11 @@ import subprocess
 import sys
 import textwrap
 import tomllib
+
+import pytest
 from pathlib import Path
+
+from unet_compiler.layout import module_name, pack_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +59,7 @@ def test_ruff_security_rules_clean():
     r = subprocess.run([sys.executable, "-m", "ruff", "check", "--select", "S102,S307", str(ROOT)],
                        capture_output=True, text=True)
     if r.returncode != 0 and "No module named ruff" in r.stderr:
+        # everything the Registry scans (the tests too), not only what the pack runs
         src = "\n".join(p.read_text() for p in ROOT.rglob("*.py")
                         if "_artifacts" not in p.parts and not any(d.startswith(".") for d in p.relative_to(ROOT).parts))
         assert not re.search(r"(?<![\w.])(exec|eval)\(", src)
@@ -186,12 +191,8 @@ def _import_graph() -> dict:
     """The pack's modules and which of them each imports (top level or inside a function)."""
     import ast
     mods = {}
-    for p in ROOT.rglob("*.py"):
-        rel = p.relative_to(ROOT)
-        if rel.parts[0] == "tests" or any(x.startswith(".") or x == "build" for x in rel.parts):
-            continue
-        name = ".".join(("unet_compiler",) + rel.with_suffix("").parts).removesuffix(".__init__")
-        mods[name] = p
+    for p in pack_files():
+        mods[module_name(p)] = p
     graph = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
@@ -230,3 +231,22 @@ def test_import_graph_has_no_cycle():
         if m not in state:
             visit(m, [m])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_one_answer_to_which_files_are_the_packs(tmp_path):
+    """``layout.pack_files`` is what the security scan, the import graph and the patch harness's
+    "the pack's own frames" read: the package's modules, not the tests, docs or a virtual env."""
+    from unet_compiler import layout
+    from unet_compiler.compiler.shapes import ShapeError, parse_shapes
+    from unet_compiler.patch_compat import _pack_frames
+
+    names = {p.relative_to(layout.PACK_ROOT).as_posix() for p in layout.pack_files()}
+    assert {"__init__.py", "layout.py", "compiler/api.py", "nodes/v3.py", "kernels/__init__.py"} <= names
+    assert not [n for n in names if n.split("/")[0] in layout.NOT_SHIPPED or n.startswith(".")], names
+    assert layout.module_name(layout.PACK_ROOT / "compiler" / "__init__.py") == "unet_compiler.compiler"
+    assert layout.is_pack_file(layout.PACK_ROOT / "compiler" / "api.py")
+    assert not layout.is_pack_file(__file__) and not layout.is_pack_file(tmp_path / "api.py")
+    with pytest.raises(ShapeError) as info:
+        parse_shapes("1x64")
+    assert [f for f in _pack_frames(info.value) if f.startswith("shapes.py:")], _pack_frames(info.value)
+    assert not [f for f in _pack_frames(info.value) if "test_packaging" in f]

@@ -25,23 +25,9 @@ from pathlib import Path
 
 import pytest
 
+from unet_compiler.layout import PACK_ROOT, pack_files   # the one answer to "which files are the pack's"
+
 ROOT = Path(__file__).resolve().parents[1]
-SKIP_DIRS = ("tests", "docs", "example_workflows", "web")
-
-
-def pack_files() -> list[Path]:
-    """The .py files the pack ships: the root's and its subpackages' (folders with an ``__init__.py``
-    reached through folders that have one), so a virtual env or cache beside the code is not read."""
-    out, folders = [], [ROOT]
-    while folders:
-        folder = folders.pop()
-        for p in sorted(folder.iterdir()):
-            if p.suffix == ".py" and p.is_file():
-                out.append(p)
-            elif (p.is_dir() and (p / "__init__.py").is_file() and not p.name.startswith(".")
-                  and p.name not in SKIP_DIRS):
-                folders.append(p)
-    return sorted(out)
 
 
 # ---- the scanner ---------------------------------------------------------------------------------
@@ -177,7 +163,7 @@ def scan_source(source: str, rel: str = "<string>") -> list[Finding]:
 
 
 def scan_pack() -> list[Finding]:
-    return [f for p in pack_files() for f in scan_source(p.read_text(encoding="utf-8"), p.relative_to(ROOT).as_posix())]
+    return [f for p in pack_files() for f in scan_source(p.read_text(encoding="utf-8"), p.relative_to(PACK_ROOT).as_posix())]
 
 
 # ---- the allow-lists: (file, function) -> why -----------------------------------------------------
@@ -186,6 +172,8 @@ PROCESSES = {
                                   "--row`) so its cold compile is cold",
     ("comfy_server.py", "build_checkpoint"): "tests/bench: builds the random-weight test checkpoint with ComfyUI's "
                                              "classes in a python subprocess (cwd = the ComfyUI tree)",
+    ("comfy_server.py", "patch_assets"): "tests/bench: builds a random LoRA / ControlNet / T2I-Adapter for that "
+                                          "checkpoint the same way",
     ("comfy_server.py", "start_server"): "tests/bench: starts a headless ComfyUI server (main.py) on a local port",
     ("starts.py", "_read_only"): "the fleet-start bench: `mount --bind` / `remount,ro` / `umount` of a temp folder "
                                  "to simulate a read-only shared cache (root only)",
