@@ -53,6 +53,14 @@ class Accelerator:
 
     def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None):
         self._root = weakref.ref(unet)
+        # Inference only, and dynamo guards every weight's requires_grad: ComfyUI's weight patches
+        # (a LoRA, a new strength, its removal) put each weight they touch back as a new
+        # Parameter(requires_grad=False), so a weight still True at warmup compiled every region
+        # again at the first LoRA after Warmup Shapes (found by the soak). Set once here what those
+        # patches set; nothing that runs without gradients reads it.
+        for p in unet.parameters():
+            if p.requires_grad:
+                p.requires_grad_(False)
         self.config = config or CompileConfig()
         self.plan = P.build_plan(unet)
         self.stats: Counter = Counter()

@@ -232,6 +232,36 @@ def test_zero_recompiles_after_warmup(make_comfy_model, kind):
     assert "recompiles after warmup: 0" in accel.text()
 
 
+def test_lora_after_warmup_does_not_recompile(comfy, make_comfy_model):
+    """A LoRA added after Warmup Shapes (the soak's workflow: Compile UNet -> Warmup Shapes ->
+    LoraLoaderModelOnly -> KSampler), its strength changed, then removed: ComfyUI patches and
+    restores weights as new ``requires_grad=False`` Parameters inside the prompt's inference mode,
+    which dynamo's guards see. Nothing compiles again inside the warmed range, and each result is
+    eager's."""
+    import comfy.model_management as mm
+    kind = "sd15"
+    with torch.inference_mode():   # ComfyUI runs the whole prompt in inference mode: its loader too
+        mp = make_comfy_model(kind)
+    patches = _lora(comfy, mp, 0.3)
+    cm, _ = patcher.compile_model(mp, CFG)
+    with torch.inference_mode():
+        patcher.warmup_model(cm, "1x64x64, 4x128x128", 77)
+    accel = patcher.accelerator_of(cm)
+    for strength, shape in ((0.5, dict(b=4, h=16, w=16)), (-0.8, dict(b=3, h=16, w=8)), (0.0, dict(b=1, h=8, w=8)),
+                            (1.0, dict(b=2, h=8, w=16))):
+        m = cm.clone()
+        if strength:
+            m.add_patches(patches, strength)
+        with torch.inference_mode():
+            mm.load_models_gpu([m])
+        out = _apply(m, kind, load=False, **shape)
+        with accel.bypass():
+            ref = _apply(m, kind, load=False, **shape)
+        _close(out, ref)
+        assert accel.stats["recompiles_after_warmup"] == 0, (strength, shape, accel.recompiles)
+    assert accel.stats["calls"] >= 4
+
+
 def test_eager_backend_is_a_noop(make_comfy_model):
     mp = make_comfy_model("sd15")
     cm, text = patcher.compile_model(mp, CompileConfig(backend="eager"))

@@ -141,3 +141,11 @@ def test_guards_in_plain_words():
     assert plain_guard("0/0: ___check_obj_id(L['self'], 1403)").startswith("an object the code depends on")
     assert plain_guard("2/1: something new " + "y" * 300).startswith("guard: something new y")
     assert len(plain_guard("2/1: " + "z" * 300)) < 200
+    # a weight ComfyUI's patching replaced: named first, whatever shape guards other entries failed
+    from unet_compiler.compiler.compat.dynamo import rank
+    flag = ("0/1: tensor 'block._modules['in_layers']._modules['2']._parameters['weight']' requires_grad mismatch. "
+            "expected requires_grad=1. Guard failed on a parameter")
+    assert plain_guard(flag).startswith("weight block._modules['in_layers']._modules['2']._parameters['weight']: "
+                                        "its requires_grad changed since warmup (a weight patch such as a LoRA")
+    shape = "0/0: tensor 'L['x']' size mismatch at index 0. expected 1, actual 4"
+    assert sorted([shape, flag], key=rank) == [flag, shape]

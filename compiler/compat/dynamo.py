@@ -45,9 +45,15 @@ def _name(raw: str) -> str:
     return m.group("n") if m else raw
 
 
+_PARAM_FLAG = re.compile(r"tensor '(?P<name>.*?_parameters\['[^']+'\])' (?P<what>requires_grad|dispatch key set) mismatch")
+
+
 def rank(reason: str) -> int:
-    """Which reasons explain a recompile best: a shape first (a region's code object is shared by
-    blocks of several kinds, so other entries' unrelated guards fail too), then a dtype."""
+    """Which reasons explain a recompile best: a weight whose flags changed (every entry of the code
+    fails on it), then a shape (a region's code object is shared by blocks of several kinds, so other
+    entries' unrelated guards fail too), then a dtype."""
+    if _PARAM_FLAG.search(reason):
+        return -1
     return 0 if _SIZE.search(reason) or _SYM.search(reason) else 1 if _DTYPE.search(reason) else 2
 
 
@@ -69,6 +75,11 @@ def plain_guard(reason: str) -> str:
         dim = int(m.group("dim"))
         return (f"region input {_name(m.group('name'))}: {_DIMS.get(dim, f'dim {dim}')} outside the range the "
                 f"code was compiled for (guard: {raw})")
+    m = _PARAM_FLAG.search(reason)
+    if m:
+        flag = "requires_grad" if m.group("what") == "requires_grad" else "inference-tensor state"
+        return (f"weight {m.group('name')}: its {flag} changed since warmup (a weight patch such as a LoRA put a "
+                f"new Parameter in its place) (guard: {raw})")
     if "requires_grad mismatch" in reason or "grad_mode" in reason.lower():
         return f"grad mode differs from warmup's (guard: {raw})"
     if "dispatch key set mismatch" in reason or "inference" in reason.lower():
