@@ -449,11 +449,16 @@ def main(argv=None):
                    help=f"families: default all ({' '.join(FAMILIES)})")
     sub.add_parser("starts", add_help=False, help="cold and warm starts through a real ComfyUI server "
                    "(python -m unet_compiler starts --help)")
+    sub.add_parser("soak", add_help=False, help="prompts with random batch / resolution / LoRA strength through a "
+                   "real ComfyUI server after warming a range (python -m unet_compiler soak --help)")
     import sys
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["starts"]:
         from .starts import main as starts_main
         return starts_main(argv[1:])
+    if argv[:1] == ["soak"]:
+        from .soak import main as soak_main
+        return soak_main(argv[1:])
     args = p.parse_args(argv)
     if args.cmd == "compat":
         return compat(args)

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PACK_ROOT = Path(__file__).resolve().parent
+from .layout import PACK_ROOT
 CHECKPOINT_NAME = "unet_compiler_random_sd15.safetensors"
 # Bump when the builder below changes, so a cached file is not reused.
 CHECKPOINT_FORMAT_VERSION = "1"
@@ -39,7 +39,7 @@ SERVER_READY_TIMEOUT_S = 120.0
 # (ComfyUI's ops skip init, leaving torch.empty garbage), saves them with the
 # key prefixes of an original SD1.5 checkpoint, and then checks that ComfyUI's
 # model detection calls the result SD15.
-# Pasted into the builder scripts (this one, tests/e2e's patch assets) (after their imports): the random init and SD1.5's UNet
+# Pasted into the builder scripts (the checkpoint's, the patch assets') (after their imports): the random init and SD1.5's UNet
 # config, as comfy/model_detection.py spells it.
 SD15_HELPERS = r'''
 NORMS = (torch.nn.GroupNorm, torch.nn.LayerNorm)
@@ -182,6 +182,89 @@ def build_checkpoint(comfyui_path: Path, ckpt: Path):
     summary = proc.stdout.strip().splitlines()
     print(f"\n[e2e] {summary[-1] if summary else 'checkpoint built'} "
           f"(wall {time.time() - t0:.1f} s)")
+
+
+# --------------------------------------------------------------------------
+# Random-weight LoRA, ControlNet and T2I-Adapter for that checkpoint
+# --------------------------------------------------------------------------
+
+PATCH_ASSETS = {"lora": "unet_compiler_random_sd15_lora.safetensors",
+                "controlnet": "unet_compiler_random_sd15_controlnet.safetensors",
+                "t2i": "unet_compiler_random_sd15_t2i_adapter.safetensors"}
+
+# Runs in a subprocess with cwd = the ComfyUI tree. argv[1] = the checkpoint, argv[2] = the output
+# folder. A generic-format LoRA (rank 4) on every attention to_k/to_v and ResBlock in_layers conv
+# of the checkpoint's UNet; a ControlNet from comfy.cldm with SD1.5's UNet config (the layout of
+# the original control_v11 .pth files: "control_model." prefix); a T2I-Adapter (SD1.5 full
+# adapter: 8x pixel unshuffle, 320-1280 channels). Each is loaded back by ComfyUI's own loader.
+_BUILD_PATCH_ASSETS_SCRIPT = r'''
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+ckpt, out_dir = sys.argv[1], sys.argv[2]
+t0 = time.time()
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.cldm.cldm, comfy.controlnet, comfy.ops, comfy.utils
+from comfy.t2i_adapter.adapter import Adapter
+from safetensors import safe_open
+g = torch.Generator().manual_seed(5)
+
+def save(sd, name):
+    tmp = os.path.join(out_dir, name + ".%d.partial" % os.getpid())
+    comfy.utils.save_torch_file({k: v.contiguous() for k, v in sd.items()}, tmp)
+    os.replace(tmp, os.path.join(out_dir, name))
+
+lora = {}
+with safe_open(ckpt, "pt") as f:
+    for k in f.keys():
+        if k.startswith("model.diffusion_model.") and k.endswith(".weight") and (
+                k.endswith(("attn1.to_k.weight", "attn2.to_k.weight", "attn2.to_v.weight", "in_layers.2.weight"))):
+            w = f.get_slice(k)
+            shape = w.get_shape()
+            name = k[len("model."):-len(".weight")]
+            extra = tuple(shape[2:])
+            lora[name + ".lora_down.weight"] = (torch.randn((4, shape[1]) + extra, generator=g) * 0.05).half()
+            lora[name + ".lora_up.weight"] = (torch.randn((shape[0], 4) + (1,) * len(extra), generator=g) * 0.05).half()
+            lora[name + ".alpha"] = torch.tensor(4.0)
+save(lora, sys.argv[3])
+
+''' + SD15_HELPERS + r'''
+# the ControlNet takes the UNet's config (as load_controlnet passes the detected one) without its output
+cfg = {k: v for k, v in SD15_UNET_CONFIG.items() if k != "out_channels"}
+cfg["hint_channels"] = 3
+cn = comfy.cldm.cldm.ControlNet(**cfg, dtype=torch.float16, device="cpu", operations=comfy.ops.disable_weight_init)
+random_init(cn, 0.02, g)
+save({"control_model." + k: v for k, v in cn.state_dict().items()}, sys.argv[4])
+
+ad = Adapter(cin=3 * 64, channels=[320, 640, 1280, 1280], nums_rb=2, ksize=1, sk=True, use_conv=False, xl=False)
+random_init(ad, 0.02, g)
+save({k: v.half() for k, v in ad.state_dict().items()}, sys.argv[5])
+
+for name, kind in ((sys.argv[4], comfy.controlnet.ControlNet), (sys.argv[5], comfy.controlnet.T2IAdapter)):
+    net = comfy.controlnet.load_controlnet(os.path.join(out_dir, name))
+    if not isinstance(net, kind):
+        raise RuntimeError("%s loads as %r, not %s" % (name, type(net), kind.__name__))
+print("built LoRA (%d tensors), ControlNet, T2I-Adapter in %.1f s" % (len(lora), time.time() - t0))
+'''
+
+
+def patch_assets(ckpt: Path, log=print) -> dict:
+    """A random LoRA, ControlNet and T2I-Adapter for the checkpoint ``ckpt``, built beside it
+    (once: reused while present). Returns {"lora" | "controlnet" | "t2i": path}."""
+    folder = Path(ckpt).parent
+    paths = {k: folder / v for k, v in PATCH_ASSETS.items()}
+    if not all(p.is_file() for p in paths.values()):
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", _BUILD_PATCH_ASSETS_SCRIPT, str(ckpt), str(folder),
+                               PATCH_ASSETS["lora"], PATCH_ASSETS["controlnet"], PATCH_ASSETS["t2i"]],
+                              cwd=str(comfyui_or_fail()), env=subprocess_env(), capture_output=True, text=True,
+                              timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the LoRA/ControlNet/T2I files failed (rc={proc.returncode}):\n"
+                               f"{(proc.stdout + proc.stderr)[-6000:]}")
+        log(f"{proc.stdout.strip().splitlines()[-1]} (wall {time.time() - t0:.1f} s)")
+    return paths
 
 
 

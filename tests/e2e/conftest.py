@@ -16,9 +16,6 @@ Environment:
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -112,83 +109,11 @@ def comfy_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
 # Random-weight LoRA, ControlNet and T2I-Adapter for the SD1.5 checkpoint
 # --------------------------------------------------------------------------
 
-PATCH_ASSETS = {"lora": "unet_compiler_random_sd15_lora.safetensors",
-                "controlnet": "unet_compiler_random_sd15_controlnet.safetensors",
-                "t2i": "unet_compiler_random_sd15_t2i_adapter.safetensors"}
-
-# Runs in a subprocess with cwd = the ComfyUI tree. argv[1] = the checkpoint, argv[2] = the output
-# folder. A generic-format LoRA (rank 4) on every attention to_k/to_v and ResBlock in_layers conv
-# of the checkpoint's UNet; a ControlNet from comfy.cldm with SD1.5's UNet config (the layout of
-# the original control_v11 .pth files: "control_model." prefix); a T2I-Adapter (SD1.5 full
-# adapter: 8x pixel unshuffle, 320-1280 channels). Each is loaded back by ComfyUI's own loader.
-_BUILD_PATCH_ASSETS_SCRIPT = r'''
-import os, sys, time
-sys.path.insert(0, os.getcwd())
-ckpt, out_dir = sys.argv[1], sys.argv[2]
-t0 = time.time()
-from comfy.cli_args import args
-args.cpu = True
-import torch
-import comfy.cldm.cldm, comfy.controlnet, comfy.ops, comfy.utils
-from comfy.t2i_adapter.adapter import Adapter
-from safetensors import safe_open
-g = torch.Generator().manual_seed(5)
-
-def save(sd, name):
-    tmp = os.path.join(out_dir, name + ".%d.partial" % os.getpid())
-    comfy.utils.save_torch_file({k: v.contiguous() for k, v in sd.items()}, tmp)
-    os.replace(tmp, os.path.join(out_dir, name))
-
-lora = {}
-with safe_open(ckpt, "pt") as f:
-    for k in f.keys():
-        if k.startswith("model.diffusion_model.") and k.endswith(".weight") and (
-                k.endswith(("attn1.to_k.weight", "attn2.to_k.weight", "attn2.to_v.weight", "in_layers.2.weight"))):
-            w = f.get_slice(k)
-            shape = w.get_shape()
-            name = k[len("model."):-len(".weight")]
-            extra = tuple(shape[2:])
-            lora[name + ".lora_down.weight"] = (torch.randn((4, shape[1]) + extra, generator=g) * 0.05).half()
-            lora[name + ".lora_up.weight"] = (torch.randn((shape[0], 4) + (1,) * len(extra), generator=g) * 0.05).half()
-            lora[name + ".alpha"] = torch.tensor(4.0)
-save(lora, sys.argv[3])
-
-''' + S.SD15_HELPERS + r'''
-# the ControlNet takes the UNet's config (as load_controlnet passes the detected one) without its output
-cfg = {k: v for k, v in SD15_UNET_CONFIG.items() if k != "out_channels"}
-cfg["hint_channels"] = 3
-cn = comfy.cldm.cldm.ControlNet(**cfg, dtype=torch.float16, device="cpu", operations=comfy.ops.disable_weight_init)
-random_init(cn, 0.02, g)
-save({"control_model." + k: v for k, v in cn.state_dict().items()}, sys.argv[4])
-
-ad = Adapter(cin=3 * 64, channels=[320, 640, 1280, 1280], nums_rb=2, ksize=1, sk=True, use_conv=False, xl=False)
-random_init(ad, 0.02, g)
-save({k: v.half() for k, v in ad.state_dict().items()}, sys.argv[5])
-
-for name, kind in ((sys.argv[4], comfy.controlnet.ControlNet), (sys.argv[5], comfy.controlnet.T2IAdapter)):
-    net = comfy.controlnet.load_controlnet(os.path.join(out_dir, name))
-    if not isinstance(net, kind):
-        raise RuntimeError("%s loads as %r, not %s" % (name, type(net), kind.__name__))
-print("built LoRA (%d tensors), ControlNet, T2I-Adapter in %.1f s" % (len(lora), time.time() - t0))
-'''
-
-
 @pytest.fixture(scope="session")
 def patch_assets(comfyui_path, sd15_checkpoint, comfy_server):
     """A random LoRA, ControlNet and T2I-Adapter for the SD1.5 checkpoint, in the server's
     loras / controlnet folders (built beside the checkpoint, kept where it is kept)."""
-    folder = sd15_checkpoint.parent
-    paths = {k: folder / v for k, v in PATCH_ASSETS.items()}
-    if not all(p.is_file() for p in paths.values()):
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-c", _BUILD_PATCH_ASSETS_SCRIPT, str(sd15_checkpoint), str(folder),
-                               PATCH_ASSETS["lora"], PATCH_ASSETS["controlnet"], PATCH_ASSETS["t2i"]],
-                              cwd=str(comfyui_path), env=S.subprocess_env(), capture_output=True, text=True,
-                              timeout=900)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the LoRA/ControlNet/T2I files failed (rc={proc.returncode}):\n"
-                               f"{(proc.stdout + proc.stderr)[-6000:]}")
-        print(f"\n[e2e] {proc.stdout.strip().splitlines()[-1]} (wall {time.time() - t0:.1f} s)")
+    paths = S.patch_assets(sd15_checkpoint, log=lambda m: print("\n[e2e] " + m))
     for kind, path in paths.items():
         link = comfy_server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
         if not link.exists():
