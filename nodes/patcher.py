@@ -266,6 +266,10 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     if accel is None:
         raise ValueError("Warmup Shapes: the model was not compiled. Fix: connect the MODEL output of "
                          "Compile UNet to this node's model input.")
+    if accel.plan.not_a_unet:
+        # nothing was compiled, so there is nothing to prime (and no UNet inputs to build for it)
+        done = feedback.WarmupFeedback(accel, shapes, node_id).skipped()
+        return accel.text() + f"\n  status: {done['text']}"
     comfy.model_management.load_models_gpu([model])
     base = model.model
     device = model.load_device
