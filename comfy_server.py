@@ -295,7 +295,7 @@ class ComfyServer:
     output_dir: Path
     comfyui_path: Path
     pack_dir: Path  # the symlink in the server's custom_nodes folder
-    model_dirs: dict = field(default_factory=dict)  # "loras" / "controlnet" -> the folder the server lists
+    model_dirs: dict = field(default_factory=dict)  # "loras" / "controlnet" / "diffusion_models" -> its folder
     root: Path | None = None  # the folder start_server made for it
     client_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     ready_s: float = 0.0      # seconds from start until it answered
@@ -468,7 +468,8 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
     (custom_nodes / PACK_ROOT.name).symlink_to(PACK_ROOT, target_is_directory=True)
     for name, folder in (extra_nodes or {}).items():
         (custom_nodes / name).symlink_to(folder, target_is_directory=True)
-    dirs = {name: root / name for name in ("output", "input", "temp", "user", "loras", "controlnet")}
+    dirs = {name: root / name for name in ("output", "input", "temp", "user", "loras", "controlnet",
+                                           "diffusion_models")}
     for d in dirs.values():
         d.mkdir()
 
@@ -480,6 +481,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         f"    checkpoints: {json.dumps(str(checkpoint_dir))}\n"
         f"    loras: {json.dumps(str(dirs['loras']))}\n"
         f"    controlnet: {json.dumps(str(dirs['controlnet']))}\n"
+        f"    diffusion_models: {json.dumps(str(dirs['diffusion_models']))}\n"
         f"    custom_nodes: {json.dumps(str(custom_nodes))}\n"
     )
 
@@ -526,7 +528,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         output_dir=dirs["output"],
         comfyui_path=comfyui_path,
         pack_dir=custom_nodes / PACK_ROOT.name,
-        model_dirs={"loras": dirs["loras"], "controlnet": dirs["controlnet"]},
+        model_dirs={k: dirs[k] for k in ("loras", "controlnet", "diffusion_models")},
         root=root,
     )
     try:

@@ -22,6 +22,8 @@ FEEDFORWARD = "feedforward"
 NORM_ACT = "groupnorm_silu"
 PROJECTION = "projection"
 KINDS = (RESBLOCK, ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION)
+#: the skipped "region" of a model that is no UNet at all (the whole diffusion model)
+NOT_A_UNET = "model"
 
 
 @dataclass
@@ -43,6 +45,11 @@ class Plan:
     regions: list = field(default_factory=list)
     #: (kind, path, reason) for leaf regions left eager at plan time
     skipped: list = field(default_factory=list)
+
+    @property
+    def not_a_unet(self) -> str | None:
+        """Why nothing of this model can be accelerated (another ComfyUI model family), or None."""
+        return next((why for kind, _, why in self.skipped if kind == NOT_A_UNET), None)
 
     def skipped_summary(self) -> list[tuple[str, int, str]]:
         c = Counter((k, why) for k, _, why in self.skipped)
@@ -66,7 +73,7 @@ def build_plan(unet: torch.nn.Module) -> Plan:
     fam = family_of(unet)
     if fam is None and comfy_compat.is_comfy_model(unet):
         # another ComfyUI diffusion model (DiT, Cascade, ...): nothing to accelerate, not an error
-        return Plan(family="comfy", skipped=[("model", "diffusion_model", comfy_compat.not_a_unet_reason(unet))])
+        return Plan(family="comfy", skipped=[(NOT_A_UNET, "diffusion_model", comfy_compat.not_a_unet_reason(unet))])
     if fam is None:
         raise TypeError(
             f"{type(unet).__module__}.{type(unet).__name__} is not a supported UNet: pass ComfyUI's "

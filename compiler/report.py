@@ -69,6 +69,10 @@ class Reason(str):
         return cls(body, "", what)
 
 
+#: the backend choice of a model that is no UNet the pack knows (its plan's one skipped "region" says
+#: which model and why): not a failure, nothing for the user to fix
+NOTHING_TO_COMPILE = "nothing to compile, running eager"
+
 _DYNAMIC = {True: "on", False: "off", None: "on, the one warmup shape compiled for exactly it"}
 
 
@@ -126,7 +130,13 @@ def compile_facts(rep: Report) -> dict:
 
     requested, backend = rep.backend_requested, rep.backend
     reason = fix = ""
-    if disabled_by_env():
+    whole = [why for kind, _, why in rep.skipped if kind == "model"]
+    if whole:
+        # another model family (DiT, Cascade, ...): eager by design, not a fallback
+        state = "eager"
+        reason = NOTHING_TO_COMPILE + ": " + whole[0].removeprefix("running eager: ")
+        fix = "none: the pack accelerates SD1.x / SD2.x / SDXL / SVD UNets; this model runs as ComfyUI loaded it"
+    elif disabled_by_env():
         state = "eager"
         reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"
     elif requested == "eager":
@@ -164,6 +174,8 @@ def status_line(facts: dict) -> str:
     if state == "compiled":
         n = sum(facts.get("regions", {}).values())
         return f"{backend}: compiled, {n} regions accelerated; graphs build in Warmup Shapes or on the first run"
+    if state == "eager" and facts["reason"].startswith(NOTHING_TO_COMPILE):
+        return f"eager: {facts['reason']}."
     if state == "eager":
         return f"eager: {facts['reason']}. To accelerate: {facts['fix']}."
     asked = f" (asked {facts['requested']})" if facts.get("requested") not in (None, "auto", backend) else ""

@@ -24,7 +24,7 @@ from .compat import comfy as comfy_compat
 from .compat.dynamo import guard_marks, guard_reasons_since, plain_guard, rank
 from .compat.torch_version import torch_too_old
 from .config import DISABLE_ENV, CompileConfig, disabled_by_env
-from .report import Reason, Report
+from .report import NOTHING_TO_COMPILE, Reason, Report
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +91,9 @@ class Accelerator:
             requested, rep.why = "eager", [Reason(f"{DISABLE_ENV} is set: every rewrite is off")]
         elif old:
             requested, rep.why = "eager", [old]
+        elif self.plan.not_a_unet:
+            # nothing to compile: no backend is resolved (no compiler probe, no compile cache entry)
+            requested, rep.why = "eager", [Reason(NOTHING_TO_COMPILE)]
         if requested == "eager":
             from .backends import lookup_backend
             self.backend = lookup_backend("eager")()

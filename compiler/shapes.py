@@ -10,7 +10,14 @@ import torch
 MAX_BATCH = 64
 MIN_SIDE, MAX_SIDE = 64, 8192
 LATENT_SCALE = 8
+#: each entry is one warmed UNet run (plus probes): more is a mistake, not a workflow (the box the
+#: entries span is covered anyway); the text bound keeps a pasted blob out of the parser and messages
+MAX_ENTRIES = 32
+MAX_TEXT = 4096
+#: Warmup Shapes' context_tokens: 77 per CLIP chunk, at most 16 chunks (the widget's max)
+MAX_CONTEXT_TOKENS = 77 * 16
 _ENTRY = re.compile(r"^(\d+)\s*[xX×]\s*(\d+)\s*[xX×]\s*(\d+)$")
+_MAX_DIGITS = 9  # longer numbers are out of range whatever they are (and int() of >4300 digits raises)
 
 
 @dataclass(frozen=True)
@@ -59,39 +66,76 @@ class ShapeError(ValueError):
     pass
 
 
+def _show(text: str, limit: int = 40) -> str:
+    """``text`` quoted for a message, cut to ``limit`` characters (a message never echoes a blob)."""
+    return repr(text if len(text) <= limit else text[:limit] + "…")
+
+
+def _number(digits: str) -> int | None:
+    """The entry's number, or None when it has too many digits to be in any range."""
+    return int(digits) if len(digits) <= _MAX_DIGITS else None
+
+
 def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
     """Entries ``BxWxH`` (batch x width x height, in pixels) separated by
-    newlines or commas. Raises ShapeError naming the first bad entry."""
+    newlines or commas. Raises ShapeError naming the first bad entry. Every size is bounded
+    (batch 1..MAX_BATCH, sides MIN_SIDE..MAX_SIDE px, MAX_ENTRIES entries, MAX_TEXT characters)
+    here, before anything is allocated."""
     if not isinstance(text, str):
         raise ShapeError(f"{name}: expected text like '1x512x512', got {type(text).__name__}")
+    if len(text) > MAX_TEXT:
+        raise ShapeError(f"{name} is {len(text)} characters long, at most {MAX_TEXT}: give a few entries like "
+                         f"1x512x512 (batch x width x height in pixels), one per line or comma separated")
     entries = [e.strip() for e in re.split(r"[,\n;]", text) if e.strip()]
     if not entries:
         raise ShapeError(f"{name} is empty: give at least one entry like 1x512x512 (batch x width x height in pixels)")
+    if len(entries) > MAX_ENTRIES:
+        raise ShapeError(f"{name}: {len(entries)} entries, at most {MAX_ENTRIES}: list the smallest and the largest "
+                         f"shape you sample at (every batch and size between them is covered)")
     out = []
     for e in entries:
         m = _ENTRY.match(e)
         if not m:
-            raise ShapeError(f"{name}: entry {e!r} is not BxWxH (batch x width x height in pixels, e.g. 1x512x512)")
-        b, w, h = (int(g) for g in m.groups())
-        if not 1 <= b <= MAX_BATCH:
-            raise ShapeError(f"{name}: entry {e!r}: batch {b} must be between 1 and {MAX_BATCH}")
-        for side, v in (("width", w), ("height", h)):
-            if not MIN_SIDE <= v <= MAX_SIDE:
-                raise ShapeError(f"{name}: entry {e!r}: {side} {v} must be between {MIN_SIDE} and {MAX_SIDE} px")
+            raise ShapeError(f"{name}: entry {_show(e)} is not BxWxH (batch x width x height in pixels, "
+                             f"e.g. 1x512x512)")
+        b, w, h = (_number(g) for g in m.groups())
+        if b is None or not 1 <= b <= MAX_BATCH:
+            raise ShapeError(f"{name}: entry {_show(e)}: batch {b if b is not None else _show(m.group(1), 12)} "
+                             f"must be between 1 and {MAX_BATCH}")
+        for side, v, g in (("width", w, m.group(2)), ("height", h, m.group(3))):
+            if v is None or not MIN_SIDE <= v <= MAX_SIDE:
+                raise ShapeError(f"{name}: entry {_show(e)}: {side} {v if v is not None else _show(g, 12)} must be "
+                                 f"between {MIN_SIDE} and {MAX_SIDE} px")
             if v % LATENT_SCALE:
-                raise ShapeError(f"{name}: entry {e!r}: {side} {v} is not divisible by {LATENT_SCALE} "
+                raise ShapeError(f"{name}: entry {_show(e)}: {side} {v} is not divisible by {LATENT_SCALE} "
                                  f"(the VAE works on 8x8 pixel blocks); use {v - v % 8} or {v - v % 8 + 8}")
         out.append(Shape(b, w, h))
     return out
 
 
 def validate_shapes_input(text, node: str = "Warmup Shapes"):
-    """ComfyUI validate hook result: True, or the message naming the bad entry."""
+    """ComfyUI validate hook result: True, or the message naming the bad entry. None is True: ComfyUI
+    passes None for an input linked from another node (its value exists only when the prompt runs,
+    and Warmup Shapes parses it then) and for a missing one (ComfyUI reports that itself)."""
+    if text is None:
+        return True
     try:
         parse_shapes(text)
     except ShapeError as e:
         return f"{node}: {e}"
     return True
+
+
+def check_context_tokens(tokens, name: str = "context_tokens") -> int:
+    """``tokens`` as the warmup's prompt length, or ShapeError. ComfyUI checks the widget's range only
+    for a typed-in value: one linked from another node (a PrimitiveInt) arrives unchecked."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int):
+        raise ShapeError(f"{name}: expected a whole number of tokens (77 per CLIP chunk), got "
+                         f"{type(tokens).__name__} {_show(str(tokens), 20)}")
+    if not 1 <= tokens <= MAX_CONTEXT_TOKENS:
+        raise ShapeError(f"{name}: {tokens} must be between 1 and {MAX_CONTEXT_TOKENS} (77 per CLIP chunk, "
+                         f"at most 16 chunks)")
+    return tokens
 
 
 def as_shapes(shapes) -> list[Shape]:

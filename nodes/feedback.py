@@ -289,6 +289,15 @@ class WarmupFeedback:
         log.log(level, "UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
         return {"state": state, "text": text, "reason": reason, "fix": fix}
 
+    def skipped(self) -> dict:
+        """The end event and status of a warmup with nothing to run (the model has nothing compiled)."""
+        facts = compile_facts(self.accel.report)
+        text = f"eager: {facts['reason']}; nothing to warm up ({self.total} shape(s) skipped)"
+        self._send("end", text, state=facts["state"], seconds=0.0, graphs=0, max_abs_diff=None,
+                   reason=facts["reason"], fix=facts["fix"])
+        log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
+        return {"state": facts["state"], "text": text, "reason": facts["reason"], "fix": facts["fix"]}
+
     # -- internals
     def _send(self, phase, text, **data):
         with self._lock:

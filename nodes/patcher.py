@@ -14,7 +14,7 @@ import torch
 from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import is_interrupt
 from ..compiler.runtime import Accelerator
-from ..compiler.shapes import context_dim, label_of, parse_shapes, unet_inputs
+from ..compiler.shapes import check_context_tokens, context_dim, label_of, parse_shapes, unet_inputs
 from ..compiler.warmup import warmup_runs
 from . import feedback
 
@@ -40,6 +40,37 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
             return executor(*args, **kwargs)
     unet_compiler_apply_model.accelerator = accel
     return unet_compiler_apply_model
+
+
+def _described(value) -> str:
+    """A value typed into a prompt, as a message names it (cut short)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"the text {value[:60] + '…' if len(value) > 60 else value!r}"
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60] + '…' if len(text) > 60 else text}"
+
+
+def require_model(model, node: str) -> None:
+    """Raise the user's error when ``model`` is not a ComfyUI MODEL. ComfyUI checks the type of a
+    link, not a value typed into the prompt in its place (``"model": "v1-5.safetensors"``)."""
+    if all(hasattr(model, a) for a in ("clone", "get_model_object", "model_options")):
+        return
+    raise ValueError(f"{node}: model: got {_described(model)}, not a MODEL. Fix: link a MODEL output to it, "
+                     f"e.g. [\"<id of a CheckpointLoaderSimple or UNETLoader node>\", 0] (a file name is not a "
+                     f"model: load it with one of those nodes)")
+
+
+def backend_input_problem(backend) -> str | None:
+    """Compile UNet's optional ``backend``: absent, linked (None while ComfyUI validates) or a
+    CompileConfig from Select Backend. Anything else is a value typed into the prompt: the message
+    says what to link instead."""
+    if backend is None or isinstance(backend, CompileConfig):
+        return None
+    return (f"Compile UNet: backend: got {_described(backend)}, not the output of Select Backend. Fix: link "
+            f"[\"<id of a UNetCompiler_SelectBackend node>\", 0] (its backend input takes the name), or leave "
+            f"backend out for auto")
 
 
 def compile_model(model, config: CompileConfig | None, node_id=None):
@@ -229,11 +260,16 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     import comfy.model_management
     import comfy.utils
 
-    shapes = parse_shapes(shapes_text)
+    shapes = parse_shapes(shapes_text)   # every size bounded before anything is allocated
+    context_tokens = check_context_tokens(context_tokens)
     accel = accelerator_of(model)
     if accel is None:
         raise ValueError("Warmup Shapes: the model was not compiled. Fix: connect the MODEL output of "
                          "Compile UNet to this node's model input.")
+    if accel.plan.not_a_unet:
+        # nothing was compiled, so there is nothing to prime (and no UNet inputs to build for it)
+        done = feedback.WarmupFeedback(accel, shapes, node_id).skipped()
+        return accel.text() + f"\n  status: {done['text']}"
     comfy.model_management.load_models_gpu([model])
     base = model.model
     device = model.load_device

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from ..compiler.backends import tooltip as backend_tooltip
 from ..compiler.config import BACKENDS, PRECISIONS
+from ..compiler.shapes import MAX_CONTEXT_TOKENS
 
 CATEGORY = "UNet Compiler"
 
@@ -84,7 +85,7 @@ WARMUP_SHAPES = Node(
               "resolution anywhere inside the listed range then run without recompiling. Remember CFG doubles the "
               "UNet batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
         Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk).", optional=True,
-              widget={"default": 77, "min": 1, "max": 77 * 16}),
+              widget={"default": 77, "min": 1, "max": MAX_CONTEXT_TOKENS}),
     ),
     outputs=(("MODEL", None), ("STRING", "report")),
     reports=True,

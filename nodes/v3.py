@@ -41,7 +41,16 @@ class CompileUNet(io.ComfyNode):
         return schema(spec.COMPILE_UNET)
 
     @classmethod
+    def validate_inputs(cls, backend=None):
+        # ``backend`` alone (one error, against it): a value typed into the prompt instead of a link
+        return patcher.backend_input_problem(backend) or True
+
+    @classmethod
     def execute(cls, model, backend=None) -> io.NodeOutput:
+        patcher.require_model(model, "Compile UNet")
+        problem = patcher.backend_input_problem(backend)
+        if problem:
+            raise ValueError(problem)
         try:
             m, text = patcher.compile_model(model, backend, node_id=cls.hidden.unique_id)
         except TypeError as e:
@@ -55,13 +64,15 @@ class WarmupShapes(io.ComfyNode):
         return schema(spec.WARMUP_SHAPES)
 
     @classmethod
-    def validate_inputs(cls, shapes):
+    def validate_inputs(cls, shapes=None):
         # ``shapes`` alone: ComfyUI files a failed check once per input this takes (with **kwargs a bad
-        # entry was reported against ``model`` too)
+        # entry was reported against ``model`` too). None: linked (parsed in execute) or missing
+        # (ComfyUI reports it; without the default the call itself raised TypeError)
         return validate_shapes_input(shapes)
 
     @classmethod
     def execute(cls, model, shapes, context_tokens=77) -> io.NodeOutput:
+        patcher.require_model(model, "Warmup Shapes")
         try:
             text = patcher.warmup_model(model, shapes, context_tokens, node_id=cls.hidden.unique_id)
         except ShapeError as e:

@@ -239,8 +239,17 @@ def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
     cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     _close(run(cm), ref, tol=0)
     assert "accelerated regions: none (everything runs eager)" in text
-    assert "running eager: comfy.ldm.modules.diffusionmodules.mmdit." in text
+    assert "comfy.ldm.modules.diffusionmodules.mmdit." in text
     assert "is not ComfyUI's openaimodel.UNetModel" in text
+    # eager by design, not a fallback: no backend resolved, nothing for the user to fix
+    assert "UNet Compiler: backend eager (asked inductor)" in text
+    assert "status: eager: nothing to compile, running eager: comfy.ldm." in text
+    assert "Fix:" not in text and "fallback" not in text
+    # Warmup Shapes has nothing to prime and says so (before: it stopped on "no cross-attention")
+    warm = patcher.warmup_model(cm, "2x64x64", 77)
+    assert "nothing to warm up (1 shape(s) skipped)" in warm, warm
+    assert "warmup stopped" not in warm and "warmed 2x64x64" not in warm
+    _close(run(cm), ref, tol=0)
 
 
 # ---- matrix lane -----------------------------------------------------------------------
