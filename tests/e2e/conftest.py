@@ -41,6 +41,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if here in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.e2e)
+    # the soak last: it leaves the session's server holding a LoRA'd, range-warmed model, and the
+    # servers other tests start beside that one must still fit in memory
+    items.sort(key=lambda item: Path(item.path).name == "test_soak.py")
 
 
 def pytest_pycollect_makemodule(module_path, parent):
