@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import traceback
 import weakref
 from collections import Counter
 
@@ -40,6 +41,15 @@ def cache_hits() -> int:
     """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
     from torch._dynamo.utils import counters
     return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+def _release(error: BaseException, args) -> None:
+    """Let go of what a failed accelerated call allocated: the locals of its frames (kept alive by
+    the error's traceback) and, on CUDA, the cached blocks they leave behind."""
+    traceback.clear_frames(error.__traceback__)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class Accelerator:
@@ -225,9 +235,15 @@ class Accelerator:
         try:
             out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
-            if comfy_compat.is_interrupt(e):
+            if comfy_compat.is_cancel(e):
                 raise
             error = e
+            if comfy_compat.is_oom(e):
+                # out of memory in the accelerated code: the model's own code may fit (ComfyUI's
+                # attention splits itself on OOM); the failed attempt's frames hold its tensors,
+                # so they go first. If the model's code runs out of memory too, that error is the
+                # model's and propagates to ComfyUI untouched (below).
+                _release(e, args)
         else:
             self.stats[f"ran_{kind}"] += 1
             return out
