@@ -43,6 +43,17 @@ def cache_hits() -> int:
     return int(counters["inductor"]["fxgraph_cache_hit"])
 
 
+def error_summary(error: BaseException) -> str:
+    """``<type>: <first line>`` of an error, for the report. A first line that only introduces the
+    cause (dynamo's ``backend='...' raised:``, with the compiler's own error on the next line) gets
+    that next line too: the cause is what the user needs."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text += " " + lines[1]
+    return f"{type(error).__name__}: {text}"[:300]
+
+
 def _release(error: BaseException, args) -> None:
     """Let go of what a failed accelerated call allocated: the locals of its frames (kept alive by
     the error's traceback) and, on CUDA, the cached blocks they leave behind."""
@@ -257,7 +268,7 @@ class Accelerator:
 
     def _turn_off(self, kind, error):
         """The backend failed where the model's own code runs: ``kind`` regions run eager from now on."""
-        self.failed[kind] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        self.failed[kind] = error_summary(error)
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
                f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)

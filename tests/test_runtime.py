@@ -53,6 +53,25 @@ def test_backend_failure_falls_back_once_and_turns_the_kind_off(tiny_unet, faili
     assert accel.stats["region_eager"] > 0
 
 
+def test_a_compile_error_names_the_compilers_own_error(tiny_unet, monkeypatch):
+    """dynamo's BackendCompilerFailed says ``backend='...' raised:`` on its first line and the
+    compiler's error on the next: the report keeps both (it once kept only ``raised:``)."""
+    def failing_compiler(gm, example_inputs):
+        raise RuntimeError("g++ exited with status 1")
+    body = torch.compile(lambda x: x * 2, backend=failing_compiler)
+
+    def impl(block, *args):
+        return body(args[0])
+    monkeypatch.setattr(lookup_backend("inductor"), "impls",
+                        lambda self, config: {("diffusers", "resblock"): impl})
+    unet = api.compile_unet(tiny_unet(), "inductor")
+    with torch.no_grad():
+        unet(*_inputs())
+    why = api.accelerator_of(unet).failed["resblock"]
+    assert why.startswith("BackendCompilerFailed: backend='failing_compiler' raised:"), why
+    assert "RuntimeError: g++ exited with status 1" in why, why
+
+
 def test_the_models_own_error_propagates_untouched(tiny_unet, failing_resblocks, monkeypatch):
     from diffusers.models.resnet import ResnetBlock2D
 
