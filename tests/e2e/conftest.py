@@ -174,9 +174,10 @@ print("built LoRA (%d tensors), ControlNet, T2I-Adapter in %.1f s" % (len(lora),
 
 
 @pytest.fixture(scope="session")
-def patch_assets(comfyui_path, sd15_checkpoint, comfy_server):
-    """A random LoRA, ControlNet and T2I-Adapter for the SD1.5 checkpoint, in the server's
-    loras / controlnet folders (built beside the checkpoint, kept where it is kept)."""
+def patch_asset_files(comfyui_path, sd15_checkpoint):
+    """{"lora" / "controlnet" / "t2i": path} of a random LoRA, ControlNet and T2I-Adapter for the
+    SD1.5 checkpoint (built beside the checkpoint, kept where it is kept). ``link_patch_assets``
+    puts them in a server's folders."""
     folder = sd15_checkpoint.parent
     paths = {k: folder / v for k, v in PATCH_ASSETS.items()}
     if not all(p.is_file() for p in paths.values()):
@@ -189,11 +190,23 @@ def patch_assets(comfyui_path, sd15_checkpoint, comfy_server):
             raise RuntimeError(f"building the LoRA/ControlNet/T2I files failed (rc={proc.returncode}):\n"
                                f"{(proc.stdout + proc.stderr)[-6000:]}")
         print(f"\n[e2e] {proc.stdout.strip().splitlines()[-1]} (wall {time.time() - t0:.1f} s)")
-    for kind, path in paths.items():
-        link = comfy_server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
-        if not link.exists():
-            link.symlink_to(path)
-    yield {k: p.name for k, p in paths.items()}
+    yield paths
     if not os.environ.get("UNET_COMPILER_TEST_CACHE"):
         for p in paths.values():
             p.unlink(missing_ok=True)
+
+
+def link_patch_assets(server, paths: dict) -> dict:
+    """Link ``patch_asset_files`` into ``server``'s loras / controlnet folders; returns their names."""
+    for kind, path in paths.items():
+        link = server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
+        if not link.exists():
+            link.symlink_to(path)
+    return {k: p.name for k, p in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def patch_assets(patch_asset_files, comfy_server):
+    """The random LoRA, ControlNet and T2I-Adapter in the session server's loras / controlnet
+    folders: {"lora" / "controlnet" / "t2i": file name}."""
+    return link_patch_assets(comfy_server, patch_asset_files)
