@@ -95,7 +95,10 @@ def wait(server, prompt_id, timeout=900.0) -> dict:
     """The prompt's /history entry once it ended, whatever its status."""
     deadline = time.time() + timeout
     while True:
-        entry = server.get_json(f"/history/{prompt_id}").get(prompt_id)
+        try:
+            entry = server.get_json(f"/history/{prompt_id}", timeout=120).get(prompt_id)
+        except (TimeoutError, OSError):   # a server busy compiling on 2 loaded cores answers late
+            entry = None
         if entry is not None and (entry.get("status") or {}).get("status_str") in ("success", "error"):
             return entry
         server.check_alive()
@@ -345,7 +348,8 @@ def test_unload_and_reload_between_prompts(fault_server, sd15_checkpoint, first_
         return workflow(sd15_checkpoint.name, "reload", lora=lora, after={"fault": "none", "nonce": nonce})
     run(fault_server, again("before"))
     log_at = len(fault_server.log_tail(10_000_000))
-    free(fault_server, {"unload_models": True})
+    post(fault_server, "/free", {"unload_models": True})   # not free(): its prompt would evict node 12's output
+    time.sleep(1.0)
     entry = run(fault_server, again("after-unload"))
     reloaded = fault_server.log_tail(10_000_000)[log_at:]
     assert "Requested to load BaseModel" in reloaded, "the model was not unloaded and loaded again"
