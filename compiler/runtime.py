@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import traceback
 import weakref
 from collections import Counter
 
@@ -40,6 +41,26 @@ def cache_hits() -> int:
     """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
     from torch._dynamo.utils import counters
     return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+def error_summary(error: BaseException) -> str:
+    """``<type>: <first line>`` of an error, for the report. A first line that only introduces the
+    cause (dynamo's ``backend='...' raised:``, with the compiler's own error on the next line) gets
+    that next line too: the cause is what the user needs."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text += " " + lines[1]
+    return f"{type(error).__name__}: {text}"[:300]
+
+
+def _release(error: BaseException, args) -> None:
+    """Let go of what a failed accelerated call allocated: the locals of its frames (kept alive by
+    the error's traceback) and, on CUDA, the cached blocks they leave behind."""
+    traceback.clear_frames(error.__traceback__)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 class Accelerator:
@@ -236,9 +257,15 @@ class Accelerator:
         try:
             out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
-            if comfy_compat.is_interrupt(e):
+            if comfy_compat.is_cancel(e):
                 raise
             error = e
+            if comfy_compat.is_oom(e):
+                # out of memory in the accelerated code: the model's own code may fit (ComfyUI's
+                # attention splits itself on OOM); the failed attempt's frames hold its tensors,
+                # so they go first. If the model's code runs out of memory too, that error is the
+                # model's and propagates to ComfyUI untouched (below).
+                _release(e, args)
         else:
             self.stats[f"ran_{kind}"] += 1
             return out
@@ -252,7 +279,7 @@ class Accelerator:
 
     def _turn_off(self, kind, error):
         """The backend failed where the model's own code runs: ``kind`` regions run eager from now on."""
-        self.failed[kind] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        self.failed[kind] = error_summary(error)
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
                f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)

@@ -53,6 +53,25 @@ def test_backend_failure_falls_back_once_and_turns_the_kind_off(tiny_unet, faili
     assert accel.stats["region_eager"] > 0
 
 
+def test_a_compile_error_names_the_compilers_own_error(tiny_unet, monkeypatch):
+    """dynamo's BackendCompilerFailed says ``backend='...' raised:`` on its first line and the
+    compiler's error on the next: the report keeps both (it once kept only ``raised:``)."""
+    def failing_compiler(gm, example_inputs):
+        raise RuntimeError("g++ exited with status 1")
+    body = torch.compile(lambda x: x * 2, backend=failing_compiler)
+
+    def impl(block, *args):
+        return body(args[0])
+    monkeypatch.setattr(lookup_backend("inductor"), "impls",
+                        lambda self, config: {("diffusers", "resblock"): impl})
+    unet = api.compile_unet(tiny_unet(), "inductor")
+    with torch.no_grad():
+        unet(*_inputs())
+    why = api.accelerator_of(unet).failed["resblock"]
+    assert why.startswith("BackendCompilerFailed: backend='failing_compiler' raised:"), why
+    assert "RuntimeError: g++ exited with status 1" in why, why
+
+
 def test_the_models_own_error_propagates_untouched(tiny_unet, failing_resblocks, monkeypatch):
     from diffusers.models.resnet import ResnetBlock2D
 
@@ -86,6 +105,56 @@ def test_interrupt_is_not_a_fallback(tiny_unet, monkeypatch):
                         lambda self, config: {("diffusers", "resblock"): impl})
     unet = api.compile_unet(tiny_unet(), "inductor")
     with torch.no_grad(), pytest.raises(InterruptProcessingException):
+        unet(*_inputs())
+    assert api.accelerator_of(unet).failed == {}
+
+
+def test_out_of_memory_in_a_region_falls_back_after_freeing_the_attempt(tiny_unet, monkeypatch):
+    """The accelerated code runs out of memory: the model's own code runs instead (it may fit, and
+    ComfyUI's attention splits itself on OOM), the kind is turned off and said so, and what the
+    failed attempt allocated is let go before the model's code runs."""
+    import weakref
+
+    from diffusers.models.resnet import ResnetBlock2D
+    held = []
+
+    def impl(block, *args):
+        workspace = torch.empty(1024, 1024)   # the attempt's allocation, alive in this frame
+        held.append(weakref.ref(workspace))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    monkeypatch.setattr(lookup_backend("inductor"), "impls",
+                        lambda self, config: {("diffusers", "resblock"): impl})
+    original = ResnetBlock2D.forward
+    alive_when_eager_ran = []
+
+    def forward(self, *a, **k):
+        alive_when_eager_ran.extend(r() is not None for r in held)
+        return original(self, *a, **k)
+    monkeypatch.setattr(ResnetBlock2D, "forward", forward)
+    unet = tiny_unet()
+    x, t, ctx = _inputs()
+    with torch.no_grad():
+        ref = unet(x, t, ctx).sample
+    alive_when_eager_ran.clear()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    with torch.no_grad():
+        assert torch.equal(unet(x, t, ctx).sample, ref)
+    assert len(held) == 1 and alive_when_eager_ran and not any(alive_when_eager_ran), \
+        "the failed attempt's tensors must be freed before the model's own code runs"
+    assert set(accel.failed) == {"resblock"} and "OutOfMemoryError" in accel.failed["resblock"]
+
+
+def test_out_of_memory_in_the_models_own_code_propagates(tiny_unet, failing_resblocks, monkeypatch):
+    """Out of memory in the model's own code too: ComfyUI's error (it unloads models and says so),
+    nothing turned off."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    def oom(self, *a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(ResnetBlock2D, "forward", oom)
+    unet = api.compile_unet(tiny_unet(), "inductor")
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
         unet(*_inputs())
     assert api.accelerator_of(unet).failed == {}
 

@@ -100,3 +100,31 @@ def test_this_machine_probe_runs():
     assert isinstance(f.cuda_available, bool)
     msg = T.problem(f)
     assert msg is None or isinstance(msg, str)
+
+
+
+def test_triton_that_fails_to_import_falls_back_visibly(monkeypatch):
+    """triton's package metadata matches torch but its import raises (a broken install, a missing
+    libcuda): the kernels are what import it, so the probe says so, with the fix, and the registry
+    falls back to inductor instead of raising (tests/e2e/test_faults_server.py has the CPU side: a
+    server whose triton cannot be imported)."""
+    import builtins
+    import importlib
+    import sys
+
+    kernels = importlib.import_module(T.__name__.rsplit(".", 3)[0] + ".kernels")
+    monkeypatch.setattr(T, "gather", lambda: facts())
+    for name in [m for m in sys.modules if m.startswith(kernels.__name__ + ".")]:   # imported afresh below
+        monkeypatch.delitem(sys.modules, name)
+        monkeypatch.delattr(kernels, name.rsplit(".", 1)[1], raising=False)
+    real_import = builtins.__import__
+
+    def no_triton(name, *args, **kwargs):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError("libtriton.so: undefined symbol")
+        return real_import(name, *args, **kwargs)
+    monkeypatch.setattr(builtins, "__import__", no_triton)
+    backend, story = resolve("triton", torch.device("cuda"))
+    assert backend.name == "inductor"
+    assert story[0].startswith("triton: triton 3.4.0 is installed but the kernels failed to load")
+    assert "libtriton.so: undefined symbol" in story[0] and "Fix: reinstall the triton that matches torch" in story[0]

@@ -62,7 +62,18 @@ def has_cast_weights(module) -> bool:
 
 
 def is_interrupt(e: BaseException) -> bool:
-    """ComfyUI's cancel (InterruptProcessingException) or an out-of-memory error: both must
-    propagate untouched (ComfyUI handles them itself), never become a fallback."""
+    """ComfyUI's cancel (InterruptProcessingException) or an out-of-memory error: both propagate
+    untouched out of warmup and CUDA-graph capture, never become a fallback there. A region's
+    accelerated code that runs out of memory is the exception (``runtime.Accelerator._run``): the
+    model's own code, which has its own out-of-memory paths, runs instead."""
+    return is_cancel(e) or is_oom(e)
+
+
+def is_cancel(e: BaseException) -> bool:
+    """ComfyUI's cancel (``InterruptProcessingException``, raised where it checks the Cancel button)."""
+    return type(e).__name__ == "InterruptProcessingException"
+
+
+def is_oom(e: BaseException) -> bool:
     import torch
-    return type(e).__name__ == "InterruptProcessingException" or isinstance(e, torch.OutOfMemoryError)
+    return isinstance(e, torch.OutOfMemoryError)

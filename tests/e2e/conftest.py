@@ -113,15 +113,28 @@ def comfy_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
 # --------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def patch_assets(comfyui_path, sd15_checkpoint, comfy_server):
-    """A random LoRA, ControlNet and T2I-Adapter for the SD1.5 checkpoint, in the server's
-    loras / controlnet folders (built beside the checkpoint, kept where it is kept)."""
+def patch_asset_files(comfyui_path, sd15_checkpoint):
+    """{"lora" / "controlnet" / "t2i": path} of a random LoRA, ControlNet and T2I-Adapter for the
+    SD1.5 checkpoint (``comfy_server.patch_assets``: built beside the checkpoint, kept where it is
+    kept). ``link_patch_assets`` puts them in a server's folders."""
     paths = S.patch_assets(sd15_checkpoint, log=lambda m: print("\n[e2e] " + m))
-    for kind, path in paths.items():
-        link = comfy_server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
-        if not link.exists():
-            link.symlink_to(path)
-    yield {k: p.name for k, p in paths.items()}
+    yield paths
     if not os.environ.get("UNET_COMPILER_TEST_CACHE"):
         for p in paths.values():
             p.unlink(missing_ok=True)
+
+
+def link_patch_assets(server, paths: dict) -> dict:
+    """Link ``patch_asset_files`` into ``server``'s loras / controlnet folders; returns their names."""
+    for kind, path in paths.items():
+        link = server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
+        if not link.exists():
+            link.symlink_to(path)
+    return {k: p.name for k, p in paths.items()}
+
+
+@pytest.fixture(scope="session")
+def patch_assets(patch_asset_files, comfy_server):
+    """The random LoRA, ControlNet and T2I-Adapter in the session server's loras / controlnet
+    folders: {"lora" / "controlnet" / "t2i": file name}."""
+    return link_patch_assets(comfy_server, patch_asset_files)

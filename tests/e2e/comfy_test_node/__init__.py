@@ -1,8 +1,11 @@
-"""A test-only ComfyUI node (the e2e server links this folder into its custom_nodes; the pack
-never loads it): registers an IPAdapter-style attn2 replace, as such packs do with
-``set_model_attn2_replace``, so /prompt tests can put one in a workflow. The patch object is
-``unet_compiler.patch_compat.IPAdapterAttn2``, the one the in-process patch-node tests use."""
+"""Test-only ComfyUI nodes (the e2e server links this folder into its custom_nodes; the pack
+never loads it): an IPAdapter-style attn2 replace, as such packs register with
+``set_model_attn2_replace``, so /prompt tests can put one in a workflow (the patch object is
+``unet_compiler.patch_compat.IPAdapterAttn2``, the one the in-process patch-node tests use); and
+``UNetCompilerTest_InjectFault`` (faults.py), which injects one fault for the prompt it runs in."""
 from unet_compiler.patch_compat import IPAdapterAttn2
+
+from .faults import InjectFault
 
 #: SD1.5 blocks with cross-attention: input_blocks 1 (first level) and output_blocks 3 (third level)
 BLOCKS = (("input", 1), ("output", 3))
@@ -26,4 +29,4 @@ class Attn2Replace:
         return (m,)
 
 
-NODE_CLASS_MAPPINGS = {"UNetCompilerTest_Attn2Replace": Attn2Replace}
+NODE_CLASS_MAPPINGS = {"UNetCompilerTest_Attn2Replace": Attn2Replace, "UNetCompilerTest_InjectFault": InjectFault}
