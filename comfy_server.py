@@ -20,6 +20,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -359,6 +360,26 @@ class ComfyServer:
     def stop(self):
         _stop(self.process)
 
+    def free_memory(self, timeout: float = 90.0) -> float:
+        """POST /free (unload the models, drop the cached node outputs: what ComfyUI's own "free
+        memory" does) and wait until the server's resident memory stops falling. Returns the MiB it
+        gave back. The compiled code stays (dynamo's, in the process); the next prompt loads the
+        checkpoint again."""
+        import psutil   # ComfyUI's own requirement
+        proc = psutil.Process(self.process.pid)
+        before = last = proc.memory_info().rss
+        req = urllib.request.Request(self.url + "/free", method="POST", headers={"Content-Type": "application/json"},
+                                     data=json.dumps({"unload_models": True, "free_memory": True}).encode())
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+        deadline, steady = time.time() + timeout, 0
+        while time.time() < deadline and steady < 4:   # 4 s without a change of 32 MiB
+            time.sleep(1.0)
+            now = proc.memory_info().rss
+            steady = steady + 1 if abs(now - last) < 32 * 2**20 else 0
+            last = now
+        return (before - last) / 2**20
+
     def check_alive(self):
         if self.process.poll() is not None:
             raise AssertionError(
@@ -452,6 +473,28 @@ def fetch_image(server: ComfyServer, image: dict):
 
 
 
+#: the servers this process started that may still run (``start_server`` frees their memory first)
+_LIVE: list = []
+
+
+def _make_room(log) -> None:
+    """Before another server starts: every live one this process started drops its models (each
+    holds SD1.5 in fp32 and the pack's prepacked copies, ~8-12 GB: two of them fill a 24 GB machine)."""
+    for ref in list(_LIVE):
+        server = ref()
+        if server is None or server.process.poll() is not None:
+            _LIVE.remove(ref)
+            continue
+        try:
+            freed = server.free_memory()
+        except Exception as e:   # a busy or dying server: the new one starts anyway
+            freed = None
+            if log is not None:
+                log(f"could not free {server.url}'s memory: {e}")
+        if log is not None and freed is not None:
+            log(f"{server.url} freed {freed:.0f} MiB before another server starts")
+
+
 def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = None, env: dict | None = None,
                  comfyui_path: Path | None = None, log=print, cpu: bool = True) -> ComfyServer:
     """Start ComfyUI (``main.py``, with ``--cpu`` unless ``cpu`` is False, on loopback, a free port, its user / output / temp folders
@@ -485,6 +528,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         f"    custom_nodes: {json.dumps(str(custom_nodes))}\n"
     )
 
+    _make_room(log)
     port = _free_port()
     log_path = root / "comfyui.log"
     cmd = [
@@ -555,6 +599,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         _stop(proc)
         raise
     server.ready_s = time.time() - t0
+    _LIVE.append(weakref.ref(server))
     if log is not None:
         log(f"ComfyUI ready at {server.url} in {server.ready_s:.1f} s (log: {log_path})")
     return server

@@ -408,6 +408,8 @@ os.exit(127)
 def broken_env_server(comfyui_path, sd15_checkpoint, inductor_cache, tmp_path_factory, request):
     """A server whose ``triton`` cannot be imported, beside a mismatched IPEX 2.8.0 (its import raises)."""
     request.getfixturevalue("first_compile")   # after the first server compiled: its inductor cache is warm
+    request.getfixturevalue("fault_server").stop()   # its tests ran (they come first): two servers beside the
+    #                                                  session's would not fit in 24 GB
     root = tmp_path_factory.mktemp("faults_broken_env")
     site = root / "site"
     (site / "triton").mkdir(parents=True)
