@@ -319,7 +319,8 @@ class ComfyServer:
         )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return json.loads(r.read())
+                body = r.read()
+                return json.loads(body) if body.strip() else None   # /free, /interrupt answer with no body
         except urllib.error.HTTPError as e:
             body = e.read().decode(errors="replace")
             raise AssertionError(f"POST {route} -> HTTP {e.code}: {body}") from None
@@ -368,10 +369,7 @@ class ComfyServer:
         import psutil   # ComfyUI's own requirement
         proc = psutil.Process(self.process.pid)
         before = last = proc.memory_info().rss
-        req = urllib.request.Request(self.url + "/free", method="POST", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"unload_models": True, "free_memory": True}).encode())
-        with urllib.request.urlopen(req, timeout=30) as r:
-            r.read()
+        self.post_json("/free", {"unload_models": True, "free_memory": True})
         deadline, steady = time.time() + timeout, 0
         while time.time() < deadline and steady < 4:   # 4 s without a change of 32 MiB
             time.sleep(1.0)

@@ -26,7 +26,6 @@ import importlib.util
 import json
 import os
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -130,11 +129,9 @@ def assert_eager_latent(server, entry, reference, what: str):
 
 
 def post(server, route: str, payload: dict) -> None:
-    """POST a JSON body to a route that answers with no body (/interrupt, /free)."""
-    req = urllib.request.Request(server.url + route, data=json.dumps(payload).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=30) as r:
-        assert r.status == 200, (route, r.status)
+    """POST a JSON body to a route that answers with no body (/interrupt, /free); any status but
+    success raises (``ComfyServer.post_json``)."""
+    assert server.post_json(route, payload) is None, route
 
 
 def free(server, flags: dict) -> None:
