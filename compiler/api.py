@@ -8,7 +8,8 @@ import torch
 
 from .config import CompileConfig
 from .runtime import Accelerator
-from .shapes import as_shapes, label_of, unet_inputs
+from .shapes import (as_shapes, check_memory, device_free_bytes, first_level_channels, label_of, memory_name,
+                     unet_inputs)
 from .warmup import warmup_runs
 
 log = logging.getLogger(__name__)
@@ -101,6 +102,9 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> st
     Returns the report text."""
     accel = accelerator_of(module)
     p = next(module.parameters())
+    shapes = as_shapes(shapes)
+    check_memory(shapes, first_level_channels(module), p.element_size(), device_free_bytes(p.device),
+                 memory_name(p.device))
 
     def run_one(shape):
         with torch.inference_mode():  # as ComfyUI runs: inference tensors guard differently
@@ -108,5 +112,5 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> st
             out = module(*args, **kwargs)
         return out.sample if hasattr(out, "sample") else out
 
-    warmup_runs(accel, as_shapes(shapes), run_one, compare=compare)
+    warmup_runs(accel, shapes, run_one, compare=compare)
     return accel.text()

@@ -113,6 +113,58 @@ def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
     return out
 
 
+def first_level_channels(unet) -> int | None:
+    """The width of the UNet's first level (320 for SD1.5 and SDXL), or None when it is not an SD UNet."""
+    c = getattr(unet, "model_channels", None)                      # ComfyUI's UNetModel
+    if c is None:
+        c = (getattr(getattr(unet, "config", None), "block_out_channels", None) or [None])[0]   # diffusers
+    return c if isinstance(c, int) and c > 0 else None
+
+
+def activation_floor(shape: Shape, channels: int, itemsize: int) -> int:
+    """Bytes one UNet forward at ``shape`` needs at the least, beyond its weights: a ResBlock of the first
+    level holds its input, its hidden state and its output at once (3 tensors of batch x channels x the
+    latent). A floor, not an estimate (attention and feed-forward need several times more), so only a
+    shape that cannot run on any setting is refused."""
+    return 3 * shape.batch * channels * (shape.height // LATENT_SCALE) * (shape.width // LATENT_SCALE) * itemsize
+
+
+def device_free_bytes(device) -> int | None:
+    """Free memory of ``device`` (a GPU's, or the machine's for CPU), None when it cannot be read."""
+    try:
+        if getattr(device, "type", str(device)) == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0])
+        import psutil
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
+
+
+def memory_name(device) -> str:
+    """How a message names ``device``'s memory."""
+    return "the GPU" if getattr(device, "type", str(device)) == "cuda" else "this machine"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def check_memory(shapes: list[Shape], channels: int | None, itemsize: int, free_bytes: int | None,
+                 where: str, name: str = "shapes") -> None:
+    """ShapeError naming the first entry whose ``activation_floor`` exceeds ``free_bytes`` (the device's
+    free memory with the model loaded), before anything is allocated for it. Unknown width or free
+    memory: nothing to check."""
+    if channels is None or not free_bytes or free_bytes <= 0:
+        return
+    for s in shapes:
+        need = activation_floor(s, channels, itemsize)
+        if need > free_bytes:
+            raise ShapeError(
+                f"{name}: entry {s.label} needs at least {_size(need)} of activations, {where} has "
+                f"{_size(free_bytes)} free with the model loaded: warm the batch and size you sample "
+                f"at (a smaller batch, or tile the image with an upscaler), or free memory")
+
+
 def validate_shapes_input(text, node: str = "Warmup Shapes"):
     """ComfyUI validate hook result: True, or the message naming the bad entry. None is True: ComfyUI
     passes None for an input linked from another node (its value exists only when the prompt runs,

@@ -14,7 +14,8 @@ import torch
 from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import is_interrupt
 from ..compiler.runtime import Accelerator
-from ..compiler.shapes import check_context_tokens, context_dim, label_of, parse_shapes, unet_inputs
+from ..compiler.shapes import (check_context_tokens, check_memory, context_dim, first_level_channels, label_of,
+                               memory_name, parse_shapes, unet_inputs)
 from ..compiler.warmup import warmup_runs
 from . import feedback
 
@@ -274,6 +275,9 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     base = model.model
     device = model.load_device
     dtype = base.manual_cast_dtype or base.get_dtype()
+    # a shape no setting can run is the user's input to fix, said before the warmup allocates it
+    check_memory(shapes, first_level_channels(base.diffusion_model), torch.empty((), dtype=dtype).element_size(),
+                 comfy.model_management.get_free_memory(device), memory_name(device))
     total = len(shapes) + 1
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
     fb = feedback.WarmupFeedback(accel, shapes, node_id)

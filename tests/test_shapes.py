@@ -1,5 +1,6 @@
 """compiler/shapes.py: the Warmup Shapes text (validated, naming the bad entry) and the probe shapes."""
 import pytest
+import torch
 
 from unet_compiler.compiler.shapes import (
     MAX_CONTEXT_TOKENS,
@@ -7,7 +8,10 @@ from unet_compiler.compiler.shapes import (
     MAX_TEXT,
     Shape,
     ShapeError,
+    activation_floor,
     check_context_tokens,
+    check_memory,
+    first_level_channels,
     parse_shapes,
     probe_shapes,
     validate_shapes_input,
@@ -103,3 +107,45 @@ def test_context_tokens_widget_max_is_the_bound():
     from unet_compiler.nodes import spec
     (tokens,) = [i for i in spec.WARMUP_SHAPES.inputs if i.name == "context_tokens"]
     assert tokens.widget["max"] == MAX_CONTEXT_TOKENS
+
+
+def test_activation_floor_is_three_first_level_tensors():
+    # SD1.5 at 1x512x512 fp32: 3 x 320 x 64 x 64 x 4 bytes
+    assert activation_floor(Shape(1, 512, 512), 320, 4) == 3 * 320 * 64 * 64 * 4
+    assert activation_floor(Shape(2, 1024, 512), 320, 2) == 3 * 2 * 320 * 64 * 128 * 2
+
+
+def test_a_shape_no_memory_holds_is_refused_naming_entry_memory_and_fix():
+    shapes = parse_shapes("1x512x512, 64x8192x8192")
+    with pytest.raises(ShapeError) as e:
+        check_memory(shapes, 320, 4, 24 * 2**30, "this machine")
+    msg = str(e.value)
+    assert msg.startswith("shapes: entry 64x8192x8192 needs at least 240.0 GiB of activations"), msg
+    assert "this machine has 24.0 GiB free with the model loaded" in msg and "smaller batch" in msg, msg
+    check_memory(shapes[:1], 320, 4, 24 * 2**30, "this machine")           # 15 MiB: fine
+
+
+def test_memory_check_skips_what_it_cannot_know():
+    big = parse_shapes("64x8192x8192")
+    check_memory(big, None, 4, 1, "x")          # not an SD UNet: no first-level width
+    check_memory(big, 320, 4, None, "x")        # free memory unreadable
+    check_memory(big, 320, 4, 0, "x")
+
+
+def test_first_level_channels_of_both_layouts(tiny_unet):
+    assert first_level_channels(tiny_unet()) == tiny_unet.config()["block_out_channels"][0]
+
+    class Comfy(torch.nn.Module):
+        model_channels = 320
+    assert first_level_channels(Comfy()) == 320
+    assert first_level_channels(torch.nn.Linear(2, 2)) is None
+
+
+def test_library_warmup_refuses_before_compiling(tiny_unet, monkeypatch):
+    from unet_compiler import compile_unet, warmup
+    from unet_compiler.compiler import api
+    monkeypatch.setattr(api, "device_free_bytes", lambda device: 2**20)     # 1 MiB free
+    unet = compile_unet(tiny_unet(), backend="eager")
+    with pytest.raises(ShapeError, match=r"entry 1x512x512 needs at least 2 MiB .* this machine has 1 MiB"):
+        warmup(unet, "1x64x64, 1x512x512")   # without the check: runs, no error
+    assert api.accelerator_of(unet).report.warmup == []                      # nothing ran

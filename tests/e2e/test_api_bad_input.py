@@ -304,6 +304,11 @@ FAILED = {
                                 "between 1 and 64"),
     "size-context-tokens-linked-1e6": (dict(context_tokens=["31", 0]), 10 ** 6, "UNetCompiler_WarmupShapes",
                                        "Warmup Shapes: context_tokens: 1000000 must be between 1 and 1232"),
+    # inside every bound, but no machine has the memory: refused with the model loaded, before the warmup
+    # allocates it (the floor alone is 120-240 GiB for this 320-channel UNet)
+    "size-64x8192x8192-needs-more-memory-than-free": (dict(shapes=["30", 0]), "64x8192x8192",
+                                                      "UNetCompiler_WarmupShapes",
+                                                      "Warmup Shapes: shapes: entry 64x8192x8192 needs at least"),
     # a value typed where a link belongs: ComfyUI type-checks links only
     "type-model-typed-as-a-file-name": (dict(model="v1-5-pruned-emaonly.safetensors"), None,
                                         "UNetCompiler_CompileUNet",
