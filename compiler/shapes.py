@@ -151,8 +151,8 @@ def _size(n: int) -> str:
 
 def check_memory(shapes: list[Shape], channels: int | None, itemsize: int, free_bytes: int | None,
                  where: str, name: str = "shapes") -> None:
-    """ShapeError naming the first entry whose ``activation_floor`` exceeds ``free_bytes`` (the device's
-    free memory with the model loaded), before anything is allocated for it. Unknown width or free
+    """ShapeError naming the first entry whose ``activation_floor`` exceeds ``free_bytes`` (what the
+    device has for activations with the model loaded), before anything is allocated for it. Unknown width or free
     memory: nothing to check."""
     if channels is None or not free_bytes or free_bytes <= 0:
         return
@@ -161,7 +161,7 @@ def check_memory(shapes: list[Shape], channels: int | None, itemsize: int, free_
         if need > free_bytes:
             raise ShapeError(
                 f"{name}: entry {s.label} needs at least {_size(need)} of activations, {where} has "
-                f"{_size(free_bytes)} free with the model loaded: warm the batch and size you sample "
+                f"{_size(free_bytes)} for them: warm the batch and size you sample "
                 f"at (a smaller batch, or tile the image with an upscaler), or free memory")
 
 

@@ -121,7 +121,7 @@ def test_a_shape_no_memory_holds_is_refused_naming_entry_memory_and_fix():
         check_memory(shapes, 320, 4, 24 * 2**30, "this machine")
     msg = str(e.value)
     assert msg.startswith("shapes: entry 64x8192x8192 needs at least 240.0 GiB of activations"), msg
-    assert "this machine has 24.0 GiB free with the model loaded" in msg and "smaller batch" in msg, msg
+    assert "this machine has 24.0 GiB for them" in msg and "smaller batch" in msg, msg
     check_memory(shapes[:1], 320, 4, 24 * 2**30, "this machine")           # 15 MiB: fine
 
 
@@ -146,6 +146,6 @@ def test_library_warmup_refuses_before_compiling(tiny_unet, monkeypatch):
     from unet_compiler.compiler import api
     monkeypatch.setattr(api, "device_free_bytes", lambda device: 2**20)     # 1 MiB free
     unet = compile_unet(tiny_unet(), backend="eager")
-    with pytest.raises(ShapeError, match=r"entry 1x512x512 needs at least 2 MiB .* this machine has 1 MiB"):
+    with pytest.raises(ShapeError, match=r"entry 1x512x512 needs at least 2 MiB .* this machine has 1 MiB for them"):
         warmup(unet, "1x64x64, 1x512x512")   # without the check: runs, no error
     assert api.accelerator_of(unet).report.warmup == []                      # nothing ran
