@@ -471,6 +471,45 @@ def fetch_image(server: ComfyServer, image: dict):
 
 
 
+def txt2img(ckpt: str, width: int, height: int, batch: int, steps: int, cfg: float, seed: int,
+            latent_prefix: str | None = None) -> dict:
+    """The txt2img API prompt the CLIs run: CheckpointLoaderSimple (1) -> CLIPTextEncode x2 (2, 3) ->
+    EmptyLatentImage (4) -> KSampler (5, euler / normal, its model the loader's: rewire
+    ``p["5"]["inputs"]["model"]`` to put nodes between) -> VAEDecode (6) -> PreviewImage (7), and with a
+    ``latent_prefix`` SaveLatent (8) of KSampler's latent (read back with ``saved_latent``)."""
+    p = {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": width, "height": height, "batch_size": batch}},
+        "5": {"class_type": "KSampler", "inputs": {
+            "model": ["1", 0], "seed": seed, "steps": steps, "cfg": cfg, "sampler_name": "euler",
+            "scheduler": "normal", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
+            "denoise": 1.0}},
+        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
+        "7": {"class_type": "PreviewImage", "inputs": {"images": ["6", 0]}},
+    }
+    if latent_prefix is not None:
+        p["8"] = {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": latent_prefix}}
+    return p
+
+
+def saved_latent(server: ComfyServer, entry: dict, node: str = "8"):
+    """The latent a prompt's SaveLatent ``node`` wrote, as a float32 numpy array [B, C, h, w]."""
+    from safetensors.numpy import load_file
+
+    latents = (entry.get("outputs") or {}).get(node, {}).get("latents") or []
+    if len(latents) != 1:
+        raise AssertionError(f"expected one saved latent from node {node}, history outputs: {entry.get('outputs')}")
+    return load_file(str(server.output_dir / latents[0].get("subfolder", "") / latents[0]["filename"]))["latent_tensor"]
+
+
+def relative_l2(a, b) -> float:
+    """||a - b|| / ||b|| of two arrays (the parity measure of the e2e tests, the soak and the benches)."""
+    import numpy as np
+    return float(np.linalg.norm((a - b).ravel()) / max(float(np.linalg.norm(b.ravel())), 1e-30))
+
+
 #: the servers this process started that may still run (``start_server`` frees their memory first)
 _LIVE: list = []
 

@@ -134,37 +134,14 @@ def workflow(ckpt: str, lora: str, batch: int, width: int, height: int, strength
     """txt2img with a LoRA after the pack's nodes, cfg 1, SaveLatent. ``compiled`` False: the LoRA
     on the loader's MODEL; the pack's nodes stay in the prompt, unconnected, so ComfyUI neither runs
     them nor drops their cached outputs (the next compiled prompt warms nothing again)."""
-    p = {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
-        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["1", 1]}},
-        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
-        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": width, "height": height, "batch_size": batch}},
-        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
-        "7": {"class_type": "PreviewImage", "inputs": {"images": ["6", 0]}},
-        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": prefix}},
-    }
+    p = S.txt2img(ckpt, width, height, batch, STEPS, 1.0, seed, latent_prefix=prefix)
     p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0]}}
     p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
                "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": 77}}
-    src = ["12", 0] if compiled else ["1", 0]
     p["13"] = {"class_type": "LoraLoaderModelOnly",
-               "inputs": {"model": src, "lora_name": lora, "strength_model": strength}}
-    p["5"] = {"class_type": "KSampler", "inputs": {
-        "model": ["13", 0], "seed": seed, "steps": STEPS, "cfg": 1.0, "sampler_name": "euler",
-        "scheduler": "normal", "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0],
-        "denoise": 1.0}}
+               "inputs": {"model": ["12", 0] if compiled else ["1", 0], "lora_name": lora, "strength_model": strength}}
+    p["5"]["inputs"]["model"] = ["13", 0]
     return p
-
-
-def _latent(server: S.ComfyServer, entry: dict):
-    from safetensors.numpy import load_file
-    (saved,) = entry["outputs"]["8"]["latents"]
-    return load_file(str(server.output_dir / saved.get("subfolder", "") / saved["filename"]))["latent_tensor"]
-
-
-def _rel_l2(a, b) -> float:
-    import numpy as np
-    return float(np.linalg.norm((a - b).ravel()) / max(float(np.linalg.norm(b.ravel())), 1e-30))
 
 
 def _rss_mib(pid: int) -> float:
@@ -217,7 +194,7 @@ def run(server: S.ComfyServer, ckpt: str, lora: str, prompts: int, shapes: str =
                 eager = server.run_prompt(workflow(ckpt, lora, batch, w, h, strength, i, shapes, f"soak_{i}_eager",
                                                    compiled=False),
                                           timeout=3600)
-                rec.eager_rel_l2 = _rel_l2(_latent(server, entry), _latent(server, eager))
+                rec.eager_rel_l2 = S.relative_l2(S.saved_latent(server, entry), S.saved_latent(server, eager))
         result.prompts.append(rec)
         if log and (i < 3 or i % 10 == 0 or i == prompts or not rec.ok or rec.events):
             log(f"  prompt {i}: {batch}x{w}x{h}, LoRA {strength:+.2f}: {rec.seconds:.1f} s, RSS {rec.rss_mib:.0f} MiB"

@@ -61,26 +61,15 @@ class StartRow:
 def workflow(ckpt: str, model: str, size: int, batch: int, steps: int, seed: int, shapes: str = "") -> dict:
     """The txt2img API prompt: checkpoint -> [TorchCompileModel | Compile UNet -> Warmup Shapes] ->
     KSampler (euler, normal) -> VAE decode -> preview."""
-    p = {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
-        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["1", 1]}},
-        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "blurry", "clip": ["1", 1]}},
-        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": batch}},
-        "6": {"class_type": "VAEDecode", "inputs": {"samples": ["5", 0], "vae": ["1", 2]}},
-        "7": {"class_type": "PreviewImage", "inputs": {"images": ["6", 0]}},
-    }
-    src = ["1", 0]
+    p = S.txt2img(ckpt, size, size, batch, steps, 7.0, seed)
     if model == "tcm":
-        p["10"] = {"class_type": "TorchCompileModel", "inputs": {"model": src, "backend": "inductor"}}
-        src = ["10", 0]
+        p["10"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["1", 0], "backend": "inductor"}}
+        p["5"]["inputs"]["model"] = ["10", 0]
     elif model == "pack":
-        p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": src}}
+        p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0]}}
         p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
                    "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": 77}}
-        src = ["12", 0]
-    p["5"] = {"class_type": "KSampler", "inputs": {
-        "model": src, "seed": seed, "steps": steps, "cfg": 7.0, "sampler_name": "euler", "scheduler": "normal",
-        "positive": ["2", 0], "negative": ["3", 0], "latent_image": ["4", 0], "denoise": 1.0}}
+        p["5"]["inputs"]["model"] = ["12", 0]
     return p
 
 

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from unet_compiler.comfy_server import relative_l2, saved_latent  # noqa: F401 (relative_l2: the helpers' import)
+
 pytestmark = pytest.mark.e2e
 
 SEED = 0
@@ -82,16 +84,7 @@ def the_image(server, entry) -> np.ndarray:
 
 def the_latent(server, entry) -> np.ndarray:
     """KSampler's output latent as float32 [B, 4, H/8, W/8], read from SaveLatent's file."""
-    from safetensors.numpy import load_file
-
-    latents = (entry.get("outputs") or {}).get("8", {}).get("latents") or []
-    assert len(latents) == 1, f"expected one saved latent, history outputs: {entry.get('outputs')}"
-    path = server.output_dir / latents[0].get("subfolder", "") / latents[0]["filename"]
-    return load_file(str(path))["latent_tensor"]
-
-
-def relative_l2(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1e-30))
+    return saved_latent(server, entry)
 
 
 def ui_text(entry: dict, node_id: str) -> str:
