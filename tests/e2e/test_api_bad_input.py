@@ -385,6 +385,10 @@ def test_an_sd_unet_of_unusual_shape_runs(comfy_server, sd15_checkpoint, tiny_mo
 def test_server_alive_and_the_next_valid_prompt_gives_the_eager_latent(comfy_server, sd15_checkpoint, eager_before):
     comfy_server.check_alive()
     assert comfy_server.get_json("/system_stats")["system"], "the server does not answer"
+    # another seed first, so KSampler cannot come from ComfyUI's cache whatever ran before this test
+    other = eager_txt2img(sd15_checkpoint.name, "bad_input_other_seed")
+    other["5"]["inputs"]["seed"] += 1
+    comfy_server.run_prompt(other, timeout=300)
     entry = comfy_server.run_prompt(eager_txt2img(sd15_checkpoint.name, "bad_input_eager_after"), timeout=300)
     cached = [d.get("nodes") for name, d in (entry.get("status") or {}).get("messages") or []
               if name == "execution_cached"]
