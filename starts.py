@@ -18,7 +18,7 @@ it says otherwise:
   image batch: CFG runs cond and uncond in one batch);
 - ``Compile UNet, range``: Compile UNet + Warmup Shapes of a batch / resolution range;
 - ``restart``: a new process on the one-shape row's caches (the pack's folder, and inductor's
-  cache the pack placed inside it): what a ComfyUI restart pays;
+  cache the pack placed inside it): what a ComfyUI restart pays; and the same for the range row;
 - ``second worker``: a new process given a copy of the pack's folder (its entries and the inductor
   files it placed there), mounted read-only where this machine allows it (a fleet's shared
   mount), with cold caches of its own: what a scale-out worker pays.
@@ -43,6 +43,7 @@ from pathlib import Path
 from . import comfy_server as S
 
 ONE_SHAPE, RANGE = "Compile UNet, one shape", "Compile UNet, range"
+RESTART_RANGE = "restart of the range row"
 
 
 @dataclass
@@ -178,6 +179,8 @@ def measure(args, log=print) -> list[StartRow]:
     # restart: the one-shape row's folders again, a new process
     env = pack_env(one_dir)
     rows.append(run_row("restart of the one-shape row", fresh("restart"), ckpt, "pack", args, env, one, log=log))
+    rows.append(run_row(RESTART_RANGE, fresh("restart_range"), ckpt, "pack", args, pack_env(range_dir), args.range,
+                        log=log))
     rows.append(second_worker(one_dir / "pack_cache", fresh("worker"), ckpt, args, one, log))
     base = rows[0].first_s - rows[0].second_s
     for r in rows:
@@ -188,11 +191,12 @@ def measure(args, log=print) -> list[StartRow]:
 def table(rows: list[StartRow]) -> str:
     tcm = next((r for r in rows if r.row.startswith("TorchCompileModel")), None)
     one = next((r for r in rows if r.row.startswith(ONE_SHAPE)), None)
+    rng = next((r for r in rows if r.row.startswith(RANGE)), None)
     lines = ["| row | first prompt s | second prompt s | compile overhead s | vs TorchCompileModel | "
              "vs its cold row | graphs compiled (from cache) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         vs_tcm = f"{r.overhead_s / tcm.overhead_s:.2f}x" if tcm and r is not rows[0] and tcm.overhead_s > 0 else "-"
-        cold = one if r.row.startswith(("restart", "second worker")) else None
+        cold = rng if r.row == RESTART_RANGE else one if r.row.startswith(("restart", "second worker")) else None
         vs_cold = f"{r.overhead_s / cold.overhead_s:.0%}" if cold and cold.overhead_s > 0 else "-"
         g = "-" if r.graphs is None else f"{r.graphs} ({r.from_cache})"
         note = f" ({r.note})" if r.note else ""
@@ -223,8 +227,8 @@ def main(argv=None):
           f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}")
     print(table(rows))
-    print("compile overhead = (first - second prompt) - the same for eager; vs its cold row: the restart and "
-          "second-worker rows against the one-shape row")
+    print("compile overhead = (first - second prompt) - the same for eager; vs its cold row: each restart "
+          "against the row it restarts, the second worker against the one-shape row")
     if a.out:
         out = Path(a.out) / f"starts_sd15_{'cuda' if torch.cuda.is_available() else 'cpu'}_{a.px}px.json"
         out.write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "torch": torch.__version__,

@@ -58,3 +58,17 @@ def test_table_nets_out_eagers_own_first_prompt_cost():
     assert lines[2].startswith("| eager |") and "| - | - | - | - |" in lines[2]
     assert "| 24.0 | 0.24x | - | 7 (0) |" in lines[4], lines[4]
     assert "| 2.5 | 0.03x | 10% | 7 (7) |" in lines[5], lines[5]
+
+
+def test_each_restart_is_measured_against_the_row_it_restarts():
+    rows = [StartRow("eager", 10.0, 2.0, 5.0), StartRow("TorchCompileModel (inductor)", 108.0, 2.0, 5.0),
+            StartRow(f"{starts.ONE_SHAPE} (2x64x64)", 49.0, 1.0, 5.0, graphs=28, from_cache=0),
+            StartRow(f"{starts.RANGE} (2x64x64, 4x128x128)", 108.0, 1.0, 5.0, graphs=16, from_cache=0),
+            StartRow("restart of the one-shape row", 17.0, 1.0, 5.0, graphs=28, from_cache=28),
+            StartRow(starts.RESTART_RANGE, 17.0, 1.0, 5.0, graphs=16, from_cache=16)]
+    base = rows[0].first_s - rows[0].second_s
+    for r in rows:
+        r.overhead_s = (r.first_s - r.second_s) - base
+    lines = starts.table(rows).splitlines()
+    assert "| 8.0 | 0.08x | 20% | 28 (28) |" in lines[6], lines[6]     # 8 of the one-shape row's 40
+    assert "| 8.0 | 0.08x | 8% | 16 (16) |" in lines[7], lines[7]      # 8 of the range row's 99
