@@ -132,7 +132,7 @@ def activation_floor(shape: Shape, channels: int, itemsize: int) -> int:
 def device_free_bytes(device) -> int | None:
     """Free memory of ``device`` (a GPU's, or the machine's for CPU), None when it cannot be read."""
     try:
-        if getattr(device, "type", str(device)) == "cuda":
+        if device.type == "cuda":
             return int(torch.cuda.mem_get_info(device)[0])
         import psutil
         return int(psutil.virtual_memory().available)
@@ -142,7 +142,7 @@ def device_free_bytes(device) -> int | None:
 
 def memory_name(device) -> str:
     """How a message names ``device``'s memory."""
-    return "the GPU" if getattr(device, "type", str(device)) == "cuda" else "this machine"
+    return "the GPU" if device.type == "cuda" else "this machine"
 
 
 def _size(n: int) -> str:

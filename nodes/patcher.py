@@ -278,11 +278,10 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     # a shape no setting can run is the user's input to fix, said before the warmup allocates it
     # (on a GPU, ComfyUI offloads weights to make room for activations: those count as room too)
     room, where = comfy.model_management.get_free_memory(device), memory_name(device)
-    if getattr(device, "type", "") == "cuda":
+    if device.type == "cuda":
         room += model.loaded_size()
         where += " (free, plus the model's weights ComfyUI can offload)"
-    check_memory(shapes, first_level_channels(base.diffusion_model), torch.empty((), dtype=dtype).element_size(),
-                 room, where)
+    check_memory(shapes, first_level_channels(base.diffusion_model), dtype.itemsize, room, where)
     total = len(shapes) + 1
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
     fb = feedback.WarmupFeedback(accel, shapes, node_id)
