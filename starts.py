@@ -198,6 +198,9 @@ def table(rows: list[StartRow]) -> str:
         vs_tcm = f"{r.overhead_s / tcm.overhead_s:.2f}x" if tcm and r is not rows[0] and tcm.overhead_s > 0 else "-"
         cold = rng if r.row == RESTART_RANGE else one if r.row.startswith(("restart", "second worker")) else None
         vs_cold = f"{r.overhead_s / cold.overhead_s:.0%}" if cold and cold.overhead_s > 0 else "-"
+        if cold and r.second_s > 1.2 * cold.second_s:
+            # a warm start that is cheap because it runs slower code (regions fell back to eager)
+            vs_cold += f" (steps slower than its cold row: {r.second_s:.1f} s vs {cold.second_s:.1f} s)"
         g = "-" if r.graphs is None else f"{r.graphs} ({r.from_cache})"
         note = f" ({r.note})" if r.note else ""
         lines.append(f"| {r.row}{note} | {r.first_s:.1f} | {r.second_s:.1f} | "

@@ -1,16 +1,21 @@
-"""The pack's persistent compile cache: torch's Mega-Cache, one entry per model and setup.
+"""The pack's persistent compile cache: one entry per model and setup, holding the precompiled
+region variants (``precompiled.py``) and torch's Mega-Cache.
 
 A restart (or a second worker pointed at the same folder) loads the entry before anything
-compiles, so inductor, AOTAutograd and Triton find their artifacts and compile nothing; dynamo
-still traces (cheap next to codegen and C++/PTX compiles).
+compiles: each precompiled region variant is deserialized at its first use and called with
+nothing traced; what runs under plain torch.compile finds inductor's, AOTAutograd's and Triton's
+artifacts in the Mega-Cache (dynamo still traces those).
 
 - Where: ``UNET_COMPILER_CACHE_DIR`` if set, else ComfyUI's user directory
   (``<user>/unet_compiler/compile_cache``) inside ComfyUI, else ``~/.cache/unet_compiler/compile_cache``.
   A read-only folder (a fleet's shared mount) is read and never written.
 - Key: everything the artifacts depend on: the UNet's architecture (class, parameter names,
   shapes, dtypes), device type and GPU capability, torch and triton versions, the CompileConfig,
-  the pack's version. Anything else is a different entry.
-- Integrity: each entry is ``<key>.bin`` (torch's serialized artifacts) and ``<key>.json``
+  the pack's version, a digest of its compiled code (region bodies, passes, backends) and ComfyUI's
+  version (the variants carry the bodies' bytecode, traced over ComfyUI's classes). Anything else is
+  a different entry.
+- Integrity: each entry is ``<key>.bin`` (``pack_entry``: a header, torch's Mega-Cache bytes and
+  the precompiled variants' bytes) and ``<key>.json``
   (format, size and sha256 of the .bin, written by the pack after the .bin). An entry whose
   .bin does not match its .json (truncated, corrupt, foreign) is never handed to torch (whose
   loader unpickles): it is discarded with one log line and rebuilt.
@@ -29,6 +34,7 @@ still traces (cheap next to codegen and C++/PTX compiles).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
@@ -40,13 +46,15 @@ from pathlib import Path
 
 import torch
 
+from . import precompiled
 from .compat import megacache
 
 log = logging.getLogger(__name__)
 
 DIR_ENV = "UNET_COMPILER_CACHE_DIR"
 MODE_ENV = "UNET_COMPILER_CACHE"
-FORMAT = "unet-compiler-mega-cache-1"
+FORMAT = "unet-compiler-mega-cache-2"
+_MAGIC = b"UNET-COMPILER-ENTRY-2\n"
 PACK_VERSION = "0.1.0"   # pyproject's version; a new release is a new key
 _loaded: set = set()       # keys loaded into this process's torch caches
 _cleared = [False]
@@ -90,7 +98,28 @@ def key_facts(unet, config, device) -> dict:
         triton_version = None
     return {"format": FORMAT, "architecture": architecture(unet), "device": dev.type, "capability": capability,
             "torch": torch.__version__, "triton": triton_version, "config": dataclasses.asdict(config),
-            "pack": PACK_VERSION}
+            "pack": PACK_VERSION, "code": code_digest(), "comfyui": _comfyui_version()}
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """The pack's compiled code (region bodies, graph passes, backends): precompiled variants carry
+    its bytecode, so a changed body is a new entry even without a version bump."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for p in sorted([root / "regions.py", root / "precompiled.py", *root.glob("passes/*.py"),
+                     *root.glob("backends/*.py")]):
+        h.update(p.name.encode() + p.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _comfyui_version() -> str | None:
+    """ComfyUI's version when inside it: its module classes' defaults are code the variants were traced over."""
+    try:
+        import comfyui_version
+        return str(comfyui_version.__version__)
+    except Exception:
+        return None
 
 
 def key_of(facts: dict) -> str:
@@ -102,6 +131,46 @@ def size_mib(folder: Path) -> float:
         return sum(p.stat().st_size for p in folder.glob("*.bin")) / 2**20
     except OSError:
         return 0.0
+
+
+def pack_entry(mega: bytes | None, variants: dict[str, list[bytes]]) -> bytes:
+    """An entry's .bin: a header (JSON: the sizes of what follows), torch's Mega-Cache bytes, then
+    each precompiled region variant's bytes (``precompiled.py``)."""
+    mega = mega or b""
+    order = [(k, b) for k, blobs in sorted(variants.items()) for b in blobs]
+    header = json.dumps({"megacache": len(mega), "variants": [[k, len(b)] for k, b in order]}).encode()
+    return b"".join([_MAGIC, len(header).to_bytes(8, "little"), header, mega, *(b for _, b in order)])
+
+
+def unpack_entry(data: bytes | None) -> tuple[bytes | None, dict[str, list[bytes]]]:
+    """``pack_entry`` undone (raises ValueError on bytes it did not write)."""
+    if not data:
+        return None, {}
+    if not data.startswith(_MAGIC):
+        raise ValueError("not a UNet Compiler cache entry")
+    at = len(_MAGIC)
+    size = int.from_bytes(data[at:at + 8], "little")
+    header = json.loads(data[at + 8:at + 8 + size])
+    at += 8 + size
+    mega = data[at:at + header["megacache"]]
+    at += header["megacache"]
+    variants: dict[str, list[bytes]] = {}
+    for key, n in header["variants"]:
+        variants.setdefault(key, []).append(data[at:at + n])
+        at += n
+    if at != len(data):
+        raise ValueError("entry length does not match its header")
+    return mega or None, variants
+
+
+def merge_variants(old: dict, new: dict) -> dict:
+    """Every variant of both, each once (by its bytes' sha256)."""
+    out: dict[str, dict[str, bytes]] = {}
+    for src in (old, new):
+        for key, blobs in src.items():
+            for b in blobs:
+                out.setdefault(key, {})[hashlib.sha256(b).hexdigest()] = b
+    return {k: list(v.values()) for k, v in out.items()}
 
 
 class CompileCache:
@@ -146,7 +215,12 @@ class CompileCache:
             self.state = f"miss (entry discarded: {why}; rebuilt after compiling)"
             return False
         try:
-            megacache.load(data)
+            mega, variants = unpack_entry(data)
+            if mega:
+                megacache.load(mega)
+            for key, blobs in variants.items():
+                for blob in blobs:
+                    precompiled.VARIANTS.add_serialized(key, blob)
         except Exception as e:  # a torch that cannot read it: compile as if cold
             log.warning("UNet Compiler: torch could not load compile cache entry %s (%s); it is rebuilt", self.key, e)
             self._discard()
@@ -154,7 +228,9 @@ class CompileCache:
             return False
         _loaded.add(self.key)
         self._entry = data
-        self.state = f"hit ({len(data) / 2**20:.1f} MiB loaded in {time.perf_counter() - t0:.2f} s)"
+        n = sum(map(len, variants.values()))
+        self.state = (f"hit ({len(data) / 2**20:.1f} MiB loaded in {time.perf_counter() - t0:.2f} s"
+                      + (f", {n} precompiled region variant(s)" if n else "") + ")")
         return True
 
     def _place_torch_caches(self):
@@ -224,10 +300,16 @@ class CompileCache:
             self.problem = f"torch could not serialize its caches ({type(e).__name__}: {e})"
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
-        if not got or not got[0]:
+        variants = precompiled.VARIANTS.serialized()
+        if (not got or not got[0]) and not variants:
             return
         # the entry keeps what it held (another process's graphs, this process's earlier saves)
-        data = megacache.merge(self._current_entry(), got[0])
+        try:
+            old_mega, old_variants = unpack_entry(self._current_entry())
+        except ValueError:   # what this process wrote is always readable; a foreign .bin is replaced
+            old_mega, old_variants = None, {}
+        mega = megacache.merge(old_mega, got[0]) if got and got[0] else old_mega
+        data = pack_entry(mega, merge_variants(old_variants, variants))
         bin_path, meta_path = self.paths
         meta = {**self.facts, "key": self.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
                 "written": time.strftime("%Y-%m-%d %H:%M:%S")}

@@ -200,3 +200,14 @@ def runtime_fallback(backend: str, kind: str, error: str) -> Reason:
            f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
     why = f"{kind} regions failed ({error}) and run eager now"
     return Reason(why, fix, backend, text=f"fallback: {why}. Fix: {fix}.")
+
+
+def error_summary(error: BaseException) -> str:
+    """``<type>: <first line>`` of an error, for the report. A first line that only introduces the
+    cause (dynamo's ``backend='...' raised:``, with the compiler's own error on the next line) gets
+    that next line too: the cause is what the user needs."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text += " " + lines[1]
+    return f"{type(error).__name__}: {text}"[:300]

@@ -25,7 +25,7 @@ from .compat import comfy as comfy_compat
 from .compat.dynamo import guard_marks, guard_reasons_since, plain_guard, rank
 from .compat.torch_version import torch_too_old
 from .config import DISABLE_ENV, CompileConfig, disabled_by_env
-from .report import NOTHING_TO_COMPILE, Reason, Report
+from .report import NOTHING_TO_COMPILE, Reason, Report, error_summary
 
 log = logging.getLogger(__name__)
 
@@ -40,18 +40,9 @@ def _graph_count() -> int:
 def cache_hits() -> int:
     """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
     from torch._dynamo.utils import counters
-    return int(counters["inductor"]["fxgraph_cache_hit"])
 
-
-def error_summary(error: BaseException) -> str:
-    """``<type>: <first line>`` of an error, for the report. A first line that only introduces the
-    cause (dynamo's ``backend='...' raised:``, with the compiler's own error on the next line) gets
-    that next line too: the cause is what the user needs."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    text = lines[0] if lines else ""
-    if text.endswith(":") and len(lines) > 1:
-        text += " " + lines[1]
-    return f"{type(error).__name__}: {text}"[:300]
+    from .precompiled import VARIANTS
+    return int(counters["inductor"]["fxgraph_cache_hit"]) + VARIANTS.from_cache
 
 
 def _release(error: BaseException, args) -> None:

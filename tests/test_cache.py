@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from unet_compiler.compiler import cache as C
+from unet_compiler.compiler import precompiled
 from unet_compiler.compiler.config import CompileConfig
 
 
@@ -81,10 +82,25 @@ def test_a_bad_entry_is_discarded_before_torch_sees_it(tiny_unet, folder, monkey
 def test_a_good_entry_is_loaded_once_per_process(tiny_unet, folder, monkeypatch):
     handed = []
     monkeypatch.setattr(C.megacache, "load", lambda data: handed.append(data))
+    monkeypatch.setattr(C.precompiled, "VARIANTS", C.precompiled.Variants())
     entry = _entry(tiny_unet(), folder)
-    _write(entry, b"x" * 2048)
+    _write(entry, C.pack_entry(b"x" * 2048, {"k1": [b"v1", b"v2"], "k2": [b"v3"]}))
     assert entry.load() and handed == [b"x" * 2048] and entry.state.startswith("hit")
+    assert "3 precompiled region variant(s)" in entry.state, entry.state
+    pending = {k: [b for _, b in v] for k, v in C.precompiled.VARIANTS.pending.items()}
+    assert pending == {"k1": [b"v1", b"v2"], "k2": [b"v3"]}, "variants wait for first use"
     assert _entry(tiny_unet(), folder).load() and len(handed) == 1, "loaded once per process"
+
+
+def test_entry_container_round_trip_and_merge():
+    data = C.pack_entry(b"mega", {"b": [b"2"], "a": [b"1", b"11"]})
+    assert C.unpack_entry(data) == (b"mega", {"a": [b"1", b"11"], "b": [b"2"]})
+    assert C.unpack_entry(C.pack_entry(None, {"a": [b"1"]})) == (None, {"a": [b"1"]})
+    for bad in (b"x" * 40, data[:-1], data + b"!"):
+        with pytest.raises(ValueError):
+            C.unpack_entry(bad)
+    merged = C.merge_variants({"a": [b"1"], "b": [b"2"]}, {"a": [b"1", b"3"]})
+    assert sorted(merged["a"]) == [b"1", b"3"] and merged["b"] == [b"2"], "the union, each variant once"
 
 
 def test_unwritable_folder_runs_memory_only_and_says_so(tiny_unet, tmp_path, monkeypatch):
@@ -103,7 +119,7 @@ def test_unwritable_folder_runs_memory_only_and_says_so(tiny_unet, tmp_path, mon
 def test_clear_and_off(tiny_unet, folder, monkeypatch):
     monkeypatch.setattr(C.megacache, "load", lambda data: None)
     entry = _entry(tiny_unet(), folder)
-    _write(entry, b"y" * 100)
+    _write(entry, C.pack_entry(b"y" * 100, {}))
     monkeypatch.setenv(C.MODE_ENV, "off")
     off = _entry(tiny_unet(), folder)
     assert off.load() is False and "off" in "\n".join(off.lines())
@@ -122,7 +138,9 @@ _RUN = textwrap.dedent('''
     api.compile_unet(unet, "inductor", dynamic_shapes=False)
     t0 = time.perf_counter()
     print(api.warmup(unet, "1x64x64", context_tokens=6))
-    print("STATS", json.dumps(dict(api.accelerator_of(unet).stats, warmup_s=time.perf_counter() - t0)))
+    from torch._dynamo.utils import counters
+    print("STATS", json.dumps(dict(api.accelerator_of(unet).stats, warmup_s=time.perf_counter() - t0,
+                                   traced=counters["stats"]["unique_graphs"])))
 ''')
 
 
@@ -156,6 +174,9 @@ def test_restart_and_second_worker_compile_nothing(tmp_path, tiny_unet):
         assert "compile cache: saved" not in out, "nothing new to save"
         stats = _stats(out)
         assert stats["graphs_compiled"] > 0 and stats["graphs_from_cache"] == stats["graphs_compiled"], stats
+        if precompiled.enabled():
+            assert stats["traced"] == 0 and "precompiled region variant(s)" in out, \
+                f"the precompiled regions were loaded, nothing was traced: {stats}"
     cold, warm, fleet = (_stats(o)["warmup_s"] for o in (first, restart, worker))
     print(f"\nwarmup: cold {cold:.1f} s, restart {warm:.1f} s ({warm / cold:.0%}), "
           f"second worker (entry only) {fleet:.1f} s ({fleet / cold:.0%})")
@@ -218,7 +239,7 @@ def test_an_entry_keeps_every_save_and_every_workers_graphs(tmp_path):
     first = _steps(tmp_path, "a", "sin", "save", "cos", "save")
     assert first["misses"] == 2 and first["state"].startswith("miss"), first
     (entry,) = (tmp_path / "pack").glob("*.bin")
-    assert megacache.count(entry.read_bytes()) >= 2
+    assert megacache.count(C.unpack_entry(entry.read_bytes())[0]) >= 2
     fresh = _steps(tmp_path, "b", "sin", "cos")
     assert fresh["hits"] == 2 and fresh["misses"] == 0, f"both saves of one process are loaded: {fresh}"
     worker = _steps(tmp_path, "c", "sin", "tanh", "save")

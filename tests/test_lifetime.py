@@ -42,6 +42,8 @@ def traced_regions(monkeypatch):
     compiled bodies are kept: returns {(body, options): compiled}."""
     from unet_compiler.compiler.backends import inductor
 
+    # the precompiled path compiles with inductor itself; here every body goes through the stand-in
+    monkeypatch.setenv("UNET_COMPILER_PRECOMPILE", "off")
     made = {}
 
     def backend_for(prepack, lin):
@@ -75,10 +77,16 @@ def regions(request):
 
 
 def dynamo_entries(compiled_fns) -> int:
-    """Compiled graphs dynamo holds for these torch.compile'd functions."""
+    """Compiled graphs dynamo holds for these torch.compile'd functions (and the process's
+    precompiled region variants, where they are precompiled bodies)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-    return sum(len(_debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__))
-               for f in compiled_fns if hasattr(f, "_torchdynamo_orig_callable"))
+
+    from unet_compiler.compiler import precompiled
+    n = sum(len(_debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__))
+            for f in compiled_fns if hasattr(f, "_torchdynamo_orig_callable"))
+    if any(isinstance(f, precompiled.Precompiled) for f in compiled_fns):
+        n += sum(len(v) for v in precompiled.VARIANTS.live.values())
+    return n
 
 
 @contextlib.contextmanager

@@ -192,6 +192,8 @@ MEGACACHE = {
                                                    "only an entry whose .json (format, key, size, sha256) matches",
     ("compiler/compat/megacache.py", "load"): "the same entry, to torch's caches (public call where the "
                                               "serializer is missing)",
+    ("compiler/precompiled.py", "_deserialize"): "a precompiled region variant of the same entry, which "
+                                                 "compiler/cache.py hands over only after its .json matched",
 }
 
 
@@ -287,6 +289,8 @@ def deserializers(monkeypatch):
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", record("torch.compiler.load_cache_artifacts"))
     monkeypatch.setattr(tc.CacheArtifactManager, "deserialize", staticmethod(record("CacheArtifactManager.deserialize")))
     monkeypatch.setattr(tc.CacheArtifactManager, "populate_caches", staticmethod(record("populate_caches")))
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    monkeypatch.setattr(AOTCompiledFunction, "deserialize", classmethod(record("AOTCompiledFunction.deserialize")))
     monkeypatch.setattr(pickle, "loads", record("pickle.loads"))
     monkeypatch.setattr(pickle, "load", record("pickle.load"))
     return reached
@@ -353,7 +357,8 @@ def test_a_foreign_cache_file_reaches_no_deserializer(tiny_unet, cache_folder, d
     with mock.patch.object(torch.compiler, "save_cache_artifacts", lambda: (b"the pack's own bytes", None)):
         entry.save()
     assert deserializers == [], f"a foreign cache file reached {deserializers}"
-    assert bin_path.read_bytes() == b"the pack's own bytes", "the pack wrote its own entry, merged with nothing"
+    assert C.unpack_entry(bin_path.read_bytes())[0] == b"the pack's own bytes", \
+        "the pack wrote its own entry, merged with nothing"
 
 
 def test_the_packs_own_entry_is_what_reaches_the_loader(tiny_unet, cache_folder, deserializers):
@@ -366,7 +371,7 @@ def test_the_packs_own_entry_is_what_reaches_the_loader(tiny_unet, cache_folder,
     entry = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu")
     with mock.patch.object(torch.compiler, "save_cache_artifacts", lambda: (b"written by the pack", None)):
         entry.save()
-    assert entry.paths[0].read_bytes() == b"written by the pack" and deserializers == []
+    assert C.unpack_entry(entry.paths[0].read_bytes())[0] == b"written by the pack" and deserializers == []
     C._loaded.clear()
     fresh = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu")
     assert fresh.load() is False and "torch could not load" in fresh.state

@@ -72,3 +72,14 @@ def test_each_restart_is_measured_against_the_row_it_restarts():
     lines = starts.table(rows).splitlines()
     assert "| 8.0 | 0.08x | 20% | 28 (28) |" in lines[6], lines[6]     # 8 of the one-shape row's 40
     assert "| 8.0 | 0.08x | 8% | 16 (16) |" in lines[7], lines[7]      # 8 of the range row's 99
+
+
+def test_a_warm_start_with_slower_steps_is_flagged():
+    """A restart is cheap if its regions fell back to eager: its step time then says so."""
+    rows = [StartRow("eager", 10.0, 6.0, 5.0), StartRow("TorchCompileModel (inductor)", 108.0, 9.0, 5.0),
+            StartRow(f"{starts.ONE_SHAPE} (2x64x64)", 49.0, 3.4, 5.0, graphs=28, from_cache=0),
+            StartRow("restart of the one-shape row", 14.0, 6.3, 5.0, graphs=4, from_cache=4),
+            StartRow("second worker", 14.0, 3.5, 5.0, graphs=28, from_cache=28)]
+    lines = starts.table(rows).splitlines()
+    assert "steps slower than its cold row: 6.3 s vs 3.4 s" in lines[5], lines[5]
+    assert "slower" not in lines[6], lines[6]

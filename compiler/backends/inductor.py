@@ -14,6 +14,7 @@ import shutil
 
 import torch
 
+from .. import precompiled
 from .. import regions as R
 from ..compat.torch_version import torch_too_old
 from ..plan import PROJECTION
@@ -43,6 +44,20 @@ def compiled_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool =
     every clone / Compile UNet node reuses the same compiled code. ``dynamic`` None: the first
     shape static, dynamic after a change (torch's automatic dynamic shapes)."""
     return torch.compile(body, backend=_make_dynamo_backend(prepack, prepack_lin), dynamic=dynamic)
+
+
+@functools.lru_cache(maxsize=None)
+def _backend(prepack: bool, prepack_lin: bool):
+    return _make_dynamo_backend(prepack, prepack_lin)
+
+
+def region_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool = False):
+    """What runs a region body: its precompiled variants (kept by the compile cache, loaded at a
+    restart without tracing; ``precompiled.py``), else plain torch.compile."""
+    plain = compiled_body(body, dynamic, prepack, prepack_lin)
+    if not precompiled.enabled():
+        return plain
+    return precompiled.body(body, _backend(prepack, prepack_lin), dynamic, plain, (prepack, prepack_lin))
 
 
 def _cpp_compiler_missing() -> str | None:
@@ -75,11 +90,19 @@ class InductorBackend(Backend):
     def impls(self, config) -> dict:
         prepack = config.prepack_conv
         lin = config.prepack_linear
-        out = {key: compiled_body(body, config.dynamic_shapes, prepack, lin) for key, body in R.BODIES.items()}
+        out = {key: region_body(body, config.dynamic_shapes, prepack, lin) for key, body in R.BODIES.items()}
+        # the custom ops the passes put into graphs are registered when their modules load: a variant
+        # loaded from the compile cache calls them with no compile (which imports them) in this process
+        if lin:
+            from ..passes import prepack_linear  # noqa: F401
         if prepack:
             from ..passes import prepack_conv
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
         return out
+
+    def compile_count(self) -> int:
+        # a variant compiled here is a dynamo graph already; one loaded from the cache is not traced
+        return precompiled.VARIANTS.from_cache
 
     def dynamo_config(self, config):
         if config.dynamic_shapes is not True:   # False: static; None: static first (fix_shape)

@@ -16,15 +16,22 @@ def _failures() -> dict:
     return guard_failures
 
 
+def _precompiled_failures() -> list:
+    from ..precompiled import VARIANTS   # the precompiled regions' misses, worded as dynamo's guards
+    return VARIANTS.failures
+
+
 def guard_marks() -> dict:
     """A bookmark in dynamo's guard-failure record (cheap: one length per compiled code object)."""
-    return {code: len(reasons) for code, reasons in list(_failures().items())}
+    marks = {code: len(reasons) for code, reasons in list(_failures().items())}
+    marks["precompiled"] = len(_precompiled_failures())
+    return marks
 
 
 def guard_reasons_since(marks: dict) -> list[str]:
     """The raw reasons dynamo recorded after ``marks``, oldest first, each once."""
     out = []
-    for code, reasons in list(_failures().items()):
+    for code, reasons in [*_failures().items(), ("precompiled", _precompiled_failures())]:
         for r in reasons[marks.get(code, 0):]:
             r = str(r).split("\nUser stack trace:", 1)[0]
             if r not in out:

@@ -1,0 +1,165 @@
+"""Precompiled region variants (compiler/precompiled.py): they match eager, a new store fed only
+their bytes serves a UNet with nothing traced (what a restart does), a region dynamo alone can
+follow (a hook inside it) runs plain torch.compile and honours the hook, and a call no variant
+fits compiles one more and names the input that did not fit. The two-process restart is in
+tests/test_cache.py."""
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+
+from unet_compiler.compiler import api
+from unet_compiler.compiler import precompiled as P
+
+pytestmark = pytest.mark.skipif(not P.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
+
+
+@pytest.fixture
+def store(monkeypatch):
+    fresh = P.Variants()
+    monkeypatch.setattr(P, "VARIANTS", fresh)
+    return fresh
+
+
+def _inputs(seed=0, latent=8, batch=1):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, 4, latent, latent, generator=g), torch.tensor([10.0] * batch),
+            torch.randn(batch, 6, 32, generator=g))
+
+
+def _both(unet, args):
+    """(compiled output, eager output) of one call."""
+    with torch.inference_mode():
+        out = unet(*args).sample
+        with api.accelerator_of(unet).bypass():
+            ref = unet(*args).sample
+    return out, ref
+
+
+def _fed(blobs: dict, change=lambda b: b) -> P.Variants:
+    """A store holding only these variants' bytes (``change``d), as a restart's after loading its entry."""
+    fed = P.Variants()
+    for key, items in blobs.items():
+        for b in items:
+            fed.add_serialized(key, change(b))
+    return fed
+
+
+def _traced() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def test_a_new_store_fed_only_bytes_serves_another_unet_without_tracing(tiny_unet, store, monkeypatch):
+    first = tiny_unet(seed=0)
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    out, ref = _both(first, _inputs())
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    assert store.compiled > 0 and store.from_cache == 0
+    blobs = store.serialized()
+    assert sum(map(len, blobs.values())) == store.compiled, "every variant compiled here can be saved"
+
+    restarted = _fed(blobs)   # what a restart holds after loading the cache entry
+    monkeypatch.setattr(P, "VARIANTS", restarted)
+    second = tiny_unet(seed=3)   # other weights: they are inputs of the variants, read live
+    api.compile_unet(second, "inductor", dynamic_shapes=False)
+    traced = _traced()
+    out, ref = _both(second, _inputs(seed=1))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    assert restarted.compiled == 0 and restarted.from_cache == store.compiled, vars(restarted)
+    assert _traced() == traced, "nothing was traced: the variants came from their bytes"
+    assert api.accelerator_of(second).stats["graphs_from_cache"] == store.compiled
+
+
+def test_a_region_with_a_hook_runs_plain_torch_compile_and_honours_it(tiny_unet, store):
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    conv = unet.down_blocks[0].resnets[0].conv2   # its output joins the residual (no norm after it)
+    assert P.structure(unet.down_blocks[0].resnets[0], (None,)) is not None
+    conv.register_forward_hook(lambda m, i, o: o * 2.0)
+    assert P.structure(unet.down_blocks[0].resnets[0], (None,)) is None, "a hook only dynamo's guards follow"
+    out, ref = _both(unet, _inputs())
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), "the hook ran in the compiled UNet too"
+    with torch.inference_mode(), api.accelerator_of(unet).bypass():
+        conv._forward_hooks.clear()
+        unhooked = unet(*_inputs()).sample
+    assert not torch.allclose(unhooked, ref, atol=1e-3), "the hook changes the output (the check means something)"
+
+
+def test_structure_tells_blocks_and_missing_inputs_apart(tiny_unet):
+    unet = tiny_unet()
+    a, b = unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1, \
+        unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2
+    x = torch.zeros(1)
+    assert P.structure(a, (x, None)) == P.structure(a, (x, None))
+    assert P.structure(a, (x, None)) != P.structure(a, (x, x)), "a None input is another variant"
+    assert P.structure(a, (x, x)) != P.structure(a, (x, torch.zeros(1))), \
+        "the same tensor twice is another variant (dynamo passes it to the graph once)"
+    b.to_q.forward = lambda t: t   # an instance override: only an identity guard would see it
+    assert P.structure(b, (x, x)) is None
+
+
+def test_a_call_no_variant_fits_compiles_one_more_and_names_the_input(tiny_unet, store):
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    api.warmup(unet, "1x64x64", context_tokens=6, compare=False)
+    accel = api.accelerator_of(unet)
+    before = store.compiled
+    out, ref = _both(unet, _inputs(latent=12))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert store.compiled > before and accel.recompiles, "the new size compiled (after warmup: named)"
+    guards = " ".join(g for e in accel.recompiles for g in e["guards"])
+    assert "region input" in guards and "12" in guards, guards
+    again = store.compiled
+    out, ref = _both(unet, _inputs(seed=2, latent=10))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert store.compiled == again, "the variant after a miss is dynamic (torch's automatic-dynamic rule): " + \
+        accel.recompiles[-1]["text"]
+
+
+def test_a_variant_pickled_under_another_install_path_loads(tiny_unet, store, monkeypatch):
+    """Inside ComfyUI the pack's modules are named by its install path, and a variant's bytes name
+    them (its signature's default ops). A second ComfyUI root (a fleet worker) loads it anyway."""
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    _both(unet, _inputs())
+    blobs = store.serialized()
+    saved, _, data = next(iter(blobs.values()))[0].partition(b"\n")
+    assert saved.decode() == P.PACKAGE and P.PACKAGE.encode() in data, "the bytes name the pack's modules"
+    other = "x" * len(P.PACKAGE)   # same length: pickle's strings are length-prefixed
+    moved = _fed(blobs, lambda b: other.encode() + b"\n" + b.partition(b"\n")[2].replace(
+        P.PACKAGE.encode(), other.encode()))
+    monkeypatch.setattr(P, "VARIANTS", moved)
+    second = tiny_unet(seed=5)
+    api.compile_unet(second, "inductor", dynamic_shapes=False)
+    out, ref = _both(second, _inputs(seed=4))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert moved.unusable == 0 and moved.compiled == 0 and moved.from_cache == store.compiled, vars(moved)
+    assert other not in __import__("sys").modules, "the aliases are gone after loading"
+
+
+def test_a_cached_variant_that_fails_at_its_first_call_is_dropped_and_compiled_again(tiny_unet, store, monkeypatch):
+    """(The starts bench met one: a custom op the variants call was not registered in the new
+    process.) The region compiles instead of its kind falling back to eager for good."""
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    _both(first, _inputs())
+    restarted = _fed(store.serialized())
+    monkeypatch.setattr(P, "VARIANTS", restarted)
+    key = next(iter(restarted.pending))
+    with torch.inference_mode():   # where the UNet calls load it: guards keep the loading thread's dispatch state
+        (broken,) = restarted.candidates(key)[:1]
+
+    def missing(*args):
+        raise AttributeError("'_OpNamespace' 'unet_compiler' object has no attribute 'linear_prepacked'")
+    monkeypatch.setattr(broken, "fn", missing)
+    second = tiny_unet(seed=2)
+    api.compile_unet(second, "inductor", dynamic_shapes=False)
+    out, ref = _both(second, _inputs(seed=6))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    accel = api.accelerator_of(second)
+    assert not accel.failed, f"no region kind fell back to eager: {accel.failed}"
+    assert restarted.unusable == 1 and restarted.compiled >= 1 and broken not in restarted.live[key]
+    assert all(hashlib.sha256(b).hexdigest() != broken.digest for b in restarted.serialized().get(key, []))
