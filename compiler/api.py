@@ -95,11 +95,15 @@ def report(module) -> str:
     return accelerator_of(module).text()
 
 
-def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> str:
+def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, background: bool = False) -> str:
     """Compile and prime caches for ``shapes`` (``"1x512x512, 2x768x768"`` or
     (batch, width, height) tuples) under ``torch.inference_mode``. After this,
     batch / resolution changes inside the warmed range do not recompile.
+    ``background=True``: return at once and compile in a background thread (calls run the model's
+    own code in each region until its code is ready; ``wait_for_background()`` waits).
     Returns the report text."""
+    if not isinstance(background, bool):
+        raise TypeError(f"warmup: background must be True or False, got {background!r}")
     accel = accelerator_of(module)
     p = next(module.parameters())
     shapes = as_shapes(shapes)
@@ -112,5 +116,12 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True) -> st
             out = module(*args, **kwargs)
         return out.sample if hasattr(out, "sample") else out
 
-    warmup_runs(accel, shapes, run_one, compare=compare)
+    warmup_runs(accel, shapes, run_one, compare=compare, background=background)
     return accel.text()
+
+
+def wait_for_background(timeout: float | None = None) -> bool:
+    """Wait until the background compile (``warmup(..., background=True)``) has nothing left to do;
+    returns whether it finished within ``timeout`` seconds."""
+    from .precompiled import BACKGROUND
+    return BACKGROUND.wait(timeout)

@@ -22,6 +22,14 @@ Policy per key: the first variant is static, unless the config asks for dynamic 
 every dim, channel counts included, is symbolic); a key that misses after its first variant
 compiles a dynamic one (torch's own automatic-dynamic rule). ``UNET_COMPILER_PRECOMPILE=off``
 turns this off (plain dynamo compiles, as before).
+
+Background compile (``BACKGROUND``, Warmup Shapes' ``background`` input): warmup runs each shape
+with the bodies' own code, recording every call that has no variant yet (its module, and its
+inputs' shapes, strides, dtypes and the grad / inference / autocast state), and a daemon thread
+compiles those signatures with ``aot_compile`` on stand-in tensors (nothing has to run to compile
+one). Until a variant is ready its calls keep running the body's own code; a call with no variant
+while the thread works is queued for it rather than compiled in the caller's thread, so sampling
+never waits on a compile.
 """
 from __future__ import annotations
 
@@ -32,6 +40,8 @@ import logging
 import os
 import sys
 import threading
+import time
+import weakref
 from collections import defaultdict
 
 import torch
@@ -168,6 +178,171 @@ class Variants:
 VARIANTS = Variants()
 
 
+def _spec(a):
+    """What a stand-in for input ``a`` needs (values are not guarded, so uninitialised memory will do)."""
+    if isinstance(a, torch.Tensor):
+        return ("t", tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.is_inference(), a.requires_grad)
+    return ("v", a)
+
+
+def _stand_ins(specs, struct_inputs) -> list:
+    args = []
+    for i, s in enumerate(specs):
+        if struct_inputs[i] not in (-1, i):       # the same tensor as an earlier input
+            args.append(args[struct_inputs[i]])
+        elif s[0] == "t":
+            _, shape, stride, dtype, device, inference, grad = s
+            with torch.inference_mode(inference):
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+            args.append(t.requires_grad_() if grad else t)
+        else:
+            args.append(s[1])
+    return args
+
+
+def _modes_now(device_type: str) -> tuple:
+    """The caller thread's grad / inference / autocast state: variants guard it, and it is per thread."""
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device_type,
+            torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+
+
+@contextlib.contextmanager
+def _modes(state):
+    grad, inference, device_type, autocast, dtype = state
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
+            torch.autocast(device_type, dtype=dtype, enabled=autocast):
+        yield
+
+
+class Background:
+    """Region variants compiled in a daemon thread while calls run the bodies' own code (see the
+    module docstring). Process-wide, like ``VARIANTS``; ``listeners`` are told when the queue empties."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.recording = False
+        self.running = False
+        self.queue: list[tuple] = []
+        self._seen: set = set()
+        self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
+        self.epoch = 0                   # bumped as each job starts and ends (runtime's recompile count)
+        self.compiled = 0                # variants the thread compiled
+        self.graphs = 0                  # dynamo graphs they were (torch's unique_graphs)
+        self.eager_calls = 0             # region calls that ran the body's own code meanwhile
+        self.failures: list[str] = []
+        self.seconds = 0.0               # the thread's busy time
+        self.listeners: list = []        # callable(): told (in the thread) when the queue is empty
+
+    @property
+    def active(self) -> bool:
+        return self.recording or self.running
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue) + (1 if self.running else 0)
+
+    @contextlib.contextmanager
+    def record(self):
+        """Calls inside run the bodies' own code and queue what they miss; the thread starts at the end."""
+        with self.lock:
+            prev, self.recording = self.recording, True
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.recording = prev
+            self._start()
+
+    def add(self, pre: Precompiled, key: str, module, args, struct_inputs) -> None:
+        specs = tuple(_spec(a) for a in args)
+        device = next((s[4] for s in specs if s[0] == "t"), torch.device("cpu"))
+        try:
+            sig = (key, specs)
+            hash(sig)
+        except TypeError:            # an unhashable constant input: not something to queue
+            return
+        with self.lock:
+            if sig in self._seen:
+                return
+            self._seen.add(sig)
+            dyn = pre.dynamic if pre.dynamic is not None else (key in self._keys or bool(VARIANTS.live.get(key)))
+            self._keys.add(key)
+            self.queue.append((pre, key, weakref.ref(module), specs, struct_inputs, dyn, _modes_now(device.type)))
+        if not self.recording:
+            self._start()
+
+    def _start(self) -> None:
+        with self.lock:
+            if self.running or self.recording or not self.queue:
+                return
+            self.running = True
+        threading.Thread(target=self._work, name="unet-compiler-background", daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            with self.lock:
+                if not self.queue:
+                    self.running = False
+                    self.epoch += 1
+                    self._seen.clear()       # what was compiled is in VARIANTS now
+                    self._keys.clear()
+                    listeners = list(self.listeners)
+                    break
+                job = self.queue.pop(0)
+                self.epoch += 1
+            t0 = time.perf_counter()
+            try:
+                self._compile(*job)
+            except BaseException as e:   # never into the interpreter's thread hook
+                self.failures.append(error_summary(e))
+                log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
+            self.seconds += time.perf_counter() - t0
+            with self.lock:
+                self.epoch += 1
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:
+                log.debug("background listener failed", exc_info=True)
+
+    def _compile(self, pre, key, module_ref, specs, struct_inputs, dynamic, modes) -> None:
+        from torch._dynamo.utils import counters
+        module = module_ref()
+        if module is None:
+            return
+        with _modes(modes):
+            args = _stand_ins(specs, struct_inputs)
+            if any(fn.guard_check(module, *args) for fn in VARIANTS.candidates(key)):
+                return                   # an earlier job's (dynamic) variant serves it
+            g0 = int(counters["stats"]["unique_graphs"])
+            fn = pre._aot(key, module, args, dynamic)
+            self.graphs += int(counters["stats"]["unique_graphs"]) - g0
+        if fn is not None:
+            self.compiled += 1
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or compiling (True), or ``timeout`` seconds pass (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.active:
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def reset(self) -> None:
+        """Forget what was queued (tests); a running thread finishes its job."""
+        with self.lock:
+            self.queue.clear()
+            self._seen.clear()
+            self._keys.clear()
+            self.compiled = self.graphs = self.eager_calls = 0
+            self.failures.clear()
+            self.seconds = 0.0
+
+
+BACKGROUND = Background()
+
+
 def _serialize(fn) -> bytes:
     """A variant's bytes: the pack's module name it was pickled under, a newline, torch's bytes."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -251,6 +426,11 @@ class Precompiled:
         # dynamic shapes on: symbolic from the start; off: static always; one warmup shape (None):
         # static first, then symbolic once a key misses (torch's automatic-dynamic rule)
         dynamic = self.dynamic if self.dynamic is not None else bool(variants)
+        if BACKGROUND.active:
+            # the daemon thread compiles it; this call runs the body's own code meanwhile
+            BACKGROUND.add(self, key, module, args, struct[1])
+            BACKGROUND.eager_calls += 1
+            return self.body(module, *args)
         return self._compile(key, module, args, dynamic=dynamic)
 
     def _first_use(self, key, fn, module, args):
@@ -275,6 +455,13 @@ class Precompiled:
         return out
 
     def _compile(self, key, module, args, dynamic: bool):
+        fn = self._aot(key, module, args, dynamic)
+        if fn is None:
+            return self.fallback(module, *args)
+        return fn.fn(module, *args)
+
+    def _aot(self, key, module, args, dynamic: bool):
+        """Compile, keep and return a variant for these inputs (None: this key is left to the fallback)."""
         try:
             with torch._dynamo.config.patch(specialize_float=True):
                 fn = self._compiler(dynamic).aot_compile(((module, *args), {}))
@@ -286,14 +473,14 @@ class Precompiled:
             log.info("UNet Compiler: %s is not precompiled for this region (%s); plain torch.compile",
                      self.__name__, error_summary(e))
             self._no_aot.add(key)
-            return self.fallback(module, *args)
+            return None
         blob = None
         try:
             blob = _serialize(fn)
         except Exception as e:   # runs; not kept across restarts
             log.info("UNet Compiler: a precompiled %s cannot be saved (%s)", self.__name__, error_summary(e))
         VARIANTS.add_compiled(key, fn, blob)
-        return fn.fn(module, *args)
+        return fn
 
 
 @functools.lru_cache(maxsize=None)

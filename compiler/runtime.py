@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 
 from . import plan as P
+from . import precompiled
 from . import weights
 from .backends import resolve
 from .cache import CompileCache
@@ -41,8 +42,7 @@ def cache_hits() -> int:
     """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
     from torch._dynamo.utils import counters
 
-    from .precompiled import VARIANTS
-    return int(counters["inductor"]["fxgraph_cache_hit"]) + VARIANTS.from_cache
+    return int(counters["inductor"]["fxgraph_cache_hit"]) + precompiled.VARIANTS.from_cache
 
 
 def _release(error: BaseException, args) -> None:
@@ -131,6 +131,10 @@ class Accelerator:
         #: compiled code the compile cache does not hold yet; saves deferred by ``one_cache_save``
         self._cache_dirty = False
         self._defer_save = False
+        #: what warmup's background compile started from (``background_started``); None: none asked
+        self.background: dict | None = None
+        #: optional ``callable(report line, state)`` told (from the thread) when that compile is done
+        self.on_background_done = None
         self._install(self.backend.impls(self.config), first=True)
         log.info("%s", rep.text().replace("\n", " |"))
 
@@ -312,6 +316,8 @@ class Accelerator:
         weights.set_epoch(weight_epoch)
         installed = []
         before, hits_before = self._compiled(), cache_hits()
+        bg = precompiled.BACKGROUND
+        bg_before = (bg.epoch, bg.active)
         marks = guard_marks() if self.warmed else None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
@@ -333,6 +339,10 @@ class Accelerator:
                     module.__dict__.pop(hook, None)
                 new = self._compiled() - before
                 self.stats["calls"] += 1
+                if bg_before[1] or bg.active or bg.epoch != bg_before[0]:
+                    # the background thread compiled meanwhile: its graphs are counted when it is done
+                    # (``background_started``), not as this call's compiles or recompiles
+                    new = 0
                 if new:
                     self.stats["graphs_compiled"] += new
                     hits = cache_hits() - hits_before
@@ -392,6 +402,55 @@ class Accelerator:
         return all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
                    for f in ("batch", "width", "height"))
 
+    def background_started(self) -> None:
+        """Warmup queued this model's region calls for the background thread (``precompiled.BACKGROUND``):
+        when its queue empties, what it compiled is counted here and saved to the compile cache."""
+        bg = precompiled.BACKGROUND
+        self.background = {"graphs0": bg.graphs, "variants0": bg.compiled, "seconds0": bg.seconds,
+                           "eager0": bg.eager_calls, "t0": time.perf_counter(), "done": None}
+        me = weakref.ref(self)
+
+        def done():
+            accel = me()
+            if accel is None or accel.background is None or accel.background["done"] is not None:
+                bg.listeners[:] = [f for f in bg.listeners if f is not done]
+                return
+            state = accel.background
+            state["done"] = time.perf_counter() - state["t0"]
+            graphs = bg.graphs - state["graphs0"]
+            accel.stats["graphs_compiled"] += graphs
+            accel.stats["compile_seconds"] += bg.seconds - state["seconds0"]
+            bg.listeners[:] = [f for f in bg.listeners if f is not done]
+            line = accel.background_line()
+            log.info("UNet Compiler: %s", line)
+            if graphs:
+                accel._cache_dirty = True
+                accel.save_cache()
+            if accel.on_background_done is not None:
+                try:
+                    accel.on_background_done(line, "fallback" if accel.failed else "compiled")
+                except Exception:   # a listener must not break the thread
+                    log.debug("on_background_done listener failed", exc_info=True)
+        bg.listeners.append(done)
+        if not bg.active:    # nothing was queued (all from the compile cache), or it finished already
+            done()
+
+    def background_line(self) -> str | None:
+        """The report line of a background compile warmup started (None: warmup compiled in the foreground)."""
+        state = self.background
+        if state is None:
+            return None
+        bg = precompiled.BACKGROUND
+        variants, graphs = bg.compiled - state["variants0"], bg.graphs - state["graphs0"]
+        eager = bg.eager_calls - state["eager0"]
+        failed = f"; failed: {'; '.join(bg.failures[-2:])}" if bg.failures else ""
+        if state["done"] is None:
+            return (f"background compile: running, {variants} region variant(s) compiled ({graphs} graph(s)), "
+                    f"{bg.queued} to go, {time.perf_counter() - state['t0']:.0f} s so far; region calls not ready "
+                    f"run the model's own code ({eager} so far){failed}")
+        return (f"background compile: done in {state['done']:.1f} s, {variants} region variant(s) ({graphs} "
+                f"graph(s)); {eager} region call(s) ran the model's own code meanwhile{failed}")
+
     def save_cache(self):
         """Write what compiled so far to the persistent compile cache, if anything new did (never raises)."""
         if self.cache is not None and self._cache_dirty:
@@ -414,4 +473,6 @@ class Accelerator:
         extra += self.cache.lines() if self.cache is not None else []
         extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(self.patches_seen.items())]
         extra += [f"  recompile: {e['text']}" for e in self.recompiles[-5:]]
+        line = self.background_line()
+        extra += [f"  {line}"] if line else []
         return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -7,10 +7,12 @@ the model's own code. ``warmup_probes`` says which probe shapes a backend needs.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from . import precompiled
 from .runtime import Accelerator
 from .shapes import Shape, probe_shapes
 
@@ -30,13 +32,32 @@ def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     return []
 
 
-def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True):
+def background_problem(accel: Accelerator) -> str | None:
+    """Why this model's code cannot compile in the background (None: it can)."""
+    if accel.backend.name == "eager" or not accel._shims:
+        return "nothing is compiled"
+    if accel.graphs is not None:
+        return "CUDA graphs are captured in the sampling thread (turn cuda_graphs off to compile in the background)"
+    return accel.backend.background_problem()
+
+
+def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
+                background: bool = False):
     """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
     probe shapes and then each shape, timing it and counting the graphs each
     one compiled; compare the first shape against the eager reference. Marks
-    the accelerator warmed (later compiles are counted as recompiles)."""
+    the accelerator warmed (later compiles are counted as recompiles).
+
+    ``background``: the runs only record what to compile and run the model's own code; a daemon
+    thread compiles it (``precompiled.BACKGROUND``) while sampling goes on with the model's own code
+    in every region not ready yet. Where that is impossible a note says why and warmup compiles first."""
     rep = accel.report
     accel.fix_shape(shapes)
+    if background:
+        why = background_problem(accel)
+        if why:
+            rep.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
+            background = False
 
     def timed(shape, label):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
@@ -49,14 +70,15 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         rep.from_cache[label] = accel.stats["graphs_from_cache"] - c0
         return out, secs
 
-    with accel.one_cache_save():
+    recorded = " (recorded for the background compile)" if background else ""
+    with accel.one_cache_save(), (precompiled.BACKGROUND.record() if background else contextlib.nullcontext()):
         for probe in warmup_probes(accel, shapes):
-            timed(probe, f"{probe.label} (probe)")
+            timed(probe, f"{probe.label} (probe){recorded}")
         for i, shape in enumerate(shapes):
-            out, secs = timed(shape, shape.label)
+            out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
-            if i == 0 and compare:
+            if i == 0 and compare and not background:   # (background: nothing compiled to compare yet)
                 with accel.bypass():
                     ref = run_one(shape)
                 rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
@@ -64,6 +86,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:
                 on_shape(i, shape, secs)
+    if background:
+        accel.background_started()
     accel.warmed = True
     accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep

@@ -276,6 +276,12 @@ class WarmupFeedback:
         diff = accel.report.max_abs_diff
         if state == "eager":
             text = f"eager: {self.total} shape(s) in {secs:.1f} s, no rewrites: {reason}."
+        elif accel.background is not None and accel.background["done"] is None and state == "compiled":
+            state = "compiling"
+            text = (f"{accel.backend.name}: compiling in the background, {self.total} shape(s) recorded in "
+                    f"{secs:.1f} s; until each region's code is ready it runs the model's own code")
+            accel.on_background_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
+                                                        total=self.total, t0=self._t0)
         else:
             text = (f"{accel.backend.name}: {state}, {self.total} shape(s) in {secs:.1f} s, {graphs} graph(s) "
                     f"compiled" + (f", max |compiled - eager| {diff:.2g}" if diff is not None else ""))
@@ -316,6 +322,19 @@ class WarmupFeedback:
             with self._lock:
                 if self._label is not None:
                     progress_text(f"{self._label} {time.perf_counter() - self._since:.0f} s", self.node_id)
+
+
+def _background_done(backend: str, node_id, total: int, t0: float):
+    """What tells the badge and node text that a warmup's background compile is done (its end event
+    said ``compiling``). Called from the compile thread; refers to no accelerator (no cycle)."""
+    def told(line: str, state: str) -> None:
+        text = f"{backend}: {state}; {line}"
+        send("warmup", {"node_id": _id(node_id), "phase": "end", "backend": backend, "total": total, "text": text,
+                        "state": state, "seconds": round(time.perf_counter() - t0, 3), "max_abs_diff": None,
+                        "reason": "", "fix": ""})
+        progress_text(text, node_id)
+        log.info("UNet Compiler: Warmup Shapes%s: %s", _where(node_id), text)
+    return told
 
 
 def _id(node_id):

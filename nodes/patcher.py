@@ -253,7 +253,7 @@ class SamplingCall:
             return base.apply_model(x, timestep, **c)
 
 
-def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
+def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False):
     """Run the model's real apply_model (wrappers, patches and the sampling
     state they read) for each shape under inference_mode with a cancellable
     ProgressBar. Returns report text. Warmup is a cache primer: a model it
@@ -294,7 +294,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None):
     fb.start()
     stopped = None
     try:
-        warmup_runs(accel, shapes, fb.wrap(call), on_shape=tick)
+        warmup_runs(accel, shapes, fb.wrap(call), on_shape=tick, background=background)
     except Exception as e:
         if is_interrupt(e):
             raise

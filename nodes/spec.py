@@ -86,6 +86,11 @@ WARMUP_SHAPES = Node(
               "UNet batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
         Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk).", optional=True,
               widget={"default": 77, "min": 1, "max": MAX_CONTEXT_TOKENS}),
+        Input("background", "BOOLEAN",
+              "Off: compile now, sampling starts compiled. On (inductor): return at once and compile in a background "
+              "thread; until each region is ready it runs the model's own code (slower meanwhile, ~3x eager on a "
+              "2-core CPU), so the first image comes sooner. The report and the log say when it is done.",
+              optional=True, widget={"default": False}),
     ),
     outputs=(("MODEL", None), ("STRING", "report")),
     reports=True,

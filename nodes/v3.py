@@ -71,10 +71,11 @@ class WarmupShapes(io.ComfyNode):
         return validate_shapes_input(shapes)
 
     @classmethod
-    def execute(cls, model, shapes, context_tokens=77) -> io.NodeOutput:
+    def execute(cls, model, shapes, context_tokens=77, background=False) -> io.NodeOutput:
         patcher.require_model(model, "Warmup Shapes")
         try:
-            text = patcher.warmup_model(model, shapes, context_tokens, node_id=cls.hidden.unique_id)
+            text = patcher.warmup_model(model, shapes, context_tokens, node_id=cls.hidden.unique_id,
+                                        background=bool(background))
         except ShapeError as e:
             raise ValueError(f"Warmup Shapes: {e}") from e
         return io.NodeOutput(model, text, ui=ui.PreviewText(text))

@@ -51,7 +51,7 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     be.name = backend
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
-                           warmed=False, bypassed=False, on_fallback=None)
+                           warmed=False, bypassed=False, on_fallback=None, background=None)
 
 
 def test_no_server_is_a_noop(monkeypatch, caplog):

@@ -78,6 +78,11 @@ class Backend:
     #: shape can be compiled static (``Accelerator.fix_shape``)
     follows_dynamic_shapes = False
 
+    def background_problem(self) -> str | None:
+        """Why Warmup Shapes' ``background`` cannot compile this backend's code in a background
+        thread (None: it can; only serializable precompiled bodies can be compiled from a record)."""
+        return f"the {self.name} backend compiles no region bodies"
+
     def available(self, device) -> tuple[bool, str]:
         """(True, what it does here) or (False, why not: a ``report.Reason`` with the fix, or a
         plain sentence)."""

@@ -100,6 +100,12 @@ class InductorBackend(Backend):
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
         return out
 
+    def background_problem(self) -> str | None:
+        if not precompiled.enabled():
+            return (f"precompiled regions are off ({precompiled.ENV}=off, or torch has no aot_compile: "
+                    f"torch >= 2.10 needed)")
+        return None
+
     def compile_count(self) -> int:
         # a variant compiled here is a dynamo graph already; one loaded from the cache is not traced
         return precompiled.VARIANTS.from_cache

@@ -1,0 +1,171 @@
+"""Warmup Shapes' ``background`` (compiler/precompiled.py ``Background``): warmup returns having
+compiled nothing, calls meanwhile run the model's own code and match eager, a daemon thread
+compiles what warmup recorded, after which the same calls run the compiled variants with nothing
+traced in the caller; its graphs count once, never as recompiles; a call no variant fits while
+the thread works is queued for it, not compiled in the caller's thread. Through ComfyUI's own
+UNetModel and ModelPatcher too."""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import types
+
+import pytest
+import torch
+
+from unet_compiler.compiler import api
+from unet_compiler.compiler import precompiled as P
+
+pytestmark = pytest.mark.skipif(not P.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
+
+
+@pytest.fixture
+def fresh(monkeypatch):
+    """A fresh variant store and background queue (what a new process has), whose thread starts only
+    at ``fresh.gate.set()`` (so a test sees the running state)."""
+    monkeypatch.setattr(P, "VARIANTS", P.Variants())
+    bg = P.Background()
+    bg.gate = threading.Event()
+    work = bg._work
+    bg._work = lambda: (bg.gate.wait(120), work())
+    monkeypatch.setattr(P, "BACKGROUND", bg)
+    yield bg
+    bg.gate.set()
+    bg.wait(300)
+
+
+def _inputs(batch=2, latent=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        return (torch.randn(batch, 4, latent, latent, generator=g), torch.tensor([10.0] * batch),
+                torch.randn(batch, 77, 32, generator=g))
+
+
+def _traced() -> int:
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _check(unet, args):
+    with torch.inference_mode():
+        out = unet(*args).sample
+        with api.accelerator_of(unet).bypass():
+            ref = unet(*args).sample
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, monkeypatch):
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    seen = _traced()
+    text = api.warmup(unet, "2x64x64", background=True)
+    assert "recorded for the background compile" in text and "background compile: running" in text, text
+    assert accel.stats["graphs_compiled"] == 0 and fresh.active
+    _check(unet, _inputs())                       # meanwhile: the model's own code, same numbers
+    assert fresh.eager_calls > 0
+    fresh.gate.set()
+    assert api.wait_for_background(300)
+    assert fresh.compiled > 0 and fresh.graphs >= fresh.compiled and not fresh.failures
+    assert accel.stats["graphs_compiled"] == fresh.graphs, accel.text()
+    assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    assert "background compile: done" in accel.text()
+    traced = _traced()
+    assert traced - seen == fresh.graphs
+    _check(unet, _inputs(seed=1))                 # now the variants: nothing traced in this thread
+    assert _traced() == traced and P.VARIANTS.compiled == fresh.compiled
+    assert accel.stats["recompiles_after_warmup"] == 0
+
+
+def test_a_new_shape_while_it_runs_is_queued_not_compiled_here(tiny_unet, fresh, monkeypatch):
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    api.warmup(unet, "2x64x64", background=True)
+    queued = len(fresh.queue)
+    before = _traced()
+    _check(unet, _inputs(batch=1, latent=12))     # not warmed: queued, runs the model's code
+    assert _traced() == before, "nothing may compile in the sampling thread while the thread works"
+    assert len(fresh.queue) > queued
+    fresh.gate.set()
+    assert api.wait_for_background(300)
+    after = _traced()
+    _check(unet, _inputs(batch=1, latent=12))
+    _check(unet, _inputs())
+    assert _traced() == after, "both shapes must be served by what the thread compiled"
+    assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+def test_where_it_cannot_warmup_compiles_first_and_says_why(tiny_unet, fresh, monkeypatch):
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "eager")
+    text = api.warmup(unet, "1x64x64", background=True)
+    assert "background compile: not used: nothing is compiled" in text and not fresh.active
+    with pytest.raises(TypeError, match="background must be True or False"):
+        api.warmup(unet, "1x64x64", background="false")
+
+
+def _apply(mp, seed=1):
+    """One sampling-style SD1.5 UNet call through ComfyUI's apply_model (as tests/test_comfy_patcher.py)."""
+    import comfy.model_management as mm
+
+    from unet_compiler.nodes import patcher
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():
+        x, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 64, generator=g)
+    mm.load_models_gpu([mp])
+    with torch.inference_mode():
+        return mp.model.apply_model(x, torch.full((2,), 2.0), c_crossattn=ctx,
+                                    transformer_options=patcher.sampling_transformer_options(mp))
+
+
+@pytest.mark.comfy
+def test_warmup_shapes_node_in_the_background(make_comfy_model, fresh, monkeypatch, tmp_path):
+    """ComfyUI's UNetModel in a real ModelPatcher, Warmup Shapes' own code path: the status says it is
+    compiling in the background, sampling-style calls match eager meanwhile and after, and the
+    compile cache entry is saved when the thread is done."""
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.nodes import patcher
+    events = []
+    srv = types.SimpleNamespace(client_id=None, send_sync=lambda e, d, sid=None: events.append((e, d)),
+                                send_progress_text=lambda text, node_id, sid=None: None)
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=srv)))
+    from unet_compiler.compiler import cache as C
+    monkeypatch.setenv(C.DIR_ENV, str(tmp_path))
+    monkeypatch.delenv(C.MODE_ENV, raising=False)
+    monkeypatch.setattr(C, "_loaded", set())
+    for env in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):   # the cache points torch's there: put back after
+        monkeypatch.setenv(env, os.environ[env]) if env in os.environ else monkeypatch.delenv(env, raising=False)
+    mp = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    text = patcher.warmup_model(cm, "2x64x64", 77, node_id="7", background=True)
+    assert "status: inductor: compiling in the background" in text, text
+    ends = [d for e, d in events if e.endswith("warmup") and d["phase"] == "end"]
+    assert [d["state"] for d in ends] == ["compiling"]
+    accel = patcher.accelerator_of(cm)
+    out = _apply(cm)
+    with accel.bypass():
+        ref = _apply(cm)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    fresh.gate.set()
+    assert fresh.wait(300) and fresh.compiled > 0 and not fresh.failures
+    traced = _traced()
+    out = _apply(cm, seed=2)
+    with accel.bypass():
+        ref = _apply(cm, seed=2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert _traced() == traced and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    assert "background compile: done" in accel.text()
+    ends = [d for e, d in events if e.endswith("warmup") and d["phase"] == "end"]
+    assert [d["state"] for d in ends] == ["compiling", "compiled"] and ends[-1]["node_id"] == "7"
+    assert "background compile: done" in ends[-1]["text"], ends[-1]
+    ends = [d for e, d in events if e.endswith("warmup") and d["phase"] == "end"]
+    assert [d["state"] for d in ends] == ["compiling", "compiled"] and ends[-1]["node_id"] == "7"
+    assert "background compile: done" in ends[-1]["text"], ends[-1]
+    # what the thread compiled was saved to the compile cache when it was done
+    assert [f for f in tmp_path.rglob("*") if f.is_file() and f.stat().st_size > 10_000], accel.text()
+    assert "compile cache: saved" in accel.text(), accel.text()
