@@ -83,6 +83,12 @@ class CompileConfig:
             raise ValueError(f"backend={self.backend!r} is not one of {', '.join(BACKENDS)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        for name in ("dynamic_shapes", "prepack_conv", "prepack_linear", "cuda_graphs"):
+            value = getattr(self, name)
+            # (dynamic_shapes None is the runtime's own "one warmup shape, static first")
+            if not isinstance(value, bool) and not (name == "dynamic_shapes" and value is None):
+                raise TypeError(f"{name}={value!r} must be True or False (a string such as 'false' would read as "
+                                f"True)")
 
     def replace(self, **changes) -> "CompileConfig":
         return dataclasses.replace(self, **changes)

@@ -34,6 +34,7 @@ never waits on a compile.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import logging
@@ -200,18 +201,51 @@ def _stand_ins(specs, struct_inputs) -> list:
     return args
 
 
+#: dynamo settings the backends patch around a call (``Backend.dynamo_config``); patches are per thread
+_DYNAMO_KEYS = ("force_parameter_static_shapes", "force_nn_module_property_static_shapes",
+                "assume_static_by_default", "automatic_dynamic_shapes")
+
+
 def _modes_now(device_type: str) -> tuple:
-    """The caller thread's grad / inference / autocast state: variants guard it, and it is per thread."""
+    """The caller thread's grad / inference / autocast state (variants guard it) and its dynamo
+    settings (how it traces): all per thread, so the compile thread takes them over."""
+    dynamo = {k: getattr(torch._dynamo.config, k) for k in _DYNAMO_KEYS if hasattr(torch._dynamo.config, k)}
     return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device_type,
-            torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
+            torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), tuple(dynamo.items()))
 
 
 @contextlib.contextmanager
 def _modes(state):
-    grad, inference, device_type, autocast, dtype = state
+    grad, inference, device_type, autocast, dtype, dynamo = state
     with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
-            torch.autocast(device_type, dtype=dtype, enabled=autocast):
+            torch.autocast(device_type, dtype=dtype, enabled=autocast), torch._dynamo.config.patch(**dict(dynamo)):
         yield
+
+
+class Owner:
+    """What one model's background compiles did (an accelerator keeps one; jobs count into it).
+    While ``queueing(owner)`` is entered, that model's misses go to the thread, never compiled in
+    the calling thread: background compile is a mode of the model, not only of its warmup."""
+
+    def __init__(self):
+        self.variants = 0          # variants the thread compiled for it
+        self.graphs = 0            # dynamo graphs they were (torch's unique_graphs)
+        self.seconds = 0.0         # the thread's time on them
+        self.eager_calls = 0       # region calls that ran the body's own code while theirs compiled
+        self.failures: list[str] = []
+
+
+_OWNER: contextvars.ContextVar = contextvars.ContextVar("unet_compiler_background_owner", default=None)
+
+
+@contextlib.contextmanager
+def queueing(owner: Owner):
+    """Calls inside queue their misses for the background thread (and run the body's own code)."""
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
 
 
 class Background:
@@ -226,11 +260,8 @@ class Background:
         self._seen: set = set()
         self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
         self.epoch = 0                   # bumped as each job starts and ends (runtime's recompile count)
-        self.compiled = 0                # variants the thread compiled
-        self.graphs = 0                  # dynamo graphs they were (torch's unique_graphs)
-        self.eager_calls = 0             # region calls that ran the body's own code meanwhile
+        self.compiled = 0                # variants the thread compiled, for every owner
         self.failures: list[str] = []
-        self.seconds = 0.0               # the thread's busy time
         self.listeners: list = []        # callable(): told (in the thread) when the queue is empty
 
     @property
@@ -241,19 +272,25 @@ class Background:
     def queued(self) -> int:
         return len(self.queue) + (1 if self.running else 0)
 
+    @staticmethod
+    def owner() -> Owner | None:
+        return _OWNER.get()
+
     @contextlib.contextmanager
-    def record(self):
-        """Calls inside run the bodies' own code and queue what they miss; the thread starts at the end."""
+    def record(self, owner: Owner):
+        """Calls inside run the bodies' own code and queue what they miss for ``owner``; the thread
+        starts at the end."""
         with self.lock:
             prev, self.recording = self.recording, True
         try:
-            yield
+            with queueing(owner):
+                yield
         finally:
             with self.lock:
                 self.recording = prev
             self._start()
 
-    def add(self, pre: Precompiled, key: str, module, args, struct_inputs) -> None:
+    def add(self, pre: Precompiled, key: str, module, args, struct_inputs, owner: Owner | None) -> None:
         specs = tuple(_spec(a) for a in args)
         device = next((s[4] for s in specs if s[0] == "t"), torch.device("cpu"))
         try:
@@ -267,7 +304,8 @@ class Background:
             self._seen.add(sig)
             dyn = pre.dynamic if pre.dynamic is not None else (key in self._keys or bool(VARIANTS.live.get(key)))
             self._keys.add(key)
-            self.queue.append((pre, key, weakref.ref(module), specs, struct_inputs, dyn, _modes_now(device.type)))
+            self.queue.append((owner, pre, key, weakref.ref(module), specs, struct_inputs, dyn,
+                               _modes_now(device.type)))
         if not self.recording:
             self._start()
 
@@ -290,13 +328,15 @@ class Background:
                     break
                 job = self.queue.pop(0)
                 self.epoch += 1
+            owner = job[0] or Owner()
             t0 = time.perf_counter()
             try:
-                self._compile(*job)
+                self._compile(owner, *job[1:])
             except BaseException as e:   # never into the interpreter's thread hook
+                owner.failures.append(error_summary(e))
                 self.failures.append(error_summary(e))
                 log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
-            self.seconds += time.perf_counter() - t0
+            owner.seconds += time.perf_counter() - t0
             with self.lock:
                 self.epoch += 1
         for listener in listeners:
@@ -305,7 +345,7 @@ class Background:
             except Exception:
                 log.debug("background listener failed", exc_info=True)
 
-    def _compile(self, pre, key, module_ref, specs, struct_inputs, dynamic, modes) -> None:
+    def _compile(self, owner, pre, key, module_ref, specs, struct_inputs, dynamic, modes) -> None:
         from torch._dynamo.utils import counters
         module = module_ref()
         if module is None:
@@ -316,8 +356,9 @@ class Background:
                 return                   # an earlier job's (dynamic) variant serves it
             g0 = int(counters["stats"]["unique_graphs"])
             fn = pre._aot(key, module, args, dynamic)
-            self.graphs += int(counters["stats"]["unique_graphs"]) - g0
+            owner.graphs += int(counters["stats"]["unique_graphs"]) - g0
         if fn is not None:
+            owner.variants += 1
             self.compiled += 1
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -328,16 +369,6 @@ class Background:
                 return False
             time.sleep(0.05)
         return True
-
-    def reset(self) -> None:
-        """Forget what was queued (tests); a running thread finishes its job."""
-        with self.lock:
-            self.queue.clear()
-            self._seen.clear()
-            self._keys.clear()
-            self.compiled = self.graphs = self.eager_calls = 0
-            self.failures.clear()
-            self.seconds = 0.0
 
 
 BACKGROUND = Background()
@@ -426,10 +457,13 @@ class Precompiled:
         # dynamic shapes on: symbolic from the start; off: static always; one warmup shape (None):
         # static first, then symbolic once a key misses (torch's automatic-dynamic rule)
         dynamic = self.dynamic if self.dynamic is not None else bool(variants)
-        if BACKGROUND.active:
-            # the daemon thread compiles it; this call runs the body's own code meanwhile
-            BACKGROUND.add(self, key, module, args, struct[1])
-            BACKGROUND.eager_calls += 1
+        owner = _OWNER.get()
+        if owner is not None or BACKGROUND.active:
+            # the daemon thread compiles it (never two compiling threads); this call runs the body's
+            # own code meanwhile
+            BACKGROUND.add(self, key, module, args, struct[1], owner)
+            if owner is not None:
+                owner.eager_calls += 1
             return self.body(module, *args)
         return self._compile(key, module, args, dynamic=dynamic)
 

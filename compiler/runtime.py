@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 import traceback
 import weakref
@@ -131,8 +132,9 @@ class Accelerator:
         #: compiled code the compile cache does not hold yet; saves deferred by ``one_cache_save``
         self._cache_dirty = False
         self._defer_save = False
-        #: what warmup's background compile started from (``background_started``); None: none asked
+        #: background mode's state (``background_owner``); None: compiles happen in the calling thread
         self.background: dict | None = None
+        self._background_lock = threading.Lock()
         #: optional ``callable(report line, state)`` told (from the thread) when that compile is done
         self.on_background_done = None
         self._install(self.backend.impls(self.config), first=True)
@@ -323,6 +325,8 @@ class Accelerator:
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
                 stack.enter_context(cm)
+            if self.background is not None:
+                stack.enter_context(precompiled.queueing(self.background["owner"]))
             if self._autocast is not None:
                 dev = next(self.root.parameters()).device.type
                 # no autocast weight-cast cache under graphs: a cast cached inside one region's capture
@@ -355,7 +359,7 @@ class Accelerator:
                     if self.warmed:
                         self._recompiled(new, shape, time.perf_counter() - t0, marks)
 
-    def _recompiled(self, graphs: int, shape: str | None, seconds: float, marks) -> None:
+    def _recompiled(self, graphs: int, shape: str | None, seconds: float, marks, background: bool = False) -> None:
         """Count a compile after warmup against the running prompt, name its shape and the guard that
         failed, log it and tell the listener (never raises into the UNet call)."""
         self.stats["recompiles_after_warmup"] += graphs
@@ -368,7 +372,8 @@ class Accelerator:
             log.debug("guard reasons unavailable", exc_info=True)
         prompt = comfy_compat.current_prompt()
         self.recompiles_by_prompt[prompt] += graphs
-        event = {"prompt": prompt, "shape": shape, "graphs": graphs, "seconds": round(seconds, 2), "guards": guards}
+        event = {"prompt": prompt, "shape": shape, "graphs": graphs, "seconds": round(seconds, 2), "guards": guards,
+                 "background": background}
         self.recompiles = (self.recompiles + [event])[-50:]
         event["text"] = self.recompile_sentence(event)
         log.warning("UNet Compiler: %s", event["text"])
@@ -381,6 +386,8 @@ class Accelerator:
     def recompile_sentence(self, e: dict) -> str:
         where = f"prompt {e['prompt']}: " if e.get("prompt") else ""
         shape = f" for a {e['shape']} call" if e.get("shape") else ""
+        if e.get("background"):
+            shape += " in the background (the calls ran the model's own code meanwhile)"
         warmed = ", ".join(self.warmed_shapes) or "none"
         inside = bool(e.get("shape")) and bool(self.warmed_shapes) and self._inside_warmed(e["shape"])
         where_shape = ("" if not e.get("shape") or not self.warmed_shapes else
@@ -402,54 +409,75 @@ class Accelerator:
         return all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
                    for f in ("batch", "width", "height"))
 
+    def background_owner(self) -> precompiled.Owner:
+        """Start background mode (Warmup Shapes' ``background``): from now on this model's region
+        calls that no compiled code fits are queued for the compile thread and run the model's own
+        code meanwhile; nothing compiles in the sampling thread."""
+        if self.background is None:
+            self.background = {"owner": precompiled.Owner(), "t0": time.perf_counter(), "done": None,
+                               "counted": 0, "seconds": 0.0, "marks": None}
+        return self.background["owner"]
+
     def background_started(self) -> None:
-        """Warmup queued this model's region calls for the background thread (``precompiled.BACKGROUND``):
-        when its queue empties, what it compiled is counted here and saved to the compile cache."""
+        """Warmup recorded this model's region calls for the compile thread: each time its queue
+        empties, what it compiled for this model is counted (the first time as warmup's, later as
+        compiles after warmup), saved to the compile cache, and (the first time) told."""
         bg = precompiled.BACKGROUND
-        self.background = {"graphs0": bg.graphs, "variants0": bg.compiled, "seconds0": bg.seconds,
-                           "eager0": bg.eager_calls, "t0": time.perf_counter(), "done": None}
+        self.background_owner()
+        self.background["marks"] = guard_marks()
         me = weakref.ref(self)
 
         def done():
             accel = me()
-            if accel is None or accel.background is None or accel.background["done"] is not None:
+            if accel is None:
                 bg.listeners[:] = [f for f in bg.listeners if f is not done]
                 return
-            state = accel.background
-            state["done"] = time.perf_counter() - state["t0"]
-            graphs = bg.graphs - state["graphs0"]
-            accel.stats["graphs_compiled"] += graphs
-            accel.stats["compile_seconds"] += bg.seconds - state["seconds0"]
-            bg.listeners[:] = [f for f in bg.listeners if f is not done]
-            line = accel.background_line()
-            log.info("UNet Compiler: %s", line)
-            if graphs:
-                accel._cache_dirty = True
-                accel.save_cache()
-            if accel.on_background_done is not None:
-                try:
-                    accel.on_background_done(line, "fallback" if accel.failed else "compiled")
-                except Exception:   # a listener must not break the thread
-                    log.debug("on_background_done listener failed", exc_info=True)
+            accel._background_done()
         bg.listeners.append(done)
         if not bg.active:    # nothing was queued (all from the compile cache), or it finished already
             done()
 
+    def _background_done(self) -> None:
+        with self._background_lock:
+            state = self.background
+            owner = state["owner"]
+            new, secs = owner.graphs - state["counted"], owner.seconds - state["seconds"]
+            first = state["done"] is None
+            if not first and not new:
+                return
+            state["counted"], state["seconds"] = owner.graphs, owner.seconds
+            self.stats["graphs_compiled"] += new
+            self.stats["compile_seconds"] += secs
+            if first:
+                state["done"] = time.perf_counter() - state["t0"]
+            else:
+                self._recompiled(new, None, secs, state["marks"], background=True)
+            state["marks"] = guard_marks()
+        line = self.background_line()
+        log.info("UNet Compiler: %s", line)
+        if new:
+            self._cache_dirty = True
+            self.save_cache()
+        if first and self.on_background_done is not None:
+            try:
+                self.on_background_done(line, "fallback" if self.failed else "compiled")
+            except Exception:   # a listener must not break the thread
+                log.debug("on_background_done listener failed", exc_info=True)
+
     def background_line(self) -> str | None:
-        """The report line of a background compile warmup started (None: warmup compiled in the foreground)."""
+        """The report line of background mode (None: warmup compiled in the foreground)."""
         state = self.background
         if state is None:
             return None
-        bg = precompiled.BACKGROUND
-        variants, graphs = bg.compiled - state["variants0"], bg.graphs - state["graphs0"]
-        eager = bg.eager_calls - state["eager0"]
-        failed = f"; failed: {'; '.join(bg.failures[-2:])}" if bg.failures else ""
+        owner = state["owner"]
+        failed = f"; failed: {'; '.join(owner.failures[-2:])}" if owner.failures else ""
         if state["done"] is None:
-            return (f"background compile: running, {variants} region variant(s) compiled ({graphs} graph(s)), "
-                    f"{bg.queued} to go, {time.perf_counter() - state['t0']:.0f} s so far; region calls not ready "
-                    f"run the model's own code ({eager} so far){failed}")
-        return (f"background compile: done in {state['done']:.1f} s, {variants} region variant(s) ({graphs} "
-                f"graph(s)); {eager} region call(s) ran the model's own code meanwhile{failed}")
+            return (f"background compile: running, {owner.variants} region variant(s) compiled ({owner.graphs} "
+                    f"graph(s)), {precompiled.BACKGROUND.queued} to go, {time.perf_counter() - state['t0']:.0f} s "
+                    f"so far; region calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
+        return (f"background compile: done in {state['done']:.1f} s, {owner.variants} region variant(s) "
+                f"({owner.graphs} graph(s)); {owner.eager_calls} region call(s) ran the model's own code "
+                f"meanwhile{failed}")
 
     def save_cache(self):
         """Write what compiled so far to the persistent compile cache, if anything new did (never raises)."""

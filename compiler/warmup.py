@@ -71,7 +71,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         return out, secs
 
     recorded = " (recorded for the background compile)" if background else ""
-    with accel.one_cache_save(), (precompiled.BACKGROUND.record() if background else contextlib.nullcontext()):
+    with accel.one_cache_save(), (precompiled.BACKGROUND.record(accel.background_owner()) if background else contextlib.nullcontext()):
         for probe in warmup_probes(accel, shapes):
             timed(probe, f"{probe.label} (probe){recorded}")
         for i, shape in enumerate(shapes):

@@ -31,7 +31,7 @@ class SelectBackend(io.ComfyNode):
 
     @classmethod
     def execute(cls, backend, precision, dynamic_shapes, cuda_graphs=False) -> io.NodeOutput:
-        return io.NodeOutput(CompileConfig(backend=backend, precision=precision, dynamic_shapes=dynamic_shapes,
+        return io.NodeOutput(CompileConfig(backend=backend, precision=precision, dynamic_shapes=bool(dynamic_shapes),
                                            cuda_graphs=bool(cuda_graphs)))
 
 

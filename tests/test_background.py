@@ -65,15 +65,16 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     assert "recorded for the background compile" in text and "background compile: running" in text, text
     assert accel.stats["graphs_compiled"] == 0 and fresh.active
     _check(unet, _inputs())                       # meanwhile: the model's own code, same numbers
-    assert fresh.eager_calls > 0
+    owner = accel.background["owner"]
+    assert owner.eager_calls > 0
     fresh.gate.set()
     assert api.wait_for_background(300)
-    assert fresh.compiled > 0 and fresh.graphs >= fresh.compiled and not fresh.failures
-    assert accel.stats["graphs_compiled"] == fresh.graphs, accel.text()
+    assert owner.variants == fresh.compiled > 0 and owner.graphs >= owner.variants and not fresh.failures
+    assert accel.stats["graphs_compiled"] == owner.graphs, accel.text()
     assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
     assert "background compile: done" in accel.text()
     traced = _traced()
-    assert traced - seen == fresh.graphs
+    assert traced - seen == owner.graphs
     _check(unet, _inputs(seed=1))                 # now the variants: nothing traced in this thread
     assert _traced() == traced and P.VARIANTS.compiled == fresh.compiled
     assert accel.stats["recompiles_after_warmup"] == 0
@@ -97,6 +98,32 @@ def test_a_new_shape_while_it_runs_is_queued_not_compiled_here(tiny_unet, fresh,
     _check(unet, _inputs())
     assert _traced() == after, "both shapes must be served by what the thread compiled"
     assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+def test_after_it_is_done_a_new_shape_still_compiles_in_the_background(tiny_unet, fresh, monkeypatch):
+    """Background is the model's mode, not only its warmup's: a later miss (a new shape, or the
+    input layouts compiled code produces, which the eager warmup pass could not see) is queued too,
+    never compiled in the sampling thread, and counted and named as a compile after warmup."""
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    api.warmup(unet, "2x64x64", background=True)
+    fresh.gate.set()
+    assert api.wait_for_background(300)
+    done_graphs = accel.stats["graphs_compiled"]
+    fresh.gate = threading.Event()                # the next thread run waits for this test again
+    before = _traced()
+    _check(unet, _inputs(batch=1, latent=12))
+    assert _traced() == before and fresh.queue, "the miss must be queued, not compiled in this thread"
+    fresh.gate.set()
+    assert api.wait_for_background(300)
+    assert _traced() > before and accel.stats["graphs_compiled"] > done_graphs
+    assert accel.stats["recompiles_after_warmup"] == accel.stats["graphs_compiled"] - done_graphs, accel.text()
+    assert "in the background (the calls ran the model's own code meanwhile)" in accel.text(), accel.text()
+    traced = _traced()
+    _check(unet, _inputs(batch=1, latent=12))
+    assert _traced() == traced
 
 
 def test_where_it_cannot_warmup_compiles_first_and_says_why(tiny_unet, fresh, monkeypatch):
@@ -169,3 +196,20 @@ def test_warmup_shapes_node_in_the_background(make_comfy_model, fresh, monkeypat
     # what the thread compiled was saved to the compile cache when it was done
     assert [f for f in tmp_path.rglob("*") if f.is_file() and f.stat().st_size > 10_000], accel.text()
     assert "compile cache: saved" in accel.text(), accel.text()
+
+
+def test_a_range_in_the_background_traces_as_the_sampling_thread_would(tiny_unet, fresh, monkeypatch):
+    """Dynamic shapes: the backend's dynamo settings (symbolic weight shapes) are patched per thread,
+    so the compile thread takes over the caller's; a shape inside the range then traces nothing."""
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    api.warmup(unet, "1x64x64, 2x128x128", background=True)
+    fresh.gate.set()
+    assert api.wait_for_background(600) and not fresh.failures
+    traced = _traced()
+    for batch, latent in ((2, 12), (1, 16), (2, 8)):
+        _check(unet, _inputs(batch=batch, latent=latent))
+    assert _traced() == traced, "a shape inside the warmed range must not compile"
+    assert accel.stats["recompiles_after_warmup"] == 0, accel.text()

@@ -19,6 +19,12 @@ def test_config_rejects_unknown_values():
         CompileConfig(precision="fp8")
     with pytest.raises(TypeError, match="unknown option"):
         CompileConfig.from_options("auto", dynamc_shapes=True)
+    # a string is not a switch: "false" would have read as True
+    with pytest.raises(TypeError, match="dynamic_shapes='false' must be True or False"):
+        CompileConfig.from_options("auto", dynamic_shapes="false")
+    with pytest.raises(TypeError, match="cuda_graphs=1 must be True or False"):
+        CompileConfig(cuda_graphs=1)
+    assert CompileConfig(dynamic_shapes=None).dynamic_shapes is None   # the runtime's one-shape mode
 
 
 def _run(code, env_extra=None):
