@@ -222,6 +222,42 @@ def _modes(state):
         yield
 
 
+_THREAD = threading.local()
+
+
+def _not_in_the_thread(set_state):
+    """``set_state`` (torch's ``set_rng_state``), except in the compile thread. Dynamo restores the
+    global RNG state it saw when a compile began (``convert_frame.preserve_global_state``); from
+    another thread that rewinds every number the sampling thread drew meanwhile (measured: 1414 of
+    1422 draws differed), so samplers and nodes that draw from torch's global generator made other
+    images. The compile itself draws none of them (tests/test_background.py checks the sequence)."""
+    @functools.wraps(set_state)
+    def set_rng_state(*args, **kwargs):
+        if getattr(_THREAD, "compiling", False):
+            return None
+        return set_state(*args, **kwargs)
+    set_rng_state._unet_compiler = True
+    return set_rng_state
+
+
+def _before_the_thread() -> None:
+    """What the compile thread must not do while other threads run modules, done in the caller's
+    thread first. Once per process, inductor traces a dummy function with a plain FX ``Tracer``
+    (``loop_body.InterpreterShim._dummy_gm``), which patches ``nn.Module.__call__`` process-wide
+    meanwhile: a module called in the sampling thread in that window raised ``NameError: module is
+    not installed as a submodule`` (found by the starts bench). The other traces a compile makes
+    (make_fx's ``PythonKeyTracer``) pass module calls straight through. And torch's
+    ``set_rng_state`` is made a no-op in the compile thread (``_not_in_the_thread``)."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+        InterpreterShim._dummy_gm()
+    except Exception:   # another torch: nothing of this kind to do first
+        log.debug("no inductor loop-body tracer to prime", exc_info=True)
+    for module in (torch.random, torch.cuda):
+        if not getattr(module.set_rng_state, "_unet_compiler", False):
+            module.set_rng_state = _not_in_the_thread(module.set_rng_state)
+
+
 class Owner:
     """What one model's background compiles did (an accelerator keeps one; jobs count into it).
     While ``queueing(owner)`` is entered, that model's misses go to the thread, never compiled in
@@ -310,6 +346,7 @@ class Background:
             self._start()
 
     def _start(self) -> None:
+        _before_the_thread()
         with self.lock:
             if self.running or self.recording or not self.queue:
                 return
@@ -317,6 +354,7 @@ class Background:
         threading.Thread(target=self._work, name="unet-compiler-background", daemon=True).start()
 
     def _work(self) -> None:
+        _THREAD.compiling = True
         while True:
             with self.lock:
                 if not self.queue:
@@ -440,10 +478,11 @@ class Precompiled:
 
     def __call__(self, module, *args):
         struct = structure(module, args, widths=self.dynamic is not True)
-        if struct is None:
-            return self.fallback(module, *args)
-        key = VARIANTS.key(self.body, struct, self.options)
-        if key in self._no_aot:
+        if struct is None or (key := VARIANTS.key(self.body, struct, self.options)) in self._no_aot:
+            if BACKGROUND.running:
+                # plain torch.compile would compile here, beside the thread (and a dynamo-compiled
+                # function called while the thread traces raises: FX's tracing flag is process-wide)
+                return self.body(module, *args)
             return self.fallback(module, *args)
         variants = VARIANTS.candidates(key)
         for fn in variants:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import types
 
 import pytest
@@ -213,3 +214,57 @@ def test_a_range_in_the_background_traces_as_the_sampling_thread_would(tiny_unet
         _check(unet, _inputs(batch=batch, latent=latent))
     assert _traced() == traced, "a shape inside the warmed range must not compile"
     assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+_SPY = r'''
+import os, sys, tempfile, threading
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp()
+os.environ["UNET_COMPILER_CACHE"] = "off"
+import torch, diffusers
+import torch.fx._symbolic_trace as st
+plain = []
+orig = st.Tracer.trace
+def trace(self, *a, **k):
+    # a tracer whose call_module is FX's own resolves every module called meanwhile, in any thread,
+    # against its root: a sampling thread's module call then raises NameError
+    if type(self).call_module is st.Tracer.call_module:
+        plain.append(threading.current_thread().name)
+    return orig(self, *a, **k)
+st.Tracer.trace = trace
+from unet_compiler.compiler import api
+torch.manual_seed(0)
+unet = diffusers.UNet2DConditionModel(**CONFIG).eval()
+api.compile_unet(unet, "inductor")
+api.warmup(unet, "2x64x64", background=True)
+assert api.wait_for_background(600)
+print("PLAIN", [n for n in plain if n == "unet-compiler-background"])
+'''
+
+
+def test_the_compile_thread_makes_no_tracer_patch_the_sampling_thread_can_meet(tiny_unet):
+    """A fresh process (torch's once-per-process tracing not done yet): no plain FX trace, which
+    patches nn.Module.__call__ for every thread, runs in the compile thread (the starts bench's
+    KSampler died of one: 'module is not installed as a submodule')."""
+    import subprocess
+    code = _SPY.replace("CONFIG", repr(tiny_unet.config()))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert "PLAIN []" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_the_sampling_threads_random_numbers_are_not_rewound(tiny_unet, fresh, monkeypatch):
+    """Dynamo restores torch's global RNG state after each compile; from the compile thread that
+    rewound what the sampling thread drew meanwhile (samplers drawing from the global generator
+    made other images). The draws made while the thread compiles are the seed's own sequence."""
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    api.warmup(unet, "2x64x64", background=True)
+    torch.manual_seed(123)
+    fresh.gate.set()
+    draws = []
+    while fresh.active:
+        draws.append(float(torch.randn(())))
+        time.sleep(0.005)
+    assert fresh.compiled > 0 and len(draws) > 20
+    torch.manual_seed(123)
+    assert draws == [float(torch.randn(())) for _ in draws]
