@@ -137,8 +137,11 @@ def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shap
             row.graphs, row.from_cache = graphs_of(first_report)
         if done is not None:
             row.graphs = int(done.group(3))
+            later = sum(int(n) for n in re.findall(r"(\d+) graph\(s\) compiled after warmup in the background",
+                                                   server.log_tail(2_000_000)))
             row.note = (f"first image with the model's own code while it compiled; compiled code from "
-                        f"{after:.0f} s after the first prompt began ({float(done.group(1)):.0f} s of compiling)")
+                        f"{after:.0f} s after the first prompt began ({float(done.group(1)):.0f} s of compiling)"
+                        + (f"; {later} graph(s) compiled later in the background" if later else ""))
     finally:
         server.stop()
     log(f"  {name}: first prompt {row.first_s:.1f} s, second {row.second_s:.1f} s"

@@ -460,6 +460,31 @@ def _failed_parts(fn, f_locals) -> list[str]:
     return [text[len("None: "):] if text.startswith("None: ") else text]
 
 
+def _canonical(args: tuple) -> tuple:
+    """``args`` with each contiguous tensor that has a size-1 dim given the standard strides (a view,
+    no copy). A size-1 dim's stride is arbitrary, and differs with the code that made the tensor:
+    the model's own code (what a background warmup records) and compiled regions (what sampling
+    then passes) hand the next region the same values with other strides there, which a variant's
+    guards tell apart (found at 64 px: a 1x1 deepest level, "stride mismatch at index 3")."""
+    out, changed, seen = [], False, {}
+    for a in args:
+        if isinstance(a, torch.Tensor) and 1 in a.shape and a.dim() > 1:
+            if id(a) not in seen:
+                seen[id(a)] = a
+                if a.is_contiguous():
+                    standard, step = [], 1
+                    for size in reversed(a.shape):
+                        standard.append(step)
+                        step *= max(size, 1)
+                    standard.reverse()
+                    if list(a.stride()) != standard:
+                        seen[id(a)] = a.as_strided(a.shape, standard, a.storage_offset())
+            changed |= seen[id(a)] is not a
+            a = seen[id(a)]
+        out.append(a)
+    return tuple(out) if changed else args
+
+
 class Precompiled:
     """One region body as precompiled variants (see the module docstring); ``fallback`` is the
     same body under plain torch.compile, for regions this cannot serve."""
@@ -477,6 +502,7 @@ class Precompiled:
         return self._compilers[dynamic]
 
     def __call__(self, module, *args):
+        args = _canonical(args)
         struct = structure(module, args, widths=self.dynamic is not True)
         if struct is None or (key := VARIANTS.key(self.body, struct, self.options)) in self._no_aot:
             if BACKGROUND.running:

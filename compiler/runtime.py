@@ -453,11 +453,11 @@ class Accelerator:
             else:
                 self._recompiled(new, None, secs, state["marks"], background=True)
             state["marks"] = guard_marks()
-        line = self.background_line()
-        log.info("UNet Compiler: %s", line)
-        if new:
+        if new:   # saved first: "done" is said when nothing is left to do
             self._cache_dirty = True
             self.save_cache()
+        line = self.background_line()
+        log.info("UNet Compiler: %s", line)
         if first and self.on_background_done is not None:
             try:
                 self.on_background_done(line, "fallback" if self.failed else "compiled")

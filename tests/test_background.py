@@ -268,3 +268,18 @@ def test_the_sampling_threads_random_numbers_are_not_rewound(tiny_unet, fresh, m
     assert fresh.compiled > 0 and len(draws) > 20
     torch.manual_seed(123)
     assert draws == [float(torch.randn(())) for _ in draws]
+
+
+def test_size_one_dims_get_standard_strides_so_recorded_and_compiled_inputs_agree():
+    """A size-1 dim's stride is arbitrary: the model's own code and compiled regions give the same
+    values other strides there. Region inputs are viewed with the standard strides (no copy), so a
+    variant compiled from a recorded call fits the compiled pipeline's call."""
+    x = torch.randn(2, 8, 1, 1).to(memory_format=torch.channels_last)      # strides (8, 1, 8, 8)
+    assert x.stride() != (8, 1, 1, 1)
+    y = torch.randn(2, 3, 4, 4)
+    out = P._canonical((x, y, x, None))
+    assert out[0].stride() == (8, 1, 1, 1) and out[0].data_ptr() == x.data_ptr() and torch.equal(out[0], x)
+    assert out[1] is y and out[2] is out[0] and out[3] is None        # untouched, and aliases stay aliases
+    t = torch.randn(4, 6).t()                                          # not contiguous: left alone
+    assert P._canonical((t,))[0] is t
+    assert P._canonical((y,)) == (y,)
