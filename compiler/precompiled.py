@@ -180,7 +180,7 @@ VARIANTS = Variants()
 
 
 def _spec(a):
-    """What a stand-in for input ``a`` needs (values are not guarded, so uninitialised memory will do)."""
+    """What a stand-in for input ``a`` needs (values are not guarded: zeros will do)."""
     if isinstance(a, torch.Tensor):
         return ("t", tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.is_inference(), a.requires_grad)
     return ("v", a)
@@ -194,7 +194,9 @@ def _stand_ins(specs, struct_inputs) -> list:
         elif s[0] == "t":
             _, shape, stride, dtype, device, inference, grad = s
             with torch.inference_mode(inference):
-                t = torch.empty_strided(shape, stride, dtype=dtype, device=device)
+                # zeros, not uninitialised memory: the compile thread calls the variant once on them
+                # (denormal garbage would make that call slow)
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
             args.append(t.requires_grad_() if grad else t)
         else:
             args.append(s[1])
@@ -393,7 +395,7 @@ class Background:
             if any(fn.guard_check(module, *args) for fn in VARIANTS.candidates(key)):
                 return                   # an earlier job's (dynamic) variant serves it
             g0 = int(counters["stats"]["unique_graphs"])
-            fn = pre._aot(key, module, args, dynamic)
+            fn = pre._aot(key, module, args, dynamic, first_call=True)
             owner.graphs += int(counters["stats"]["unique_graphs"]) - g0
         if fn is not None:
             owner.variants += 1
@@ -559,8 +561,11 @@ class Precompiled:
             return self.fallback(module, *args)
         return fn.fn(module, *args)
 
-    def _aot(self, key, module, args, dynamic: bool):
-        """Compile, keep and return a variant for these inputs (None: this key is left to the fallback)."""
+    def _aot(self, key, module, args, dynamic: bool, first_call: bool = False):
+        """Compile, keep and return a variant for these inputs (None: this key is left to the fallback).
+        ``first_call``: call it once on ``args`` before it is kept (the compile thread: what a first
+        call does, loading its kernels and packing the weights its convs use, is done there, not by
+        the sampling thread's first call: 7 s of the bench's first compiled prompt)."""
         try:
             with torch._dynamo.config.patch(specialize_float=True):
                 fn = self._compiler(dynamic).aot_compile(((module, *args), {}))
@@ -578,6 +583,15 @@ class Precompiled:
             blob = _serialize(fn)
         except Exception as e:   # runs; not kept across restarts
             log.info("UNet Compiler: a precompiled %s cannot be saved (%s)", self.__name__, error_summary(e))
+        if first_call:
+            try:
+                with torch.no_grad():
+                    fn.fn(module, *args)
+            except Exception as e:
+                log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
+                         self.__name__, error_summary(e))
+                self._no_aot.add(key)
+                return None
         VARIANTS.add_compiled(key, fn, blob)
         return fn
 
