@@ -201,6 +201,11 @@ def measure(args, log=print) -> list[StartRow]:
     pack_env = lambda d: {"UNET_COMPILER_CACHE_DIR": str(d / "pack_cache"), "UNET_COMPILER_CACHE": None,  # noqa: E731
                           "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(d / "triton")}
     eager_dir, tcm_dir, one_dir, range_dir = (fresh(n) for n in ("eager", "tcm", "one", "range"))
+    # the checkpoint read once first: the eager row (the baseline every overhead is net of) was the
+    # only one to find it outside the page cache (its first prompt 9-16 s, varying run to run)
+    with open(ckpt, "rb") as f:
+        while f.read(1 << 24):
+            pass
     log("starts: each row a fresh ComfyUI process; two prompts each")
     rows.append(run_row("eager", eager_dir, ckpt, "eager", args, {}, log=log))
     rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))

@@ -297,6 +297,7 @@ class Background:
         self.queue: list[tuple] = []
         self._seen: set = set()
         self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
+        self._instances: dict = {}       # signature -> weakrefs to the other modules that called it
         self.epoch = 0                   # bumped as each job starts and ends (runtime's recompile count)
         self.compiled = 0                # variants the thread compiled, for every owner
         self.failures: list[str] = []
@@ -338,12 +339,17 @@ class Background:
             return
         with self.lock:
             if sig in self._seen:
+                # another module of the same structure (a block repeated in the UNet): one variant
+                # serves both, and the thread's first call primes each (its packed weights)
+                others = self._instances.setdefault(sig, [])
+                if not any(r() is module for r in others):
+                    others.append(weakref.ref(module))
                 return
             self._seen.add(sig)
             dyn = pre.dynamic if pre.dynamic is not None else (key in self._keys or bool(VARIANTS.live.get(key)))
             self._keys.add(key)
             self.queue.append((owner, pre, key, weakref.ref(module), specs, struct_inputs, dyn,
-                               _modes_now(device.type)))
+                               _modes_now(device.type), sig))
         if not self.recording:
             self._start()
 
@@ -364,6 +370,7 @@ class Background:
                     self.epoch += 1
                     self._seen.clear()       # what was compiled is in VARIANTS now
                     self._keys.clear()
+                    self._instances.clear()
                     listeners = list(self.listeners)
                     break
                 job = self.queue.pop(0)
@@ -385,17 +392,21 @@ class Background:
             except Exception:
                 log.debug("background listener failed", exc_info=True)
 
-    def _compile(self, owner, pre, key, module_ref, specs, struct_inputs, dynamic, modes) -> None:
+    def _compile(self, owner, pre, key, module_ref, specs, struct_inputs, dynamic, modes, sig) -> None:
         from torch._dynamo.utils import counters
         module = module_ref()
         if module is None:
             return
+        with self.lock:
+            others = [m for m in (r() for r in self._instances.pop(sig, [])) if m is not None]
         with _modes(modes):
             args = _stand_ins(specs, struct_inputs)
-            if any(fn.guard_check(module, *args) for fn in VARIANTS.candidates(key)):
-                return                   # an earlier job's (dynamic) variant serves it
+            serving = next((fn for fn in VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
+            if serving is not None:      # an earlier job's (dynamic) variant serves it: prime its modules
+                _first_calls(serving, [module, *others], args)
+                return
             g0 = int(counters["stats"]["unique_graphs"])
-            fn = pre._aot(key, module, args, dynamic, first_call=True)
+            fn = pre._aot(key, module, args, dynamic, first_call=True, others=others)
             owner.graphs += int(counters["stats"]["unique_graphs"]) - g0
         if fn is not None:
             owner.variants += 1
@@ -460,6 +471,14 @@ def _failed_parts(fn, f_locals) -> list[str]:
         return []
     text = text.split("\nUser stack trace:", 1)[0]
     return [text[len("None: "):] if text.startswith("None: ") else text]
+
+
+def _first_calls(fn, modules, args) -> None:
+    """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming)."""
+    with torch.no_grad():
+        for m in modules:
+            if fn.guard_check(m, *args):
+                fn.fn(m, *args)
 
 
 def _canonical(args: tuple) -> tuple:
@@ -561,11 +580,12 @@ class Precompiled:
             return self.fallback(module, *args)
         return fn.fn(module, *args)
 
-    def _aot(self, key, module, args, dynamic: bool, first_call: bool = False):
+    def _aot(self, key, module, args, dynamic: bool, first_call: bool = False, others=()):
         """Compile, keep and return a variant for these inputs (None: this key is left to the fallback).
         ``first_call``: call it once on ``args`` before it is kept (the compile thread: what a first
         call does, loading its kernels and packing the weights its convs use, is done there, not by
-        the sampling thread's first call: 7 s of the bench's first compiled prompt)."""
+        the sampling thread's first call: 7 s of the bench's first compiled prompt), and for the
+        ``others`` modules it serves too (their weights are packed per module)."""
         try:
             with torch._dynamo.config.patch(specialize_float=True):
                 fn = self._compiler(dynamic).aot_compile(((module, *args), {}))
@@ -587,6 +607,7 @@ class Precompiled:
             try:
                 with torch.no_grad():
                     fn.fn(module, *args)
+                _first_calls(fn, others, args)
             except Exception as e:
                 log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
                          self.__name__, error_summary(e))

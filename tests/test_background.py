@@ -283,3 +283,32 @@ def test_size_one_dims_get_standard_strides_so_recorded_and_compiled_inputs_agre
     t = torch.randn(4, 6).t()                                          # not contiguous: left alone
     assert P._canonical((t,))[0] is t
     assert P._canonical((y,)) == (y,)
+
+
+def test_the_thread_primes_every_module_a_variant_serves(tiny_unet, fresh, monkeypatch):
+    """A variant serves every block of its structure; the compile thread calls it once for each
+    (packing their weights), so the sampling thread's first compiled call packs only the
+    free-standing convs no region body holds (the projection regions, which run in that thread)."""
+    from unet_compiler.compiler import plan, weights
+    packed = []
+    derived = weights.DerivedCache.derived
+
+    def spy(self, owner, sig, make):
+        def made():
+            packed.append((threading.current_thread().name, id(owner)))
+            return make()
+        return derived(self, owner, sig, made)
+    monkeypatch.setattr(weights.DerivedCache, "derived", spy)
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    api.warmup(unet, "2x64x64", background=True)
+    fresh.gate.set()
+    assert api.wait_for_background(300)
+    in_thread = {o for name, o in packed if name == "unet-compiler-background"}
+    packed.clear()
+    _check(unet, _inputs(seed=3))
+    projections = {id(p) for r in accel.plan.regions if r.kind == plan.PROJECTION for p in r.module.parameters()}
+    in_sampling = {o for name, o in packed if name == "MainThread"}
+    assert in_thread and in_sampling <= projections, (len(in_sampling - projections), len(in_thread))

@@ -15,7 +15,12 @@ def test_workflow_places_the_compiler_between_checkpoint_and_sampler():
     assert eager["5"]["inputs"]["model"] == ["1", 0]
     assert tcm["10"]["class_type"] == "TorchCompileModel" and tcm["5"]["inputs"]["model"] == ["10", 0]
     assert pack["11"]["class_type"] == "UNetCompiler_CompileUNet"
-    assert pack["12"]["inputs"] == {"model": ["11", 0], "shapes": "1x64x64, 2x128x128", "context_tokens": 77}
+    assert pack["12"]["inputs"] == {"model": ["11", 0], "shapes": "1x64x64, 2x128x128", "context_tokens": 77,
+                                    "background": False}
+    bg = starts.workflow("m.safetensors", "pack", 64, 1, 4, seed=1, shapes="2x64x64", background=True)
+    assert bg["12"]["inputs"]["background"] is True
+    done = "UNet Compiler: background compile: done in 42.7 s, 27 region variant(s) (27 graph(s)); 355 region"
+    assert starts.DONE.search(done).groups() == ("42.7", "27", "27")
     assert pack["5"]["inputs"]["model"] == ["12", 0] and pack["5"]["inputs"]["seed"] == 7
     assert pack["4"]["inputs"] == {"width": 96, "height": 96, "batch_size": 2}
     # only the seed differs between a row's two prompts: ComfyUI reruns KSampler (and what follows) alone
