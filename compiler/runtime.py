@@ -424,22 +424,35 @@ class Accelerator:
         compiles after warmup), saved to the compile cache, and (the first time) told."""
         bg = precompiled.BACKGROUND
         self.background_owner()
-        self.background["marks"] = guard_marks()
-        me = weakref.ref(self)
+        state = self.background
+        state["marks"] = guard_marks()
+        if state["done"] is not None:      # another warmup (new shapes): its compiles are warmup's again
+            state["t0"], state["done"] = time.perf_counter(), None
+        if state.get("listener") is None:
+            me = weakref.ref(self)
 
-        def done():
-            accel = me()
-            if accel is None:
-                bg.listeners[:] = [f for f in bg.listeners if f is not done]
-                return
-            accel._background_done()
-        bg.listeners.append(done)
+            def done():
+                accel = me()
+                if accel is None:
+                    bg.listeners[:] = [f for f in bg.listeners if f is not done]
+                    return
+                accel._background_done()
+            state["listener"] = done
+            bg.listeners.append(done)
         if not bg.active:    # nothing was queued (all from the compile cache), or it finished already
             done()
+
+    def end_background(self) -> None:
+        """A warmup in the foreground: this model's misses compile in the calling thread again."""
+        state, self.background = self.background, None
+        if state is not None and state.get("listener") in precompiled.BACKGROUND.listeners:
+            precompiled.BACKGROUND.listeners.remove(state["listener"])
 
     def _background_done(self) -> None:
         with self._background_lock:
             state = self.background
+            if state is None:
+                return
             owner = state["owner"]
             new, secs = owner.graphs - state["counted"], owner.seconds - state["seconds"]
             first = state["done"] is None
@@ -457,6 +470,8 @@ class Accelerator:
             self._cache_dirty = True
             self.save_cache()
         line = self.background_line()
+        if line is None:       # background mode was ended meanwhile
+            return
         log.info("UNet Compiler: %s", line)
         if first and self.on_background_done is not None:
             try:

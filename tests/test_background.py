@@ -56,11 +56,23 @@ def _check(unet, args):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, monkeypatch):
+def _compiled(tiny_unet, monkeypatch, backend="inductor"):
+    """A tiny diffusers UNet compiled with ``backend`` (compile cache off) and its accelerator."""
     monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
     unet = tiny_unet()
-    api.compile_unet(unet, "inductor")
-    accel = api.accelerator_of(unet)
+    api.compile_unet(unet, backend)
+    return unet, api.accelerator_of(unet)
+
+
+def _done(fresh, unet, shapes="2x64x64", timeout=300):
+    """``unet`` warmed in the background, the thread let go and waited for."""
+    api.warmup(unet, shapes, background=True)
+    fresh.gate.set()
+    assert api.wait_for_background(timeout) and not fresh.failures
+
+
+def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, monkeypatch):
+    unet, accel = _compiled(tiny_unet, monkeypatch)
     seen = _traced()
     text = api.warmup(unet, "2x64x64", background=True)
     assert "recorded for the background compile" in text and "background compile: running" in text, text
@@ -82,10 +94,7 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
 
 
 def test_a_new_shape_while_it_runs_is_queued_not_compiled_here(tiny_unet, fresh, monkeypatch):
-    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
-    unet = tiny_unet()
-    api.compile_unet(unet, "inductor")
-    accel = api.accelerator_of(unet)
+    unet, accel = _compiled(tiny_unet, monkeypatch)
     api.warmup(unet, "2x64x64", background=True)
     queued = len(fresh.queue)
     before = _traced()
@@ -105,13 +114,8 @@ def test_after_it_is_done_a_new_shape_still_compiles_in_the_background(tiny_unet
     """Background is the model's mode, not only its warmup's: a later miss (a new shape, or the
     input layouts compiled code produces, which the eager warmup pass could not see) is queued too,
     never compiled in the sampling thread, and counted and named as a compile after warmup."""
-    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
-    unet = tiny_unet()
-    api.compile_unet(unet, "inductor")
-    accel = api.accelerator_of(unet)
-    api.warmup(unet, "2x64x64", background=True)
-    fresh.gate.set()
-    assert api.wait_for_background(300)
+    unet, accel = _compiled(tiny_unet, monkeypatch)
+    _done(fresh, unet)
     done_graphs = accel.stats["graphs_compiled"]
     fresh.gate = threading.Event()                # the next thread run waits for this test again
     before = _traced()
@@ -128,9 +132,7 @@ def test_after_it_is_done_a_new_shape_still_compiles_in_the_background(tiny_unet
 
 
 def test_where_it_cannot_warmup_compiles_first_and_says_why(tiny_unet, fresh, monkeypatch):
-    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
-    unet = tiny_unet()
-    api.compile_unet(unet, "eager")
+    unet, _ = _compiled(tiny_unet, monkeypatch, "eager")
     text = api.warmup(unet, "1x64x64", background=True)
     assert "background compile: not used: nothing is compiled" in text and not fresh.active
     with pytest.raises(TypeError, match="background must be True or False"):
@@ -202,13 +204,8 @@ def test_warmup_shapes_node_in_the_background(make_comfy_model, fresh, monkeypat
 def test_a_range_in_the_background_traces_as_the_sampling_thread_would(tiny_unet, fresh, monkeypatch):
     """Dynamic shapes: the backend's dynamo settings (symbolic weight shapes) are patched per thread,
     so the compile thread takes over the caller's; a shape inside the range then traces nothing."""
-    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
-    unet = tiny_unet()
-    api.compile_unet(unet, "inductor")
-    accel = api.accelerator_of(unet)
-    api.warmup(unet, "1x64x64, 2x128x128", background=True)
-    fresh.gate.set()
-    assert api.wait_for_background(600) and not fresh.failures
+    unet, accel = _compiled(tiny_unet, monkeypatch)
+    _done(fresh, unet, "1x64x64, 2x128x128", timeout=600)
     traced = _traced()
     for batch, latent in ((2, 12), (1, 16), (2, 8)):
         _check(unet, _inputs(batch=batch, latent=latent))
@@ -255,9 +252,7 @@ def test_the_sampling_threads_random_numbers_are_not_rewound(tiny_unet, fresh, m
     """Dynamo restores torch's global RNG state after each compile; from the compile thread that
     rewound what the sampling thread drew meanwhile (samplers drawing from the global generator
     made other images). The draws made while the thread compiles are the seed's own sequence."""
-    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
-    unet = tiny_unet()
-    api.compile_unet(unet, "inductor")
+    unet, _ = _compiled(tiny_unet, monkeypatch)
     api.warmup(unet, "2x64x64", background=True)
     torch.manual_seed(123)
     fresh.gate.set()
@@ -299,16 +294,26 @@ def test_the_thread_primes_every_module_a_variant_serves(tiny_unet, fresh, monke
             return make()
         return derived(self, owner, sig, made)
     monkeypatch.setattr(weights.DerivedCache, "derived", spy)
-    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
-    unet = tiny_unet()
-    api.compile_unet(unet, "inductor")
-    accel = api.accelerator_of(unet)
-    api.warmup(unet, "2x64x64", background=True)
-    fresh.gate.set()
-    assert api.wait_for_background(300)
+    unet, accel = _compiled(tiny_unet, monkeypatch)
+    _done(fresh, unet)
     in_thread = {o for name, o in packed if name == "unet-compiler-background"}
     packed.clear()
     _check(unet, _inputs(seed=3))
     projections = {id(p) for r in accel.plan.regions if r.kind == plan.PROJECTION for p in r.module.parameters()}
     in_sampling = {o for name, o in packed if name == "MainThread"}
     assert in_thread and in_sampling <= projections, (len(in_sampling - projections), len(in_thread))
+
+
+def test_a_foreground_warmup_ends_background_mode(tiny_unet, fresh, monkeypatch):
+    """Warmup Shapes run again with ``background`` off (ComfyUI reruns it on the same compiled
+    model when the input changes): the model compiles in the calling thread again."""
+    unet, accel = _compiled(tiny_unet, monkeypatch)
+    _done(fresh, unet)
+    assert accel.background is not None
+    text = api.warmup(unet, "2x64x64")
+    assert accel.background is None and "background compile: " not in text
+    fresh.gate = threading.Event()          # a queued miss would wait; a foreground one compiles now
+    before = _traced()
+    _check(unet, _inputs(batch=1, latent=12))
+    assert _traced() > before and not fresh.queue
+    fresh.gate.set()
