@@ -311,10 +311,6 @@ class Background:
     def queued(self) -> int:
         return len(self.queue) + (1 if self.running else 0)
 
-    @staticmethod
-    def owner() -> Owner | None:
-        return _OWNER.get()
-
     @contextlib.contextmanager
     def record(self, owner: Owner):
         """Calls inside run the bodies' own code and queue what they miss for ``owner``; the thread
@@ -540,9 +536,6 @@ class Precompiled:
         if variants:
             f_locals = variants[-1].prepare_f_locals(module, *args)
             VARIANTS.failures.extend(_failed_parts(variants[-1], f_locals) or ["no precompiled variant matched"])
-        # dynamic shapes on: symbolic from the start; off: static always; one warmup shape (None):
-        # static first, then symbolic once a key misses (torch's automatic-dynamic rule)
-        dynamic = self.dynamic if self.dynamic is not None else bool(variants)
         owner = _OWNER.get()
         if owner is not None or BACKGROUND.active:
             # the daemon thread compiles it (never two compiling threads); this call runs the body's
@@ -551,6 +544,9 @@ class Precompiled:
             if owner is not None:
                 owner.eager_calls += 1
             return self.body(module, *args)
+        # dynamic shapes on: symbolic from the start; off: static always; one warmup shape (None):
+        # static first, then symbolic once a key misses (torch's automatic-dynamic rule)
+        dynamic = self.dynamic if self.dynamic is not None else bool(variants)
         return self._compile(key, module, args, dynamic=dynamic)
 
     def _first_use(self, key, fn, module, args):
@@ -605,9 +601,7 @@ class Precompiled:
             log.info("UNet Compiler: a precompiled %s cannot be saved (%s)", self.__name__, error_summary(e))
         if first_call:
             try:
-                with torch.no_grad():
-                    fn.fn(module, *args)
-                _first_calls(fn, others, args)
+                _first_calls(fn, [module, *others], args)
             except Exception as e:
                 log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
                          self.__name__, error_summary(e))

@@ -53,14 +53,12 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     in every region not ready yet. Where that is impossible a note says why and warmup compiles first."""
     rep = accel.report
     accel.fix_shape(shapes)
+    why = background_problem(accel) if background else None
+    if why:
+        rep.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
+        background = False
     if not background:
         accel.end_background()
-    if background:
-        why = background_problem(accel)
-        if why:
-            rep.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
-            background = False
-            accel.end_background()
 
     def timed(shape, label):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
