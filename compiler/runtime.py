@@ -9,6 +9,7 @@ prove safe runs the model's own code.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
 import time
@@ -53,6 +54,16 @@ def _release(error: BaseException, args) -> None:
     device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _call_modes(device_type: str, autocast: torch.dtype | None):
+    """The dispatch state sampling calls run under (ComfyUI and ``warmup`` run inference mode;
+    autocast for fp16 / bf16 precision): what a preloaded variant's guards should keep."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode())
+    if autocast is not None:
+        stack.enter_context(torch.autocast(device_type, dtype=autocast))
+    return stack
 
 
 class Accelerator:
@@ -127,8 +138,10 @@ class Accelerator:
         self.graphs = self._graphs(device)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
-        if self.cache is not None:
-            self.cache.load()
+        if self.cache is not None and self.cache.load():
+            # deserialize its variants beside what runs next (warmup's eager reference forward)
+            device_type = next(unet.parameters(), torch.empty(0)).device.type
+            precompiled.VARIANTS.preload(functools.partial(_call_modes, device_type, self._autocast))
         #: compiled code the compile cache does not hold yet; saves deferred by ``one_cache_save``
         self._cache_dirty = False
         self._defer_save = False

@@ -44,7 +44,7 @@ def label_of(latent) -> str | None:
 PROBE = Shape(2, 128, 192)
 
 
-def probe_shapes(shapes: list[Shape]) -> list[Shape]:
+def probe_shapes(shapes: list[Shape], size_one_sides: bool = True) -> list[Shape]:
     """Small shapes that prime every size specialisation inside the warmed box.
 
     Symbolic shapes still specialise on size 1 below dynamo (fake-tensor
@@ -52,6 +52,10 @@ def probe_shapes(shapes: list[Shape]) -> list[Shape]:
     deepest level of an SD UNet) vs a larger one. One small shape per class
     present in the box, the generic one first (so it is traced without any
     size-1 assumption), makes every shape inside the box a cache hit.
+
+    ``size_one_sides`` False (code traced size-obliviously, ``precompiled.size_oblivious``): a
+    side of 1 is no class of its own; only both sides at 1 are (one token at the deepest level's
+    attention), so the one-side-small probes are left out.
     """
     b_lo, b_hi = min(s.batch for s in shapes), max(s.batch for s in shapes)
     w_lo, w_hi = min(s.width for s in shapes), max(s.width for s in shapes)
@@ -59,7 +63,12 @@ def probe_shapes(shapes: list[Shape]) -> list[Shape]:
     bs = [2] * (b_hi >= 2) + [1] * (b_lo == 1)
     ws = [PROBE.width] * (w_hi >= 128) + [64] * (w_lo < 128)
     hs = [PROBE.height] * (h_hi >= 128) + [64] * (h_lo < 128)
-    return [Shape(b, w, h) for b in bs for w in ws for h in hs]
+    sides = [(w, h) for w in ws for h in hs]
+    if not size_one_sides:
+        sides = [(w, h) for w, h in sides if (w == 64) == (h == 64)]
+        if not sides:          # (one side always small: its class is the only one in the box)
+            sides = [(ws[-1], hs[-1])]
+    return [Shape(b, w, h) for b in bs for w, h in sides]
 
 
 class ShapeError(ValueError):

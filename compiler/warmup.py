@@ -27,7 +27,8 @@ def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     """The probe shapes warmup runs first: only where code is specialised per shape
     (dynamo graphs, Triton kernel variants) and shapes are dynamic."""
     if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
-        probes = probe_shapes(shapes)
+        probes = probe_shapes(shapes, size_one_sides=not (accel.backend.name == "inductor"
+                                                          and precompiled.size_oblivious()))
         return probes + [p for p in accel.backend.extra_probes(shapes, _levels(accel.root)) if p not in probes]
     return []
 
@@ -72,6 +73,12 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         return out, secs
 
     recorded = " (recorded for the background compile)" if background else ""
+    ref = None
+    if compare and not background and shapes:   # (background: nothing compiled to compare yet)
+        # the model's own code first: at a restart the compile cache's variants load beside it
+        # (``Variants.preload``) instead of before the first compiled call
+        with accel.bypass():
+            ref = run_one(shapes[0])
     with accel.one_cache_save(), (precompiled.BACKGROUND.record(accel.background_owner()) if background else contextlib.nullcontext()):
         for probe in warmup_probes(accel, shapes):
             timed(probe, f"{probe.label} (probe){recorded}")
@@ -79,10 +86,9 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
-            if i == 0 and compare and not background:   # (background: nothing compiled to compare yet)
-                with accel.bypass():
-                    ref = run_one(shape)
+            if i == 0 and ref is not None:
                 rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
+                ref = None
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:

@@ -238,13 +238,14 @@ class WarmupFeedback:
 
     def wrap(self, run_one):
         def labelled(shape):
-            k, self._calls = self._calls, self._calls + 1
             compiles = self.accel.backend.name != "eager"
-            if self.accel.bypassed:
+            if self.accel.bypassed:   # the eager reference (first): not one of the counted calls
                 label, verb = f"eager reference, {shape.label}", "running"
-            elif k < len(self._probes):
+            elif (k := self._calls) < len(self._probes):
+                self._calls += 1
                 label, verb = f"priming {k + 1}/{len(self._probes)}, {shape.label}", "compiling"
             else:
+                self._calls += 1
                 i = next((j for j, s in enumerate(self.shapes) if s == shape), None)
                 label = f"shape {i + 1}/{self.total}, {shape.label}" if i is not None else shape.label
                 # after the priming probes every listed shape is a cache hit

@@ -163,3 +163,92 @@ def test_a_cached_variant_that_fails_at_its_first_call_is_dropped_and_compiled_a
     assert not accel.failed, f"no region kind fell back to eager: {accel.failed}"
     assert restarted.unusable == 1 and restarted.compiled >= 1 and broken not in restarted.live[key]
     assert all(hashlib.sha256(b).hexdigest() != broken.digest for b in restarted.serialized().get(key, []))
+
+
+def test_a_dynamic_variant_serves_a_size_one_side_without_a_graph_of_its_own(tiny_unet, store):
+    """Dynamic variants trace size-obliviously: a 1-wide deepest level (a 64 px side of an SD
+    UNet) is one more value of the width, not a class that compiles again."""
+    if not P.size_oblivious():
+        pytest.skip("this torch traces no backed size-oblivious symbols")
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor", dynamic_shapes=True)
+    g = torch.Generator().manual_seed(0)
+    context = torch.randn(2, 6, 32, generator=g)
+    _both(unet, (torch.randn(2, 4, 12, 16, generator=g), torch.tensor([10.0, 10.0]), context))
+    traced = _traced()
+    # (the tiny UNet's deepest level is latent / 2: 1 x 8 here)
+    out, ref = _both(unet, (torch.randn(2, 4, 2, 16, generator=g), torch.tensor([10.0, 10.0]), context))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    assert _traced() == traced, f"{_traced() - traced} graph(s) traced for a 1-high deepest level: {store.failures}"
+
+
+def _preloaded(blobs, modes=torch.inference_mode) -> P.Variants:
+    fed = _fed(blobs)
+    fed.preload(modes)
+    return fed
+
+
+def _wait_loaded(store, seconds=60.0):
+    import time
+    end = time.monotonic() + seconds
+    while (store.pending or store.loading) and time.monotonic() < end:
+        time.sleep(0.01)
+    assert not store.pending and not store.loading, "the preload thread finished"
+
+
+def test_a_restart_deserializes_its_variants_beside_the_caller_and_calls_trace_nothing(tiny_unet, store,
+                                                                                       monkeypatch):
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    _both(first, _inputs())
+    restarted = _preloaded(store.serialized())
+    monkeypatch.setattr(P, "VARIANTS", restarted)
+    _wait_loaded(restarted)
+    assert sum(map(len, restarted.live.values())) == store.compiled, "every variant loaded before any call"
+    second = tiny_unet(seed=1)
+    api.compile_unet(second, "inductor", dynamic_shapes=False)
+    traced = _traced()
+    out, ref = _both(second, _inputs(seed=2))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert _traced() == traced and restarted.compiled == 0 and restarted.from_cache == store.compiled
+
+
+def test_a_call_whose_variant_is_being_loaded_waits_for_it_rather_than_compiling(tiny_unet, store, monkeypatch):
+    import threading
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    _both(first, _inputs())
+    real, started, release = P._deserialize, threading.Event(), threading.Event()
+
+    def slow(blob):
+        if threading.current_thread().name == "unet-compiler-cache-load":
+            started.set()
+            release.wait(30)
+        return real(blob)
+    monkeypatch.setattr(P, "_deserialize", slow)
+    restarted = _fed(store.serialized())
+    monkeypatch.setattr(P, "VARIANTS", restarted)
+    key = next(iter(restarted.pending))
+    restarted.preload(torch.inference_mode)
+    assert started.wait(30) and key in restarted.loading
+    threading.Timer(0.3, release.set).start()
+    with torch.inference_mode():
+        got = restarted.candidates(key)
+    assert got and key not in restarted.loading, "the call got the thread's variant, not an empty list (a miss)"
+
+
+def test_a_variant_preloaded_under_another_dispatch_state_is_loaded_again_for_the_call(tiny_unet, store,
+                                                                                      monkeypatch):
+    """Guards keep the loading thread's dispatch state: the preload guessed inference mode; a call
+    with grad on (the API outside inference mode) still finds its variants, nothing traced."""
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    first(*_inputs())          # grad on: the regions run outside inference mode
+    restarted = _preloaded(store.serialized(), modes=torch.inference_mode)
+    monkeypatch.setattr(P, "VARIANTS", restarted)
+    _wait_loaded(restarted)
+    second = tiny_unet(seed=1)
+    api.compile_unet(second, "inductor", dynamic_shapes=False)
+    traced = _traced()
+    second(*_inputs(seed=3))
+    assert _traced() == traced and restarted.compiled == 0, (restarted.failures, vars(restarted))

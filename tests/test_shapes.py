@@ -62,6 +62,14 @@ def test_probe_shapes_cover_specialisations_generic_first():
     assert probe_shapes([Shape(2, 512, 512)]) == [Shape(2, 128, 192)]
 
 
+def test_size_oblivious_code_needs_no_probe_per_small_side():
+    box = [Shape(2, 64, 64), Shape(4, 128, 128)]
+    assert probe_shapes(box) == [Shape(2, 128, 192), Shape(2, 128, 64), Shape(2, 64, 192), Shape(2, 64, 64)]
+    # one small side is no class of its own; both small is (one token at the deepest level)
+    assert probe_shapes(box, size_one_sides=False) == [Shape(2, 128, 192), Shape(2, 64, 64)]
+    assert probe_shapes([Shape(1, 64, 512)], size_one_sides=False) == [Shape(1, 64, 192)]
+
+
 # Sizes nobody can mean: each refused by the parser (before any tensor exists), with a short message.
 HUGE = [
     ("1" * 4000 + "x64x64", "batch '111111111111…' must be between 1 and 64"),   # int() of 4000 digits: slow

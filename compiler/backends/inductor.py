@@ -115,10 +115,10 @@ class InductorBackend(Backend):
             return (torch._dynamo.config.patch(recompile_limit=64),)
         return (
             # channel counts symbolic too: blocks that differ only in width share one graph.
-            # Size-1 dims (batch 1, a 1x1 deepest level at 64 px) still specialise; warmup
-            # primes each such class with a small probe shape (shapes.probe_shapes).
-            # (fx backed_size_oblivious was tried: the fake matmul then raises on
-            # context-width vs to_k.in_features instead of guarding.)
+            # Size-1 dims (batch 1, a 1x1 deepest level at 64 px) still specialise in plain
+            # dynamo; warmup primes each such class with a small probe shape (shapes.probe_shapes).
+            # Precompiled variants trace size-obliviously where they can (precompiled._trace; in
+            # plain dynamo the fake matmul raised on context width vs to_k.in_features).
             torch._dynamo.config.patch(force_parameter_static_shapes=False,
                                        force_nn_module_property_static_shapes=False,
                                        recompile_limit=64),
