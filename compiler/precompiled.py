@@ -668,10 +668,15 @@ class Precompiled:
 
     def _trace(self, module, args, dynamic: bool):
         """``aot_compile`` of this body on these inputs; a dynamic one size-obliviously where that
-        traces (where a fake op raises instead of guarding under it, traced as torch does by default)."""
+        traces (where a fake op raises instead of guarding under it, traced as torch does by default).
+        Not where an input already has a size-1 dim past the batch: a size-oblivious symbol whose
+        example value is 1 fails inductor's lowering of CPU flash attention (one token, the 64 px
+        deepest level: a stride-order assertion, ~5 s of tracing lost); those variants specialise
+        on 1 as before (and warmup's both-sides-small probe makes them)."""
         compiler = self._compiler(dynamic)
         with torch._dynamo.config.patch(specialize_float=True):
-            if dynamic and size_oblivious():
+            if dynamic and size_oblivious() and not any(isinstance(a, torch.Tensor) and 1 in a.shape[1:]
+                                                        for a in args):
                 try:
                     with _fx_config().patch(backed_size_oblivious=True):
                         return compiler.aot_compile(((module, *args), {}))
