@@ -173,6 +173,11 @@ def merge_variants(old: dict, new: dict) -> dict:
     return {k: list(v.values()) for k, v in out.items()}
 
 
+def _labels(meta: dict) -> list[str]:
+    got = meta.get("primed")
+    return [p for p in got if isinstance(p, str)] if isinstance(got, list) else []
+
+
 class CompileCache:
     """The cache entry of one accelerated model; ``lines()`` is what the report says of it."""
 
@@ -186,6 +191,10 @@ class CompileCache:
         self.saved_mib = None
         self.torch_dirs: list = []
         self._entry: bytes | None = None   # the entry's bytes as loaded or last written here
+        self._meta: dict = {}              # the intact entry's .json as last read
+        #: warmup probe shapes (labels) whose code the entry holds: read from its .json at a load
+        #: from disk, added to by this model's warmup; a restart's warmup need not run them again
+        self.primed: set[str] = set()
 
     @property
     def paths(self) -> tuple[Path, Path]:
@@ -228,6 +237,7 @@ class CompileCache:
             return False
         _loaded.add(self.key)
         self._entry = data
+        self.primed.update(_labels(self._meta))
         n = sum(map(len, variants.values()))
         self.state = (f"hit ({len(data) / 2**20:.1f} MiB loaded in {time.perf_counter() - t0:.2f} s"
                       + (f", {n} precompiled region variant(s)" if n else "") + ")")
@@ -311,8 +321,9 @@ class CompileCache:
         mega = megacache.merge(old_mega, got[0]) if got and got[0] else old_mega
         data = pack_entry(mega, merge_variants(old_variants, variants))
         bin_path, meta_path = self.paths
+        primed = self.primed | set(_labels(self._meta))
         meta = {**self.facts, "key": self.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "primed": sorted(primed), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._atomic_write(bin_path, data)
@@ -340,12 +351,16 @@ class CompileCache:
     def _read(self) -> tuple[bytes | None, str]:
         """The entry's bytes and why they cannot be used ("" when they match the .json the pack wrote)."""
         bin_path, meta_path = self.paths
+        self._meta = {}
         try:
             meta = json.loads(meta_path.read_text())
             data = bin_path.read_bytes()
         except (OSError, ValueError) as e:
             return None, f"unreadable ({type(e).__name__}: {e})"
-        return data, self._mismatch(meta, data)
+        why = self._mismatch(meta, data)
+        if not why:
+            self._meta = meta   # (the .json the pack wrote for these bytes)
+        return data, why
 
     @staticmethod
     def _atomic_write(path: Path, data: bytes):

@@ -266,3 +266,33 @@ def test_a_read_only_folder_lends_its_inductor_files_through_a_local_copy(tiny_u
     assert local.parent == tmp_path / "local_tmp" and (local / "ab" / "kernel.so").read_bytes() == b"compiled"
     assert not (local / "locks").exists()
     assert "copied from the read-only folder to" in "\n".join(entry.lines())
+
+
+def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, folder, monkeypatch):
+    """The probes a range warmup ran are named in the entry's .json; a restart's warmup runs only
+    the listed shapes, every region from the cache, and a shape inside the box compiles nothing."""
+    from unet_compiler.compiler import api
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    box = "2x64x64, 2x128x128"
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=True)
+    api.warmup(first, box)
+    ran = [label for label, _, _ in api.accelerator_of(first).report.warmup if "(probe)" in label]
+    assert ran, "the cold warmup ran its probe shapes"
+    meta = json.loads(next(folder.glob("*.json")).read_text())
+    assert sorted(meta["primed"]) == sorted(label.split(" ")[0] for label in ran)
+
+    monkeypatch.setattr(C, "_loaded", set())           # a new process: nothing loaded, nothing live
+    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    second = tiny_unet(seed=4)
+    api.compile_unet(second, "inductor", dynamic_shapes=True)
+    traced = int(counters["stats"]["unique_graphs"])
+    text = api.warmup(second, box)
+    accel = api.accelerator_of(second)
+    assert not any("(probe)" in label for label, _, _ in accel.report.warmup), text
+    assert "not run: an earlier warmup ran them" in text
+    with torch.inference_mode():
+        second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
+    assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: warmup or the shape inside the box"
+    assert accel.stats["recompiles_after_warmup"] == 0 and precompiled.VARIANTS.compiled == 0
