@@ -7,12 +7,14 @@ compiles and samples; the second changes only the seed, so ComfyUI reruns KSampl
 loaded, compiled code ready). Times are ComfyUI's own (the execution_start / execution_success
 timestamps in /history).
 
-    compile overhead = (first - second) - (first - second of the eager row)
+    compile overhead = (first - second) - (first - second of the eager rows, their mean)
 
 is what compiling added before the first image. Rows, in one run, each with fresh caches unless
 it says otherwise:
 
-- ``eager``: plain ComfyUI;
+- ``eager``: plain ComfyUI, first and again last (``EAGER_AGAIN``): its own first-prompt cost
+  varied by several seconds between runs on this VM, so the baseline is the mean of both and the
+  output says how far apart they were;
 - ``TorchCompileModel``: ComfyUI's core node (whole-model torch.compile, inductor);
 - ``Compile UNet, one shape``: Compile UNet + Warmup Shapes of the prompt's UNet shape (twice the
   image batch: CFG runs cond and uncond in one batch);
@@ -50,6 +52,7 @@ ONE_SHAPE, RANGE = "Compile UNet, one shape", "Compile UNet, range"
 BACKGROUND = "Compile UNet, one shape, background"
 DONE = re.compile(r"background compile: done in ([\d.]+) s, (\d+) region variant\(s\) \((\d+) graph\(s\)\)")
 RESTART_RANGE = "restart of the range row"
+EAGER_AGAIN = "eager, again"
 
 
 @dataclass
@@ -220,10 +223,34 @@ def measure(args, log=print) -> list[StartRow]:
     rows.append(run_row(RESTART_RANGE, fresh("restart_range"), ckpt, "pack", args, pack_env(range_dir), args.range,
                         log=log))
     rows.append(second_worker(one_dir / "pack_cache", fresh("worker"), ckpt, args, one, log))
-    base = rows[0].first_s - rows[0].second_s
+    # the baseline again, last: eager's first-prompt cost alone varied 4.3-7.7 s between runs here
+    rows.append(run_row(EAGER_AGAIN, fresh("eager_again"), ckpt, "eager", args, {}, log=log))
+    return net(rows)
+
+
+def _eager_rows(rows: list[StartRow]) -> list[StartRow]:
+    return [r for r in rows if r.row == "eager" or r.row == EAGER_AGAIN]
+
+
+def net(rows: list[StartRow]) -> list[StartRow]:
+    """Each row's compile overhead: its first prompt's extra time net of eager's, the mean of the
+    eager rows (the first row, and the last where there is one)."""
+    eager = _eager_rows(rows)
+    base = sum(r.first_s - r.second_s for r in eager) / len(eager)
     for r in rows:
-        r.overhead_s = (r.first_s - r.second_s) - base
+        r.overhead_s = 0.0 if r in eager else (r.first_s - r.second_s) - base
     return rows
+
+
+def baseline_line(rows: list[StartRow]) -> str:
+    """What the baseline was, and how far the two measurements of it were apart."""
+    costs = [r.first_s - r.second_s for r in _eager_rows(rows)]
+    if len(costs) < 2:
+        return f"eager's own first-prompt cost (the baseline): {costs[0]:.1f} s"
+    spread = (max(costs) - min(costs)) / 2
+    return (f"eager's own first-prompt cost, first and last row: {costs[0]:.1f} s and {costs[-1]:.1f} s; the "
+            f"baseline is their mean, {sum(costs) / len(costs):.1f} s, so each overhead is uncertain by about "
+            f"+-{spread:.1f} s")
 
 
 def table(rows: list[StartRow]) -> str:
@@ -232,8 +259,9 @@ def table(rows: list[StartRow]) -> str:
     rng = next((r for r in rows if r.row.startswith(RANGE)), None)
     lines = ["| row | first prompt s | second prompt s | compile overhead s | vs TorchCompileModel | "
              "vs its cold row | graphs compiled (from cache) |", "|---|---|---|---|---|---|---|"]
+    eager = _eager_rows(rows)
     for r in rows:
-        vs_tcm = f"{r.overhead_s / tcm.overhead_s:.2f}x" if tcm and r is not rows[0] and tcm.overhead_s > 0 else "-"
+        vs_tcm = f"{r.overhead_s / tcm.overhead_s:.2f}x" if tcm and r not in eager and tcm.overhead_s > 0 else "-"
         cold = rng if r.row == RESTART_RANGE else one if r.row.startswith(("restart", "second worker")) else None
         vs_cold = f"{r.overhead_s / cold.overhead_s:.0%}" if cold and cold.overhead_s > 0 else "-"
         if cold and r.second_s > 1.2 * cold.second_s:
@@ -242,7 +270,7 @@ def table(rows: list[StartRow]) -> str:
         g = "-" if r.graphs is None else f"{r.graphs} ({r.from_cache})"
         note = f" ({r.note})" if r.note else ""
         lines.append(f"| {r.row}{note} | {r.first_s:.1f} | {r.second_s:.1f} | "
-                     f"{'-' if r is rows[0] else f'{r.overhead_s:.1f}'} | {vs_tcm} | {vs_cold} | {g} |")
+                     f"{'-' if r in eager else f'{r.overhead_s:.1f}'} | {vs_tcm} | {vs_cold} | {g} |")
     return "\n".join(lines)
 
 
@@ -270,9 +298,10 @@ def main(argv=None):
     print(table(rows))
     print("compile overhead = (first - second prompt) - the same for eager; vs its cold row: each restart "
           "against the row it restarts, the second worker against the one-shape row")
+    print(baseline_line(rows))
     if a.out:
         out = Path(a.out) / f"starts_sd15_{'cuda' if torch.cuda.is_available() else 'cpu'}_{a.px}px.json"
         out.write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "torch": torch.__version__,
                                    "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-                                   "rows": [asdict(r) for r in rows]}, indent=1))
+                                   "baseline": baseline_line(rows), "rows": [asdict(r) for r in rows]}, indent=1))
         print(f"wrote {out}")

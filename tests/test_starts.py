@@ -88,3 +88,17 @@ def test_a_warm_start_with_slower_steps_is_flagged():
     lines = starts.table(rows).splitlines()
     assert "steps slower than its cold row: 6.3 s vs 3.4 s" in lines[5], lines[5]
     assert "slower" not in lines[6], lines[6]
+
+
+def test_the_baseline_is_both_eager_rows_mean_and_says_how_far_apart_they_were():
+    rows = [StartRow("eager", 10.0, 2.0, 5.0), StartRow("TorchCompileModel (inductor)", 108.0, 2.0, 5.0),
+            StartRow(f"{starts.ONE_SHAPE} (2x64x64)", 49.0, 1.0, 5.0, graphs=28, from_cache=0),
+            StartRow("restart of the one-shape row", 14.0, 1.0, 5.0, graphs=28, from_cache=28),
+            StartRow(starts.EAGER_AGAIN, 14.0, 2.0, 5.0)]
+    starts.net(rows)                     # eager's own cost: 8 s, then 12 s: the baseline is 10 s
+    assert [r.overhead_s for r in rows] == [0.0, 96.0, 38.0, 3.0, 0.0]
+    lines = starts.table(rows).splitlines()
+    assert lines[-1].startswith("| eager, again |") and "| - | - | - | - |" in lines[-1], lines[-1]
+    assert "| 3.0 | 0.03x | 8% | 28 (28) |" in lines[5], lines[5]
+    line = starts.baseline_line(rows)
+    assert "8.0 s and 12.0 s" in line and "mean, 10.0 s" in line and "+-2.0 s" in line, line
