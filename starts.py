@@ -14,7 +14,8 @@ it says otherwise:
 
 - ``eager``: plain ComfyUI, first and again last (``EAGER_AGAIN``): its own first-prompt cost
   varied by several seconds between runs on this VM, so the baseline is the mean of both and the
-  output says how far apart they were;
+  output says how far apart they were (an unreported eager server runs before both: the first
+  process of a run paid up to 6.6 s more than the same row at the end);
 - ``TorchCompileModel``: ComfyUI's core node (whole-model torch.compile, inductor);
 - ``Compile UNet, one shape``: Compile UNet + Warmup Shapes of the prompt's UNet shape (twice the
   image batch: CFG runs cond and uncond in one batch);
@@ -210,6 +211,9 @@ def measure(args, log=print) -> list[StartRow]:
         while f.read(1 << 24):
             pass
     log("starts: each row a fresh ComfyUI process; two prompts each")
+    # an eager server first, not reported: the first process of a run paid up to 6.6 s more than the
+    # same eager row at the end (memory this VM had not handed out for a while); it uses no compile cache
+    run_row("eager (settling the machine, not reported)", fresh("settle"), ckpt, "eager", args, {}, log=log)
     rows.append(run_row("eager", eager_dir, ckpt, "eager", args, {}, log=log))
     rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))
     rows.append(run_row(f"{ONE_SHAPE} ({one})", one_dir, ckpt, "pack", args, pack_env(one_dir), one, log=log))
