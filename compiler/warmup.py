@@ -91,9 +91,10 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         return out, secs
 
     recorded = " (recorded for the background compile)" if background else ""
-    probes = warmup_probes(accel, shapes)
     primed = primed_probes(accel)
-    known = [p.label for p in _probes(accel, shapes) if p.label in primed]
+    every = _probes(accel, shapes)
+    probes = [p for p in every if p.label not in primed]      # (``warmup_probes``, computed once)
+    known = [p.label for p in every if p.label in primed]
     if known:
         rep.notes.append(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
                          f"compile cache entry, which holds their code")
