@@ -215,18 +215,22 @@ def measure(args, log=print) -> list[StartRow]:
     # same eager row at the end (memory this VM had not handed out for a while); it uses no compile cache
     run_row("eager (settling the machine, not reported)", fresh("settle"), ckpt, "eager", args, {}, log=log)
     rows.append(run_row("eager", eager_dir, ckpt, "eager", args, {}, log=log))
-    rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))
+    every = getattr(args, "rows", "all") == "all"
+    if every:
+        rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))
     rows.append(run_row(f"{ONE_SHAPE} ({one})", one_dir, ckpt, "pack", args, pack_env(one_dir), one, log=log))
-    rows.append(run_row(f"{BACKGROUND} ({one})", fresh("background"), ckpt, "pack", args, pack_env(fresh("background")),
-                        one, log=log, background=True))
-    rows.append(run_row(f"{RANGE} ({args.range})", range_dir, ckpt, "pack", args, pack_env(range_dir), args.range,
-                        log=log))
+    if every:
+        rows.append(run_row(f"{BACKGROUND} ({one})", fresh("background"), ckpt, "pack",
+                            args, pack_env(fresh("background")), one, log=log, background=True))
+        rows.append(run_row(f"{RANGE} ({args.range})", range_dir, ckpt, "pack", args, pack_env(range_dir),
+                            args.range, log=log))
     # restart: the one-shape row's folders again, a new process
     env = pack_env(one_dir)
     rows.append(run_row("restart of the one-shape row", fresh("restart"), ckpt, "pack", args, env, one, log=log))
-    rows.append(run_row(RESTART_RANGE, fresh("restart_range"), ckpt, "pack", args, pack_env(range_dir), args.range,
-                        log=log))
-    rows.append(second_worker(one_dir / "pack_cache", fresh("worker"), ckpt, args, one, log))
+    if every:
+        rows.append(run_row(RESTART_RANGE, fresh("restart_range"), ckpt, "pack", args, pack_env(range_dir),
+                            args.range, log=log))
+        rows.append(second_worker(one_dir / "pack_cache", fresh("worker"), ckpt, args, one, log))
     # the baseline again, last: eager's first-prompt cost alone varied 4.3-7.7 s between runs here
     rows.append(run_row(EAGER_AGAIN, fresh("eager_again"), ckpt, "eager", args, {}, log=log))
     return net(rows)
@@ -292,7 +296,12 @@ def main(argv=None):
                     help="where the random SD1.5 checkpoint is kept (built there once)")
     ap.add_argument("--work", default="", help="folder for the servers' folders (default: a fresh temp folder)")
     ap.add_argument("--out", default="", help="write the rows as JSON into this folder (e.g. docs)")
+    ap.add_argument("--rows", choices=("all", "restart"), default="all",
+                    help="'restart': only eager, the one-shape row and its restart (about 6 minutes, for "
+                         "development; the README's table is from all rows)")
     a = ap.parse_args(argv)
+    if a.rows != "all" and a.out:
+        ap.error("--out writes the README's table: run all rows for it (leave out --rows)")
     S.comfyui_or_fail()
     rows = measure(a)
     import torch

@@ -354,6 +354,7 @@ class Accelerator:
             finally:
                 for module, hook in installed:
                     module.__dict__.pop(hook, None)
+                weights.release_scratch()
                 new = self._compiled() - before
                 self.stats["calls"] += 1
                 if bg_before[1] or bg.active or bg.epoch != bg_before[0]:

@@ -141,6 +141,8 @@ def test_a_dropped_unet_is_freed_with_its_prepacked_weights(tiny_unet, regions):
     weights = {id(p) for p in unet.parameters()}
     held = {name: keys & weights for name, keys in cache_keys().items()}
     assert held["prepack_conv"] and held["prepack_linear"], "the passes prepacked this UNet's weights"
+    from unet_compiler.compiler import weights as W
+    assert W.SCRATCH._buf is None, "the packing scratch buffer outlived the UNet call"
     bodies = list(accel.backend.impls(accel.config).values())   # the compiled region bodies it ran
     graphs = dynamo_entries(bodies)
     assert graphs > 0

@@ -32,3 +32,38 @@ def test_a_changed_weight_is_packed_again():
         w.mul_(2)     # a LoRA applied in place
     out = torch.ops.unet_compiler.conv2d_prepacked(x, w, b, [1, 1], [1, 1], [1, 1], 1)
     torch.testing.assert_close(out, F.conv2d(x, w, b, padding=1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("cin,cout,k,stride,groups", [(8, 16, 3, 1, 1), (16, 16, 3, 2, 1), (8, 16, 1, 1, 1),
+                                                      (16, 16, 3, 1, 4)])
+def test_packing_through_the_scratch_buffer_gives_the_layout_of_a_private_copy(cin, cout, k, stride, groups):
+    """The channels-last copy oneDNN reads goes to one shared buffer (pages faulted once, not once per
+    weight); what is packed must be the very layout a private copy gives: the conv's output is
+    bit-identical to one run on a weight packed the plain way (``to_mkldnn`` + reorder)."""
+    torch.manual_seed(0)
+    w, b = torch.randn(cout, cin // groups, k, k), torch.randn(cout)
+    x = torch.randn(2, cin, 8, 8)
+    pad = [k // 2] * 2
+    args = (pad, [stride] * 2, [1, 1], groups, list(x.shape))
+    plain = torch._C._nn.mkldnn_reorder_conv2d_weight(w.to_mkldnn(), *args)
+    ours = PC._reorder(w, *args)
+
+    def conv(p):
+        return torch.ops.mkldnn._convolution_pointwise(x, p, b, pad, [stride] * 2, [1, 1], groups, "none", [], "")
+    assert torch.equal(conv(ours), conv(plain))
+    torch.testing.assert_close(conv(ours), F.conv2d(x, w, b, stride=stride, padding=pad[0], groups=groups),
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_one_scratch_buffer_serves_every_weight_and_goes_when_released():
+    from unet_compiler.compiler import weights
+    weights.release_scratch()
+    w1, w2 = torch.randn(32, 16, 3, 3), torch.randn(16, 8, 3, 3)
+    PC._reorder(w1, [1, 1], [1, 1], [1, 1], 1, [1, 16, 8, 8])
+    buf = weights.SCRATCH._buf
+    assert buf is not None and buf.numel() == w1.numel()
+    PC._reorder(w2, [1, 1], [1, 1], [1, 1], 1, [1, 8, 8, 8])    # smaller: the same buffer
+    assert weights.SCRATCH._buf.data_ptr() == buf.data_ptr()
+    PC._reorder(torch.randn(16, 8, 1, 1), [0, 0], [1, 1], [1, 1], 1, [1, 8, 8, 8])  # 1x1: needs none
+    weights.release_scratch()
+    assert weights.SCRATCH._buf is None

@@ -24,4 +24,5 @@ def torch_too_old() -> Reason | None:
 
 
 def mkldnn_conv_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+    return (bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_convolution_weight"))

@@ -39,8 +39,24 @@ def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
     1280 channels at 2x2 and 320 at 8x8: slower than plain aten), which made a range warmup's
     smallest shape crawl. One copy per weight is kept: a shape change re-packs it once."""
     shape = [int(s) for s in x_shape]
-    return _cache.get(w, lambda t: torch._C._nn.mkldnn_reorder_conv2d_weight(
-        t.to_mkldnn(), list(padding), list(stride), list(dilation), groups, shape), key=(tuple(shape),))
+    return _cache.get(w, lambda t: _reorder(t, list(padding), list(stride), list(dilation), groups, shape),
+                      key=(tuple(shape),))
+
+
+def _reorder(t: torch.Tensor, padding, stride, dilation, groups, shape) -> torch.Tensor:
+    """oneDNN's packed copy of ``t`` for input size ``shape``: one new allocation, the result.
+    Given an input size, oneDNN reads the weight in channels-last order and makes a copy in that
+    order first unless it already is (a 1x1 conv's is); that copy goes to the shared scratch buffer,
+    so its pages fault in once, not once per weight (same bytes packed: the layout comes from the
+    dims and the input size only)."""
+    reorder = torch.ops.mkldnn._reorder_convolution_weight
+    if t.is_contiguous(memory_format=torch.channels_last):
+        return reorder(t, padding, stride, dilation, groups, shape)
+    with weights.SCRATCH.use(t.numel(), t.dtype) as buf:
+        o, i, kh, kw = t.shape
+        cl = buf[:t.numel()].as_strided(t.shape, (i * kh * kw, 1, kw * i, i))
+        cl.copy_(t)
+        return reorder(cl, padding, stride, dilation, groups, shape)
 
 
 @torch.library.custom_op("unet_compiler::conv2d_prepacked", mutates_args=())
