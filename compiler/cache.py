@@ -178,6 +178,16 @@ def _labels(meta: dict) -> list[str]:
     return [p for p in got if isinstance(p, str)] if isinstance(got, list) else []
 
 
+def _compares(meta: dict) -> dict[str, dict]:
+    """The entry's recorded compares: shape label -> {"max_abs_diff": float, "measured": date}."""
+    got = meta.get("compares")
+    if not isinstance(got, dict):
+        return {}
+    return {k: {"max_abs_diff": float(v["max_abs_diff"]), "measured": str(v["measured"])}
+            for k, v in got.items() if isinstance(k, str) and isinstance(v, dict)
+            and isinstance(v.get("max_abs_diff"), (int, float)) and isinstance(v.get("measured"), str)}
+
+
 class CompileCache:
     """The cache entry of one accelerated model; ``lines()`` is what the report says of it."""
 
@@ -195,6 +205,9 @@ class CompileCache:
         #: warmup probe shapes (labels) whose code the entry holds: read from its .json at a load
         #: from disk, added to by this model's warmup; a restart's warmup need not run them again
         self.primed: set[str] = set()
+        #: max |compiled - eager| per shape label, measured by a warmup that compiled the entry's code
+        #: (read from its .json at a load from disk, added to by this model's warmup)
+        self.compares: dict[str, dict] = {}
 
     @property
     def paths(self) -> tuple[Path, Path]:
@@ -238,6 +251,7 @@ class CompileCache:
         _loaded.add(self.key)
         self._entry = data
         self.primed.update(_labels(self._meta))
+        self.compares.update(_compares(self._meta))
         n = sum(map(len, variants.values()))
         self.state = (f"hit ({len(data) / 2**20:.1f} MiB loaded in {time.perf_counter() - t0:.2f} s"
                       + (f", {n} precompiled region variant(s)" if n else "") + ")")
@@ -323,7 +337,8 @@ class CompileCache:
         bin_path, meta_path = self.paths
         primed = self.primed | set(_labels(self._meta))
         meta = {**self.facts, "key": self.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "primed": sorted(primed), "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+                "primed": sorted(primed), "compares": {**_compares(self._meta), **self.compares},
+                "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._atomic_write(bin_path, data)

@@ -91,6 +91,9 @@ class Report:
     from_cache: dict = field(default_factory=dict)    # shape label -> graphs of those taken from the compile cache
     max_abs_diff: float | None = None
     diff_label: str = ""
+    #: when ``max_abs_diff`` was measured, if not in this warmup: an earlier warmup recorded it in the
+    #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
+    diff_recorded: str | None = None
 
     def text(self, stats=None) -> str:
         lines = [f"UNet Compiler: backend {self.backend}"
@@ -109,7 +112,10 @@ class Report:
                    f", {cached} of them from the compile cache" if cached else "")
             lines.append(f"  warmed {label}: {secs:.1f} s, {graphs} graph(s) compiled{how}")
         if self.max_abs_diff is not None:
-            lines.append(f"  max |compiled - eager| {self.diff_label}: {self.max_abs_diff:.3g}")
+            lines.append(f"  max |compiled - eager| {self.diff_label}: {self.max_abs_diff:.3g}"
+                         + (f" (measured when this code was compiled, {self.diff_recorded}; all of it came from "
+                            f"the compile cache, so the eager reference did not run again: "
+                            f"UNET_COMPILER_COMPARE=always runs it)" if self.diff_recorded else ""))
         if stats is not None:
             lines.append(
                 f"  calls: {stats.get('calls', 0)} accelerated, {stats.get('eager_calls', 0)} eager; "

@@ -8,6 +8,7 @@ the model's own code. ``warmup_probes`` says which probe shapes a backend needs.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import torch
@@ -60,6 +61,21 @@ def background_problem(accel: Accelerator) -> str | None:
     return accel.backend.background_problem()
 
 
+#: ``always``: every warmup runs the eager reference, also where ``recorded_compare`` has one
+COMPARE_ENV = "UNET_COMPILER_COMPARE"
+
+
+def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
+    """The compare (max |compiled - eager|) an earlier warmup recorded for ``shape`` in the compile
+    cache entry this model loaded, or None. Warmup shows it instead of running the eager reference
+    again when all the code it runs came from that entry (checked after the run: anything compiled
+    anew runs the reference then). The reference is most of a restart's warmup on CPU (the model's
+    own convs re-pack every weight on every call)."""
+    if os.environ.get(COMPARE_ENV, "").strip().lower() == "always" or accel.cache is None:
+        return None
+    return accel.cache.compares.get(shape.label)
+
+
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
                 background: bool = False):
     """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
@@ -99,7 +115,10 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         rep.notes.append(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
                          f"compile cache entry, which holds their code")
     ref = None
-    if compare and not background and shapes:   # (background: nothing compiled to compare yet)
+    compare = compare and not background and bool(shapes)   # (background: nothing compiled to compare yet)
+    kept = recorded_compare(accel, shapes[0]) if compare else None
+    fresh0 = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
+    if compare and kept is None:
         # the model's own code first: at a restart the compile cache's variants load beside it
         # (``Variants.preload``) instead of before the first compiled call
         with accel.bypass():
@@ -113,9 +132,19 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
-            if i == 0 and ref is not None:
-                rep.max_abs_diff = float((out.float() - ref.float()).abs().max())
-                ref = None
+            if i == 0 and compare:
+                fresh = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] - fresh0
+                if ref is None and fresh:   # code compiled here: the recorded compare is not of it
+                    with accel.bypass():
+                        ref = run_one(shape)
+                if ref is not None:
+                    rep.max_abs_diff, rep.diff_recorded = float((out.float() - ref.float()).abs().max()), None
+                    ref = None
+                    if accel.cache is not None:
+                        accel.cache.compares[shape.label] = {"max_abs_diff": rep.max_abs_diff,
+                                                             "measured": time.strftime("%Y-%m-%d %H:%M")}
+                else:
+                    rep.max_abs_diff, rep.diff_recorded = kept["max_abs_diff"], kept["measured"]
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:

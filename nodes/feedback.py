@@ -285,7 +285,9 @@ class WarmupFeedback:
                                                         total=self.total, t0=self._t0)
         else:
             text = (f"{accel.backend.name}: {state}, {self.total} shape(s) in {secs:.1f} s, {graphs} graph(s) "
-                    f"compiled" + (f", max |compiled - eager| {diff:.2g}" if diff is not None else ""))
+                    f"compiled" + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
+                    + (f" (as compiled, {accel.report.diff_recorded})"
+                       if diff is not None and accel.report.diff_recorded else ""))
             if state == "fallback":
                 text += f": {reason}. Fix: {fix}."
         if problem:

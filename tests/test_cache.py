@@ -296,3 +296,52 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
         second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
     assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: warmup or the shape inside the box"
     assert accel.stats["recompiles_after_warmup"] == 0 and precompiled.VARIANTS.compiled == 0
+
+
+def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_unet, folder, monkeypatch):
+    """The cold warmup records its max |compiled - eager| in the entry's .json. A restart whose code
+    all comes from that entry shows it, labelled as such, without running the eager reference (most
+    of a CPU restart's warmup); UNET_COMPILER_COMPARE=always runs it; code compiled anew runs it too."""
+    from unet_compiler.compiler import api
+    monkeypatch.delenv("UNET_COMPILER_COMPARE", raising=False)
+    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    first = tiny_unet()
+    api.compile_unet(first, "inductor")
+    api.warmup(first, "2x64x64")
+    cold = api.accelerator_of(first)
+    assert cold.stats["eager_calls"] == 1 and cold.report.diff_recorded is None
+    recorded = json.loads(next(folder.glob("*.json")).read_text())["compares"]["2x64x64"]
+    assert recorded["max_abs_diff"] == cold.report.max_abs_diff
+
+    def restart(seed, compare=None):
+        monkeypatch.setattr(C, "_loaded", set())           # a new process: nothing loaded, nothing live
+        monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+        if compare:
+            monkeypatch.setenv("UNET_COMPILER_COMPARE", compare)
+        unet = tiny_unet(seed=seed)
+        api.compile_unet(unet, "inductor")
+        text = api.warmup(unet, "2x64x64")
+        return text, api.accelerator_of(unet)
+
+    text, accel = restart(4)
+    assert "all from the compile cache" in text, text
+    assert accel.stats["eager_calls"] == 0, "the eager reference did not run"
+    assert accel.report.max_abs_diff == recorded["max_abs_diff"] and accel.report.diff_recorded == recorded["measured"]
+    assert f"measured when this code was compiled, {recorded['measured']}" in text
+    text, accel = restart(5, compare="always")
+    assert accel.stats["eager_calls"] == 1 and accel.report.diff_recorded is None
+    assert "measured when this code was compiled" not in text and "max |compiled - eager| at 2x64x64" in text
+
+
+def test_a_recorded_compare_is_not_shown_for_code_compiled_anew(tiny_unet, folder, monkeypatch):
+    from unet_compiler.compiler import api
+    monkeypatch.delenv("UNET_COMPILER_COMPARE", raising=False)
+    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    unet = tiny_unet(seed=6)
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    accel.cache.compares["2x64x64"] = {"max_abs_diff": 123.0, "measured": "long ago"}
+    text = api.warmup(unet, "2x64x64")
+    assert accel.stats["graphs_compiled"] > accel.stats["graphs_from_cache"], "this test needs code compiled here"
+    assert accel.stats["eager_calls"] == 1 and accel.report.diff_recorded is None
+    assert accel.report.max_abs_diff < 1e-3 and "long ago" not in text
