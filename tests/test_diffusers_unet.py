@@ -93,8 +93,8 @@ def test_parity_and_regions_fired(kind, backend, make_unet):
     conv0, lin0 = used(prepack_conv.stats), used(prepack_linear.stats)
     out = _run(u, inputs)
     _close(out, ref)
-    if backend == "inductor":  # the prepacked CPU convs and linears actually ran
-        assert used(prepack_conv.stats) > conv0 and used(prepack_linear.stats) > lin0
+    if backend == "inductor":  # the prepacked CPU convs actually ran (linears: off by default)
+        assert used(prepack_conv.stats) > conv0 and used(prepack_linear.stats) == lin0
     accel = accelerator_of(u)
     assert accel.backend.name == backend, report(u)
     assert accel.stats["ran_resblock"] > 0 and accel.stats["ran_attention"] > 0, dict(accel.stats)

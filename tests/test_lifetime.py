@@ -132,7 +132,7 @@ def test_a_dropped_unet_is_freed_with_its_prepacked_weights(tiny_unet, regions):
     dynamo still holds the compiled region code (that code is process-wide, not the model's)."""
     before = cache_keys()
     unet = tiny_unet()
-    api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    api.compile_unet(unet, "inductor", dynamic_shapes=False, prepack_linear=True)
     api.warmup(unet, "1x64x64", context_tokens=6)
     with torch.no_grad():
         unet(torch.randn(1, 4, 8, 8), torch.tensor([10.0]), torch.randn(1, 6, 32))
