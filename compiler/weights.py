@@ -10,6 +10,7 @@ anything a tensor can show.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from typing import Callable, Iterable
@@ -98,21 +99,14 @@ class Scratch:
         self._lock = threading.Lock()
         self._buf: torch.Tensor | None = None
 
+    @contextlib.contextmanager
     def use(self, numel: int, dtype: torch.dtype):
-        scratch = self
-
-        class _Use:
-            def __enter__(self):
-                scratch._lock.acquire()
-                buf = scratch._buf
-                if buf is None or buf.dtype != dtype or buf.numel() < numel:
-                    scratch._buf = None   # (the old one goes before the new one is touched)
-                    scratch._buf = buf = torch.empty(numel, dtype=dtype)
-                return buf
-
-            def __exit__(self, *exc):
-                scratch._lock.release()
-        return _Use()
+        with self._lock:
+            buf = self._buf
+            if buf is None or buf.dtype != dtype or buf.numel() < numel:
+                self._buf = None   # (the old one goes before the new one is touched)
+                self._buf = buf = torch.empty(numel, dtype=dtype)
+            yield buf
 
     def release(self) -> None:
         with self._lock:
