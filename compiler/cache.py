@@ -28,6 +28,8 @@ artifacts in the Mega-Cache (dynamo still traces those).
 - An entry is the union of every save: torch's loader keeps only the last of several saves of
   one process, and a worker that loaded an entry saves only what it compiled itself
   (compat/megacache.py merges both).
+- Inductor's CPU ISA probe (a subprocess per vector ISA, every process) is recorded in
+  ``cpu_isa.record`` beside the entries and replayed where the machine matches (compat/cpu_isa.py).
 - Off: ``UNET_COMPILER_CACHE=off``. Cleared: ``UNET_COMPILER_CACHE=clear`` (the folder is
   emptied once, at the first compile of the process, then used as usual).
 """
@@ -47,7 +49,7 @@ from pathlib import Path
 import torch
 
 from . import precompiled
-from .compat import megacache
+from .compat import cpu_isa, megacache
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +224,7 @@ class CompileCache:
             _cleared[0] = True
             self._clear()
         self._place_torch_caches()
+        cpu_isa.install(self.folder)
         if self.key in _loaded:
             self.state = "hit (loaded earlier in this process)"
             return True
@@ -318,6 +321,7 @@ class CompileCache:
         an unwritable folder leaves the cache memory-only, said once in the report."""
         if not self.enabled or self.problem:
             return
+        cpu_isa.save(self.folder)
         try:
             got = torch.compiler.save_cache_artifacts()
         except Exception as e:
@@ -397,7 +401,9 @@ class CompileCache:
 
     def _clear(self):
         n = 0
-        for p in list(self.folder.glob("*.bin")) + list(self.folder.glob("*.json")):
+        for p in list(self.folder.glob("*.bin")) + list(self.folder.glob("*.json")) + [self.folder / cpu_isa.FILE]:
+            if not p.exists():
+                continue
             try:
                 p.unlink()
                 n += 1
@@ -410,7 +416,8 @@ class CompileCache:
         if not self.enabled:
             return [f"  compile cache: {self.state}"] if mode() == "off" else []
         out = [f"  compile cache: {self.state}; {self.folder} holds {size_mib(self.folder):.1f} MiB of entries"
-               + (f" (and {'; '.join(self.torch_dirs)})" if self.torch_dirs else "")]
+               + (f" (and {'; '.join(self.torch_dirs)})" if self.torch_dirs else "")
+               + ("; inductor's CPU ISA probe replayed from its record" if cpu_isa.counts()["replayed"] else "")]
         if self.saved_mib is not None:
             out.append(f"  compile cache: saved {self.saved_mib:.1f} MiB as entry {self.key[:12]}")
         if self.problem:

@@ -44,12 +44,13 @@ def label_of(latent) -> str | None:
 PROBE = Shape(2, 128, 192)
 
 
-def probe_shapes(shapes: list[Shape], size_one_sides: bool = True) -> list[Shape]:
+def probe_shapes(shapes: list[Shape], size_one_sides: bool = True, levels: int = 4) -> list[Shape]:
     """Small shapes that prime every size specialisation inside the warmed box.
 
     Symbolic shapes still specialise on size 1 below dynamo (fake-tensor
-    strides, inductor guards): batch 1 vs >=2, and a 64 px side (1 at the
-    deepest level of an SD UNet) vs a larger one. One small shape per class
+    strides, inductor guards): batch 1 vs >=2, and a side that is 1 at the
+    UNet's deepest level (64 px for SD1.5's 4 levels: each downsample is ceil(n / 2); none for
+    SDXL's 3, whose 64 px side is 2 there) vs a larger one. One small shape per class
     present in the box, the generic one first (so it is traced without any
     size-1 assumption), makes every shape inside the box a cache hit.
 
@@ -57,15 +58,17 @@ def probe_shapes(shapes: list[Shape], size_one_sides: bool = True) -> list[Shape
     side of 1 is no class of its own; only both sides at 1 are (one token at the deepest level's
     attention), so the one-side-small probes are left out.
     """
+    small = LATENT_SCALE * 2 ** (levels - 1)   # px: a side up to this is 1 at the deepest level
+    gen_w, gen_h = max(PROBE.width, 2 * small), max(PROBE.height, 3 * small)
     b_lo, b_hi = min(s.batch for s in shapes), max(s.batch for s in shapes)
     w_lo, w_hi = min(s.width for s in shapes), max(s.width for s in shapes)
     h_lo, h_hi = min(s.height for s in shapes), max(s.height for s in shapes)
     bs = [2] * (b_hi >= 2) + [1] * (b_lo == 1)
-    ws = [PROBE.width] * (w_hi >= 128) + [64] * (w_lo < 128)
-    hs = [PROBE.height] * (h_hi >= 128) + [64] * (h_lo < 128)
+    ws = [gen_w] * (w_hi > small) + [MIN_SIDE] * (w_lo <= small)
+    hs = [gen_h] * (h_hi > small) + [MIN_SIDE] * (h_lo <= small)
     sides = [(w, h) for w in ws for h in hs]
     if not size_one_sides:
-        sides = [(w, h) for w, h in sides if (w == 64) == (h == 64)]
+        sides = [(w, h) for w, h in sides if (w == MIN_SIDE) == (h == MIN_SIDE)]
         if not sides:          # (one side always small: its class is the only one in the box)
             sides = [(ws[-1], hs[-1])]
     return [Shape(b, w, h) for b in bs for w, h in sides]

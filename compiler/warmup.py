@@ -34,9 +34,10 @@ def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
 
 def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
+        levels = _levels(accel.root)
         probes = probe_shapes(shapes, size_one_sides=not (accel.backend.name == "inductor"
-                                                          and precompiled.size_oblivious()))
-        return probes + [p for p in accel.backend.extra_probes(shapes, _levels(accel.root)) if p not in probes]
+                                                          and precompiled.size_oblivious()), levels=levels)
+        return probes + [p for p in accel.backend.extra_probes(shapes, levels) if p not in probes]
     return []
 
 

@@ -116,17 +116,19 @@ def test_unwritable_folder_runs_memory_only_and_says_so(tiny_unet, tmp_path, mon
     assert "not saved" in text and "not writable" in text and C.DIR_ENV in text, text
 
 
-def test_clear_and_off(tiny_unet, folder, monkeypatch):
+def test_clear_and_off(tiny_unet, folder, monkeypatch, tmp_path):
     monkeypatch.setattr(C.megacache, "load", lambda data: None)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))   # chosen: not placed in the folder
     entry = _entry(tiny_unet(), folder)
     _write(entry, C.pack_entry(b"y" * 100, {}))
+    (folder / C.cpu_isa.FILE).write_text("{}")
     monkeypatch.setenv(C.MODE_ENV, "off")
     off = _entry(tiny_unet(), folder)
     assert off.load() is False and "off" in "\n".join(off.lines())
     monkeypatch.setenv(C.MODE_ENV, "clear")
     monkeypatch.setattr(C, "_cleared", [False])
     assert _entry(tiny_unet(), folder).load() is False
-    assert not any(folder.iterdir()), "clear empties the folder once"
+    assert not any(folder.iterdir()), ("clear empties the folder once", list(folder.iterdir()))
 
 
 # ---- two processes, real torch caches ------------------------------------------------------
@@ -169,8 +171,10 @@ def test_restart_and_second_worker_compile_nothing(tmp_path, tiny_unet):
     restart = _run(env, tiny_unet.config())
     worker = _run(dict(env, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind2"), TRITON_CACHE_DIR=str(tmp_path / "tri2")),
                   tiny_unet.config())
+    assert (tmp_path / "pack" / "cpu_isa.record").is_file(), "inductor's CPU ISA probe outcomes recorded"
     for out in (restart, worker):
         assert "compile cache: hit" in out and "all from the compile cache" in out, out
+        assert "CPU ISA probe replayed from its record" in out, out
         assert "compile cache: saved" not in out, "nothing new to save"
         stats = _stats(out)
         assert stats["graphs_compiled"] > 0 and stats["graphs_from_cache"] == stats["graphs_compiled"], stats
@@ -345,3 +349,63 @@ def test_a_recorded_compare_is_not_shown_for_code_compiled_anew(tiny_unet, folde
     assert accel.stats["graphs_compiled"] > accel.stats["graphs_from_cache"], "this test needs code compiled here"
     assert accel.stats["eager_calls"] == 1 and accel.report.diff_recorded is None
     assert accel.report.max_abs_diff < 1e-3 and "long ago" not in text
+
+
+@pytest.fixture
+def isa_probe(monkeypatch):
+    """compat/cpu_isa.py around a stand-in for inductor's ISA probe that counts its calls."""
+    from torch._inductor import cpu_vec_isa
+
+    from unet_compiler.compiler.compat import cpu_isa
+    cpu_isa.uninstall()
+    calls = []
+
+    def probe(self, code):
+        calls.append(str(self))
+        return "avx512" not in str(self)
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", probe)
+    yield cpu_isa, cpu_vec_isa, calls
+    cpu_isa.uninstall()
+
+
+def test_inductors_isa_probe_is_replayed_where_the_machine_matches(isa_probe, tmp_path, monkeypatch):
+    cpu_isa, vec, calls = isa_probe
+    cpu_isa.install(tmp_path)
+    outcomes = [vec.VecAVX2().check_build("int main(){}"), vec.VecAVX512().check_build("int main(){}")]
+    assert outcomes == [True, False] and len(calls) == 2, (outcomes, calls)
+    assert not (tmp_path / cpu_isa.FILE).exists(), "written at a save, not at the probe"
+    cpu_isa.save(tmp_path)
+    cpu_isa.uninstall()
+
+    # a new process (simulated): the record answers, nothing is probed; a new probe code is probed
+    cpu_isa.install(tmp_path)
+    again = [vec.VecAVX2().check_build("int main(){}"), vec.VecAVX512().check_build("int main(){}")]
+    assert again == outcomes and len(calls) == 2, (again, calls)
+    assert cpu_isa.counts() == {"replayed": 2, "probed": 0}
+    vec.VecAVX2().check_build("other code")
+    assert len(calls) == 3
+    cpu_isa.uninstall()
+
+    # another machine (a different compiler, CPU or torch): the record is not used
+    cpu_isa.machine_key.cache_clear()
+    monkeypatch.setattr(cpu_isa, "_compiler_facts", lambda: ["another g++"])
+    try:
+        cpu_isa.install(tmp_path)
+        vec.VecAVX2().check_build("int main(){}")
+        assert len(calls) == 4 and cpu_isa.counts() == {"replayed": 0, "probed": 1}
+    finally:
+        cpu_isa.machine_key.cache_clear()
+
+
+def test_the_isa_record_is_off_by_env_and_a_bad_record_is_ignored(isa_probe, tmp_path, monkeypatch):
+    cpu_isa, vec, calls = isa_probe
+    (tmp_path / cpu_isa.FILE).write_text("{not json")
+    cpu_isa.install(tmp_path)
+    assert vec.VecAVX2().check_build("x") is True and len(calls) == 1
+    cpu_isa.save(tmp_path)   # the bad record is replaced by a good one
+    assert json.loads((tmp_path / cpu_isa.FILE).read_text())["machine"] == cpu_isa.machine_key()
+    cpu_isa.uninstall()
+    monkeypatch.setenv(cpu_isa.ENV, "off")
+    cpu_isa.install(tmp_path)
+    vec.VecAVX2().check_build("x")
+    assert len(calls) == 2, "off: inductor probes as it always does"

@@ -70,6 +70,16 @@ def test_size_oblivious_code_needs_no_probe_per_small_side():
     assert probe_shapes([Shape(1, 64, 512)], size_one_sides=False) == [Shape(1, 64, 192)]
 
 
+def test_small_side_probes_follow_the_unets_depth():
+    """A side is 1 at the deepest level only where ceil-halving the latent (levels - 1) times gets
+    there: 64 px for SD1.5's 4 levels, no side at all for SDXL's 3 (64 px is 2 there)."""
+    box = [Shape(1, 64, 64), Shape(2, 1024, 1024)]
+    assert probe_shapes(box, levels=3) == [Shape(2, 128, 192), Shape(1, 128, 192)]
+    assert probe_shapes([Shape(2, 72, 120)]) == [Shape(2, 128, 192)], "72-120 px are 2 at SD1.5's deepest level"
+    five = probe_shapes([Shape(2, 64, 128), Shape(2, 512, 512)], levels=5)
+    assert five[0] == Shape(2, 256, 384) and Shape(2, 64, 64) in five, five
+
+
 # Sizes nobody can mean: each refused by the parser (before any tensor exists), with a short message.
 HUGE = [
     ("1" * 4000 + "x64x64", "batch '111111111111…' must be between 1 and 64"),   # int() of 4000 digits: slow
