@@ -52,6 +52,14 @@ def comfy():
     return ns
 
 
+@pytest.fixture(autouse=True)
+def _no_cpu_isa_record_between_tests():
+    """compat/cpu_isa.py's routing of inductor's ISA probe is per process: each test starts without it."""
+    yield
+    from unet_compiler.compiler.compat import cpu_isa
+    cpu_isa.uninstall()
+
+
 @pytest.fixture
 def make_comfy_model(comfy):
     """Build a random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's own classes,

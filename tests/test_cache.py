@@ -199,9 +199,11 @@ def test_read_only_folder_is_read_and_said_plainly(tiny_unet, folder, monkeypatc
     real_access = os.access
     monkeypatch.setattr(C.os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
     entry = _entry(tiny_unet(), folder)
+    monkeypatch.setitem(C.cpu_isa._new, "avx2|-mavx2|0", True)   # an ISA check this process made
     entry.save()
     text = "\n".join(entry.lines())
     assert "is read-only: its entries are read" in text and "Fix" not in text, text
+    assert not any(folder.iterdir()), "nothing written, the CPU ISA record neither"
     assert not list(folder.glob("*.bin"))
 
 
@@ -377,22 +379,24 @@ def test_inductors_isa_probe_is_replayed_where_the_machine_matches(isa_probe, tm
     cpu_isa.save(tmp_path)
     cpu_isa.uninstall()
 
-    # a new process (simulated): the record answers, nothing is probed; a new probe code is probed
+    # a new process (simulated): the success is replayed, the failure (maybe a timeout) probed again
     cpu_isa.install(tmp_path)
     again = [vec.VecAVX2().check_build("int main(){}"), vec.VecAVX512().check_build("int main(){}")]
-    assert again == outcomes and len(calls) == 2, (again, calls)
-    assert cpu_isa.counts() == {"replayed": 2, "probed": 0}
+    assert again == outcomes and calls[2:] == ["avx512"], (again, calls)
+    assert cpu_isa.counts() == {"replayed": 1, "probed": 1}
     vec.VecAVX2().check_build("other code")
-    assert len(calls) == 3
+    assert len(calls) == 4, "another probe code is probed"
     cpu_isa.uninstall()
 
-    # another machine (a different compiler, CPU or torch): the record is not used
+    # another machine (a different compiler, CPU or torch): its record is its own, both are kept
     cpu_isa.machine_key.cache_clear()
     monkeypatch.setattr(cpu_isa, "_compiler_facts", lambda: ["another g++"])
     try:
         cpu_isa.install(tmp_path)
         vec.VecAVX2().check_build("int main(){}")
-        assert len(calls) == 4 and cpu_isa.counts() == {"replayed": 0, "probed": 1}
+        assert len(calls) == 5 and cpu_isa.counts() == {"replayed": 0, "probed": 1}
+        cpu_isa.save(tmp_path)
+        assert len(json.loads((tmp_path / cpu_isa.FILE).read_text())["machines"]) == 2
     finally:
         cpu_isa.machine_key.cache_clear()
 
@@ -403,9 +407,19 @@ def test_the_isa_record_is_off_by_env_and_a_bad_record_is_ignored(isa_probe, tmp
     cpu_isa.install(tmp_path)
     assert vec.VecAVX2().check_build("x") is True and len(calls) == 1
     cpu_isa.save(tmp_path)   # the bad record is replaced by a good one
-    assert json.loads((tmp_path / cpu_isa.FILE).read_text())["machine"] == cpu_isa.machine_key()
+    assert cpu_isa.machine_key() in json.loads((tmp_path / cpu_isa.FILE).read_text())["machines"]
     cpu_isa.uninstall()
     monkeypatch.setenv(cpu_isa.ENV, "off")
     cpu_isa.install(tmp_path)
     vec.VecAVX2().check_build("x")
     assert len(calls) == 2, "off: inductor probes as it always does"
+
+
+def test_a_read_only_folder_gets_no_isa_record(isa_probe, tmp_path, monkeypatch):
+    cpu_isa, vec, calls = isa_probe
+    cpu_isa.install(tmp_path)
+    vec.VecAVX2().check_build("x")
+    real_access = os.access
+    monkeypatch.setattr(cpu_isa.os, "access", lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    cpu_isa.save(tmp_path)
+    assert not any(tmp_path.iterdir())

@@ -4,17 +4,21 @@ Before inductor's first C++ kernel in a process, ``torch._inductor.cpu_vec_isa``
 vector ISAs (AVX2, AVX-512, VNNI, AMX, ...) this machine's compiler can build for: per ISA it
 compiles a probe (kept in inductor's cache) and then ``dlopen``s it in a fresh Python subprocess
 (not cached: every process pays it). Measured on this 2-core VM, torch 2.13: ``pick_vec_isa()``
-0.82-0.93 s a process (6 checks), under 1 ms replayed; a one-shape SD1.5 restart through the
+0.82-0.99 s a process (6 checks), 0.06 s replayed (the compiler version check); a one-shape SD1.5 restart through the
 server had 3.0 s of compile overhead before.
 
-Here each ``VecISA.check_build`` outcome is recorded (ISA, its flags at the call, a digest of the
-probe's code) and written to ``cpu_isa.record`` in the pack's cache folder at a save; a later process
-replays the outcomes instead of spawning. The record is used only where everything the outcome
-depends on matches: torch's version and library folder, the Python running the probes, the
-platform, the CPU's ISA flags and the C++ compiler (inductor's candidates, each resolved to its
-file with its size and mtime). An outcome not in the record is probed as before. The record is
-JSON (nothing unpickled); a wrong one could at worst claim an ISA the compiler cannot build,
-which inductor's compile then reports and the pack runs that model eager.
+Here each ``VecISA.check_build`` that succeeds is recorded (ISA, its build flags at the call, a
+digest of the probe's code) and written to ``cpu_isa.record`` in the pack's cache folder at a
+save; a later process replays it instead of spawning. Records are kept per machine key, and used
+only where everything the outcome depends on matches: torch's version and library folder, the
+Python running the probes, the platform, the CPU's ISA flags, ``TORCHINDUCTOR_CPP_MARCH`` and the
+C++ compiler (inductor's own version string of the compiler it picks, as its probe cache uses,
+and each candidate resolved to its file with size and mtime; worked out at the first check, where
+inductor picks the compiler anyway). A failed check is never recorded (a timeout or a full disk
+would otherwise cost an ISA for good): it is probed again in each process, as is anything not in
+the record. The record is JSON (nothing unpickled); a wrong one could at worst claim an ISA the
+compiler cannot build, which inductor's compile then reports and the pack runs that model eager.
+A read-only folder is read, never written.
 ``UNET_COMPILER_CPU_ISA_RECORD=off`` turns the replay off.
 """
 from __future__ import annotations
@@ -37,12 +41,15 @@ log = logging.getLogger(__name__)
 
 ENV = "UNET_COMPILER_CPU_ISA_RECORD"
 FILE = "cpu_isa.record"   # JSON, but not named *.json: those are the entries
-FORMAT = "unet-compiler-cpu-isa-1"
+FORMAT = "unet-compiler-cpu-isa-2"
+MAX_MACHINES = 32         # a folder shared by machines of several kinds keeps each one's outcomes
 
 _lock = threading.Lock()
 _state = {"installed": False, "replayed": 0, "probed": 0}
-_record: dict[str, bool] = {}     # outcomes this process may replay
-_new: dict[str, bool] = {}        # outcomes probed in this process (written at the next save)
+_file: dict = {}                  # {machine key: {outcome key: True}} as read from the folder
+_record: dict[str, bool] = {}     # outcomes this process may replay (this machine's)
+_new: dict[str, bool] = {}        # successes probed in this process (written at the next save)
+_ready = [False]                  # _record filled from _file (at the first check)
 
 
 def enabled() -> bool:
@@ -59,12 +66,17 @@ def _vec_isa_class():
 
 
 def _compiler_facts() -> list:
+    """The C++ compiler inductor's probes are built with: its version string (inductor's own probe
+    fingerprint) and every candidate's file."""
+    out: list = []
     try:
         from torch._inductor import config
+        from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+        out.append(get_compiler_version_info(get_cpp_compiler()))
+        out.append(["march", getattr(config.cpp, "march", None)])
         cxx = config.cpp.cxx
-    except Exception:
-        return ["unknown"]
-    out = []
+    except Exception as e:
+        return out + [f"unknown ({type(e).__name__})"]
     for c in (cxx if isinstance(cxx, (list, tuple)) else (cxx,)):
         if c is None:
             out.append(["conda gxx", os.environ.get("TORCH_INDUCTOR_INSTALL_GXX")])
@@ -76,6 +88,7 @@ def _compiler_facts() -> list:
         except OSError:
             real, st = None, None
         out.append([c, real, st.st_size if st else None, st.st_mtime_ns if st else None])
+    out.append(["CXX", os.environ.get("CXX")])
     return out
 
 
@@ -99,13 +112,39 @@ def machine_key() -> str:
 
 
 def _outcome_key(isa, code: str) -> str:
-    flags = getattr(isa, "_arch_flags", "")
+    try:
+        flags = isa.build_arch_flags()
+    except Exception:
+        flags = getattr(isa, "_arch_flags", "")
     return f"{isa}|{flags}|{hashlib.sha256(code.encode()).hexdigest()[:16]}"
 
 
+def _read(folder: Path) -> dict:
+    """{machine key: {outcome: True}} of ``folder``'s record ({} when absent or not the pack's)."""
+    try:
+        data = json.loads((Path(folder) / FILE).read_text())
+        if data.get("format") != FORMAT:
+            return {}
+        return {str(m): {str(k): True for k, v in outs.items() if v is True}
+                for m, outs in data.get("machines", {}).items() if isinstance(outs, dict)}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _this_machine() -> None:
+    """At the first check (inductor picks its compiler there anyway): this machine's outcomes."""
+    if _ready[0]:
+        return
+    key = machine_key()
+    with _lock:
+        if not _ready[0]:
+            _record.update(_file.get(key, {}))
+            _ready[0] = True
+
+
 def install(folder: Path) -> None:
-    """Read ``folder``'s record (if it matches this machine) and route inductor's ISA probes
-    through it. Once per process; never raises."""
+    """Read ``folder``'s record and route inductor's ISA probes through it. Once per process;
+    never raises."""
     if not enabled():
         return
     with _lock:
@@ -115,26 +154,22 @@ def install(folder: Path) -> None:
         cls = _vec_isa_class()
         if cls is None:
             return
-        try:
-            data = json.loads((Path(folder) / FILE).read_text())
-            if data.get("format") == FORMAT and data.get("machine") == machine_key():
-                _record.update({k: v for k, v in data.get("outcomes", {}).items() if isinstance(v, bool)})
-        except (OSError, ValueError, AttributeError):
-            pass
+        _file.update(_read(folder))
         original = cls.check_build
 
         @functools.wraps(original)
         def check_build(self, code: str) -> bool:
+            _this_machine()
             key = _outcome_key(self, code)
             with _lock:
-                if key in _record:
+                if _record.get(key):
                     _state["replayed"] += 1
-                    return _record[key]
+                    return True
             ok = bool(original(self, code))
             with _lock:
-                _new[key] = ok
-                _record[key] = ok
                 _state["probed"] += 1
+                if ok:
+                    _new[key] = _record[key] = True
             return ok
 
         check_build.__unet_compiler_original__ = original
@@ -142,37 +177,38 @@ def install(folder: Path) -> None:
 
 
 def uninstall() -> None:
-    """Inductor's own probe back (tests)."""
+    """Inductor's own probe back, nothing remembered (tests)."""
     with _lock:
         cls = _vec_isa_class()
         original = getattr(getattr(cls, "check_build", None), "__unet_compiler_original__", None)
         if original is not None:
             cls.check_build = original
         _state.update(installed=False, replayed=0, probed=0)
-        _record.clear()
-        _new.clear()
+        for d in (_file, _record, _new):
+            d.clear()
+        _ready[0] = False
 
 
 def save(folder: Path) -> None:
-    """Write the outcomes probed in this process into ``folder``'s record (merged with a matching
-    one already there). A read-only folder keeps nothing; never raises."""
+    """Add the successes probed in this process to ``folder``'s record, under this machine's key
+    (other machines' outcomes kept). A read-only folder is left alone; never raises."""
     with _lock:
         if not _new:
             return
         new = dict(_new)
-    path = Path(folder) / FILE
-    outcomes: dict = {}
+    folder = Path(folder)
+    if folder.is_dir() and not os.access(folder, os.W_OK):
+        return
+    machines = _read(folder)
+    key = machine_key()
+    mine = {**machines.pop(key, {}), **new}
+    machines = dict(list(machines.items())[-(MAX_MACHINES - 1):]) if MAX_MACHINES > 1 else {}
+    machines[key] = mine
+    data = json.dumps({"format": FORMAT, "machines": machines}, indent=1)   # insertion order: newest last
+    path = folder / FILE
     try:
-        old = json.loads(path.read_text())
-        if old.get("format") == FORMAT and old.get("machine") == machine_key():
-            outcomes.update({k: v for k, v in old.get("outcomes", {}).items() if isinstance(v, bool)})
-    except (OSError, ValueError, AttributeError):
-        pass
-    outcomes.update(new)
-    data = json.dumps({"format": FORMAT, "machine": machine_key(), "outcomes": outcomes}, indent=1, sort_keys=True)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=FILE + ".", suffix=".partial")
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=FILE + ".", suffix=".partial")
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(data)
