@@ -50,6 +50,7 @@ import torch
 
 from . import precompiled
 from .compat import cpu_isa, megacache
+from .files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -383,14 +384,7 @@ class CompileCache:
 
     @staticmethod
     def _atomic_write(path: Path, data: bytes):
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".partial")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, data)
 
     def _discard(self):
         for p in self.paths:

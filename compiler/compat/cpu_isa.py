@@ -31,11 +31,12 @@ import os
 import platform
 import shutil
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from ..files import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -208,14 +209,7 @@ def save(folder: Path) -> None:
     path = folder / FILE
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=FILE + ".", suffix=".partial")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(data)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        atomic_write(path, data.encode())
     except OSError as e:
         log.debug("UNet Compiler: CPU ISA record not written to %s (%s)", path, e)
         return
