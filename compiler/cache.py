@@ -396,9 +396,7 @@ class CompileCache:
     def _clear(self):
         n = 0
         for p in list(self.folder.glob("*.bin")) + list(self.folder.glob("*.json")) + [self.folder / cpu_isa.FILE]:
-            if not p.exists():
-                continue
-            try:
+            try:   # (no record: FileNotFoundError, not counted)
                 p.unlink()
                 n += 1
             except OSError:

@@ -47,10 +47,8 @@ MAX_MACHINES = 32         # a folder shared by machines of several kinds keeps e
 
 _lock = threading.Lock()
 _state = {"installed": False, "replayed": 0, "probed": 0}
-_file: dict = {}                  # {machine key: {outcome key: True}} as read from the folder
-_record: dict[str, bool] = {}     # outcomes this process may replay (this machine's)
+_file: dict = {}                  # {machine key: {outcome key: True}}: the folder's, and this process's successes
 _new: dict[str, bool] = {}        # successes probed in this process (written at the next save)
-_ready = [False]                  # _record filled from _file (at the first check)
 
 
 def enabled() -> bool:
@@ -132,17 +130,6 @@ def _read(folder: Path) -> dict:
         return {}
 
 
-def _this_machine() -> None:
-    """At the first check (inductor picks its compiler there anyway): this machine's outcomes."""
-    if _ready[0]:
-        return
-    key = machine_key()
-    with _lock:
-        if not _ready[0]:
-            _record.update(_file.get(key, {}))
-            _ready[0] = True
-
-
 def install(folder: Path) -> None:
     """Read ``folder``'s record and route inductor's ISA probes through it. Once per process;
     never raises."""
@@ -160,17 +147,17 @@ def install(folder: Path) -> None:
 
         @functools.wraps(original)
         def check_build(self, code: str) -> bool:
-            _this_machine()
+            machine = machine_key()   # (first at the first check: inductor picks its compiler there anyway)
             key = _outcome_key(self, code)
             with _lock:
-                if _record.get(key):
+                if _file.get(machine, {}).get(key):
                     _state["replayed"] += 1
                     return True
             ok = bool(original(self, code))
             with _lock:
                 _state["probed"] += 1
                 if ok:
-                    _new[key] = _record[key] = True
+                    _new[key] = _file.setdefault(machine, {})[key] = True
             return ok
 
         check_build.__unet_compiler_original__ = original
@@ -185,9 +172,8 @@ def uninstall() -> None:
         if original is not None:
             cls.check_build = original
         _state.update(installed=False, replayed=0, probed=0)
-        for d in (_file, _record, _new):
-            d.clear()
-        _ready[0] = False
+        _file.clear()
+        _new.clear()
 
 
 def save(folder: Path) -> None:
