@@ -1,42 +1,11 @@
 """CUDA graphs of accelerated regions, one per (region, input signature).
 
-At SD1.5 sizes a UNet step is a few hundred small kernels and the GPU waits on
-Python between them; replaying a captured graph launches a region's kernels in
-one call. The graphs are per leaf region, never the whole UNet call: ComfyUI's
-dispatch between regions (ControlNet residuals, patches, transformer_options)
-stays eager Python (DESIGN.md rule 2), so nothing it decides per step is baked
-into a graph.
-
-How a region call is served when graphs are on:
-
-* The key is the region instance, each input's shape/stride/dtype/device, the
-  autocast state and the addresses of the region's live parameters and
-  buffers. A graph reads its weights from those addresses at every replay, so
-  in-place weight updates (ComfyUI's LoRA patching into the same storage,
-  hooks) are seen by the next replay; a parameter *replaced* by a new tensor
-  changes the key, and the region's old graphs are dropped (rule 3).
-* The first call with a key runs normally (it compiles / picks kernel configs,
-  which cannot happen inside a capture); the second runs once more on the
-  static input buffers (Triton specialises on their alignment) and then
-  captures on them; later calls copy
-  their inputs into the graph's static inputs, replay, and return a copy of
-  the static output (a later replay of the same graph would overwrite it:
-  ComfyUI may run cond and uncond as two calls of the same shape).
-* At most ``max_shapes`` graphs per region (memory: each holds its input and
-  output buffers; the report shows the total); beyond that, calls run without a graph and the report says so.
-* Graphs need CUDA inputs, inference (no autograd) and torch's native caching
-  allocator: ComfyUI's default cudaMallocAsync cannot capture, which is
-  probed up front (compat.triton.cuda_graphs_problem) with the fix. A capture
-  that fails turns graphs off for this model, with the reason in the report;
-  the region call then runs normally.
-
-Known limit: a region's parameter slots are listed once, so a submodule
-*replaced* inside a captured region (not a weight: a whole child module) is
-not noticed; ComfyUI's LoRA and weight patches replace parameters, which is.
-
-All captures share one memory pool: regions replay one at a time on one
-stream and every static output stays referenced, so a graph's temporaries may
-reuse another's without corrupting anything that is still read.
+Graphs are per leaf region, never the whole UNet call: ComfyUI's dispatch between
+regions stays eager Python. Weights are live: a graph's key holds the addresses of
+its region's parameters and buffers, so an in-place update is seen by the next
+replay and a replaced parameter drops the region's graphs. At most ``max_shapes``
+graphs per region; a failed capture turns graphs off for the model, and its calls
+run without them. The serving rules and limits: docs/internals.md.
 """
 from __future__ import annotations
 
@@ -54,15 +23,8 @@ log = logging.getLogger(__name__)
 class CudaGraphs:
     """torch.cuda.CUDAGraph capture/replay (the one production implementation;
     tests on machines without a GPU hand :class:`RegionGraphs` a stand-in with
-    the same methods).
-
-    Captures run on one dedicated side stream per device, entered and left
-    with ``torch.cuda.stream`` so the caller's stream is restored even when a
-    capture fails, and so the failed capture's allocator routing stays on a
-    stream nothing else uses. A signature's first (eager) call runs on that
-    stream too, so per-stream lazy setup (cuBLAS workspaces) happens before,
-    not inside, the capture. No per-capture ``synchronize``/``empty_cache``
-    as ``torch.cuda.graph`` does: hundreds of regions are captured."""
+    the same methods). First calls and captures run on one side stream per
+    device; the caller's stream is restored even when a capture fails."""
 
     def __init__(self):
         self.pool = None

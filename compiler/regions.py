@@ -1,19 +1,11 @@
 """The leaf-region bodies every backend accelerates, written once over the ops they are made of.
 
-Each body is a plain function of (region module, inputs) so that ONE compiled
-callable serves every instance of a block (regional compilation: identical
-blocks share compiled code; parameters are graph inputs, read live on every
-call). A body is built from a few ops (GroupNorm+SiLU, attention, GEGLU, conv
-+ residual) that it takes as ``ops``: :class:`Ops`, whose members are the torch
-ops, by default (what inductor compiles and IPEX runs), or a backend's own
-(the triton backend's: a kernel or these torch ops, whichever measured faster).
-With the torch ops each body computes what the model's own code computes, op
-for op; a variant a body does not cover (scale-shift norm, up/down ResBlocks,
-non-GEGLU feed-forwards) runs the model's own code. Attention is rewritten onto
-SDPA because ComfyUI's CPU attention (sub-quadratic, memory probes) breaks
-graphs. Every weight is read from the live module at call time;
-to_q/to_k/to_v/to_out, the convs and the linears stay module calls (LoRA and
-attention patches address them by name).
+Each body is a plain function of (region module, inputs), so one compiled callable serves
+every instance of a block; parameters are read live on every call. Its ops come from
+``ops``: :class:`Ops` (the torch ops: what inductor compiles and IPEX runs) or a backend's
+subclass. With the torch ops a body computes what the model's own code computes, attention
+on SDPA; a variant a body does not cover runs the model's own code. to_q/to_k/to_v/to_out,
+the convs and the linears stay module calls (LoRA and attention patches address them by name).
 """
 from __future__ import annotations
 

@@ -45,19 +45,11 @@ PROBE = Shape(2, 128, 192)
 
 
 def probe_shapes(shapes: list[Shape], size_one_sides: bool = True, levels: int = 4) -> list[Shape]:
-    """Small shapes that prime every size specialisation inside the warmed box.
-
-    Symbolic shapes still specialise on size 1 below dynamo (fake-tensor
-    strides, inductor guards): batch 1 vs >=2, and a side that is 1 at the
-    UNet's deepest level (64 px for SD1.5's 4 levels: each downsample is ceil(n / 2); none for
-    SDXL's 3, whose 64 px side is 2 there) vs a larger one. One small shape per class
-    present in the box, the generic one first (so it is traced without any
-    size-1 assumption), makes every shape inside the box a cache hit.
-
-    ``size_one_sides`` False (code traced size-obliviously, ``precompiled.size_oblivious``): a
-    side of 1 is no class of its own; only both sides at 1 are (one token at the deepest level's
-    attention), so the one-side-small probes are left out.
-    """
+    """Small shapes that prime every size specialisation inside the warmed box: one per
+    size-1 class present (batch 1 vs >= 2; a side that is 1 at the UNet's deepest level vs
+    larger), the generic one first, so every shape inside the box is a cache hit.
+    ``size_one_sides`` False (code traced size-obliviously): only both sides at 1 is a class,
+    so the one-side-small probes are left out."""
     small = LATENT_SCALE * 2 ** (levels - 1)   # px: a side up to this is 1 at the deepest level
     gen_w, gen_h = max(PROBE.width, 2 * small), max(PROBE.height, 3 * small)
     b_lo, b_hi = min(s.batch for s in shapes), max(s.batch for s in shapes)

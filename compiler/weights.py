@@ -1,12 +1,10 @@
 """Weight provenance, shared by every cache of tensors derived from weights
 (prepacked convs, IPEX-optimized region copies).
 
-DESIGN.md rule 3: a derived tensor is a cache keyed on what it was derived
-from and re-checked on every call. The per-tensor part of the key is
-:func:`signature`; the per-call part is the *epoch* the runtime declares
-before each UNet call (ComfyUI's ``current_weight_patches_uuid`` plus hook
-applications), because ComfyUI can rewrite weights in place without bumping
-anything a tensor can show.
+Weights are live: a derived tensor is a cache keyed on what it was derived from
+(:func:`signature`) and on the weight *epoch* the runtime declares before each
+UNet call, and is re-checked on every call. The epoch covers in-place rewrites
+that nothing a tensor shows would reveal.
 """
 from __future__ import annotations
 
@@ -89,9 +87,7 @@ class DerivedCache:
 
 class Scratch:
     """One reusable buffer for the temporary copy a derivation needs on the way (a conv weight in
-    channels-last order before oneDNN packs it). Fresh memory costs a page fault per 4 KiB page on
-    first touch, and on a VM a fault costs 1-10 us: a temporary per weight doubled the faults of
-    packing a UNet (SD1.5: 1.05M faults for 2.2 GB of convs; with one buffer reused, 0.60M).
+    channels-last order before oneDNN packs it), so its pages fault in once, not once per weight.
     Held only while a UNet call runs: ``release()`` (the runtime, when the call ends) frees it.
     ``use(numel, dtype)`` is a context manager holding the lock, so two threads never share it."""
 

@@ -1,16 +1,10 @@
 """Flash-style attention forward (online softmax, fp32 accumulation).
 
-Layout: q [B, H, Nq, d], k and v [B, H, Nk, d] with ANY strides, so the
-strided views ComfyUI/diffusers make (``t.view(B, N, H, d).transpose(1, 2)``)
-go in without a copy. The output is returned as [B, H, Nq, d] whose memory is
-[B, Nq, H, d] contiguous: ``out.transpose(1, 2).reshape(B, Nq, H * d)`` is free.
-
-Head dims up to 256 are held as a power-of-two block plus a power-of-two tail
-(40 = 32 + 16, 80 = 64 + 16, on Hopper 160 = 128 + 32) with masks; key/query lengths of
-any size (77*k context) are masked per tile. fp32 runs under the interpreter
-only: on CUDA the launcher declines it and the caller runs SDPA.
-Matches ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask,
-not causal, no dropout).
+Matches ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask, not causal, no
+dropout). q [B, H, Nq, d], k and v [B, H, Nk, d] with any strides (ComfyUI's and diffusers'
+transposed views go in without a copy); the output is [B, H, Nq, d] over [B, Nq, H, d]
+memory, so ``out.transpose(1, 2).reshape(B, Nq, H * d)`` is free. Head dims up to 256, any
+key/query length. fp32 runs under the interpreter only: on CUDA the launcher declines it.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """Bias + residual epilogue: ``out = x + bias (broadcast along one dim) + residual``.
 
-Meant for the output of a conv / matmul run without its bias (or with it):
-one read of x and residual, one write, instead of the eager ``x + b`` then
-``+ residual`` round trips.
-
-The kernel walks x's storage linearly; x, residual and out must share one dense
-memory layout (all NCHW-contiguous, or all channels_last, ...). The bias
-index of storage offset ``i`` is ``(i // stride[dim]) % size[dim]``, which holds
-for every dense non-overlapping layout.
+For the output of a conv / matmul run without its bias (or with it): one read of x and
+residual, one write. x, residual and out must share one dense memory layout (all
+NCHW-contiguous, or all channels_last, ...): the kernel walks x's storage linearly.
 """
 from __future__ import annotations
 

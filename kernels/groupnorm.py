@@ -1,21 +1,9 @@
 """GroupNorm (+ optional fused SiLU) for NCHW-contiguous and channels_last inputs.
 
-Three launches:
-  1. statistics, in fp32 partials (mean, M2, count) merged by Chan's formula (no
-     sum-of-squares cancellation):
-     ``_gn_stats_kernel`` (a group's values are one run, or strided per channel):
-     grid (N*G, chunks), one partial per (sample, group, chunk);
-     ``_gn_stats_cl_kernel`` (channels_last: channels vary fastest): grid (chunks,
-     channel blocks, N), whole-row [spatial, channel] tiles reduced per channel,
-     one partial per (sample, channel, chunk).
-     Either way a group's partials are contiguous.
-  2. ``_gn_finalize_kernel``: grid (N*G,), merges a group's partials once into
-     (mean, rstd).
-  3. ``_gn_apply_kernel``: grid over (spatial tiles, channel tiles, N), folds
-     rstd/weight/bias into a per-channel scale/shift and writes
-     ``x * scale + shift`` (then SiLU), in the input's memory layout.
-
-Weight and bias are read from the tensors passed on every call (live LoRA safe).
+Three launches: fp32 statistics partials merged by Chan's formula (no sum-of-squares
+cancellation), a finalize to (mean, rstd) per group, and an apply that writes
+``x * scale + shift`` (then SiLU) in the input's memory layout. Weight and bias are read
+from the tensors passed on every call (live LoRA safe).
 """
 from __future__ import annotations
 

@@ -1,42 +1,10 @@
 """Tell the user what the pack did: in the browser, in /history and in the log.
 
-"Is it even working?" is the question users of every earlier accelerator ask.
-This module answers it with the same facts in three places:
-
-- custom websocket events through ComfyUI's ``PromptServer`` (the web
-  extension in ``web/`` draws a badge from them and toasts a fallback);
-- live text on the node (``send_progress_text``, shown by the frontend);
-- one log line per fact, and a ``status:`` line appended to the node's report,
-  which ComfyUI stores in ``/history`` for headless API users.
-
-Without a running ComfyUI server (standalone library use, tests, scripts)
-every send is a no-op: only the log and the report carry the facts.
-
-Events (``PromptServer.send_sync(EVENT_PREFIX + name, data)``), all JSON:
-
-``unet_compiler.compile``
-    ``node_id``, ``backend`` (what runs), ``requested`` (what Select Backend
-    asked for), ``state`` (``compiled`` / ``fallback`` / ``eager``),
-    ``reason`` and ``fix`` (one sentence each, empty when compiled),
-    ``family``, ``regions`` ({kind: count}), ``notes``, ``text``.
-``unet_compiler.warmup``
-    ``node_id``, ``phase`` (``start`` / ``shape`` / ``end``), ``backend``,
-    ``state`` (``compiling`` until the end, then ``compiled`` / ``fallback`` /
-    ``eager``), ``total`` (shapes), ``text``; ``start`` adds ``shapes``
-    (labels); ``shape`` adds ``index`` (1-based), ``shape`` (label),
-    ``seconds`` (that shape), ``elapsed`` (since start); ``end`` adds
-    ``seconds``, ``graphs`` (graphs compiled), ``max_abs_diff``, ``reason``,
-    ``fix``.
-``unet_compiler.fallback``
-    a region kind failed at run time (during warmup or sampling) and now runs
-    eager: ``node_ids`` (the Compile UNet node and the Warmup Shapes nodes
-    that ran the model), ``backend``, ``kind``, ``state`` (``fallback``),
-    ``reason``, ``fix``, ``text``.
-``unet_compiler.recompile``
-    code compiled after warmup (a shape or guard warmup did not cover):
-    ``node_ids``, ``backend``, ``prompt`` (the prompt id), ``shape`` (the
-    call's ``BxWxH``), ``graphs``, ``seconds``, ``guards`` (the failed guards in
-    plain words), ``text``.
+The same facts go three ways: websocket events through ComfyUI's ``PromptServer``
+(``EVENT_PREFIX`` + ``compile`` / ``warmup`` / ``fallback`` / ``recompile``, JSON; the web
+extension in ``web/`` draws a badge and toasts a fallback from them), live text on the node,
+and log lines plus a ``status:`` line in the node's report (kept in ``/history``). Without a
+running ComfyUI server every send is a no-op. The events' fields: docs/internals.md.
 """
 from __future__ import annotations
 

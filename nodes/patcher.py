@@ -1,6 +1,6 @@
 """ComfyUI ModelPatcher glue behind the V3 nodes (nodes/v3.py).
 
-Rule 1: never mutate the shared model. Compile UNet clones the patcher and
+The shared model is never mutated: Compile UNet clones the patcher and
 adds one keyed APPLY_MODEL wrapper (plus an ON_APPLY_HOOKS callback); the
 wrapper swaps region forwards in for one apply_model call and restores them
 in ``finally`` (runtime.Accelerator.active).

@@ -1,24 +1,11 @@
 """Intel Extension for PyTorch on the leaf regions, weights kept live.
 
-What it does: each leaf region (ResBlock body, attention, feed-forward,
-free-standing conv) runs on a private copy that ``ipex.optimize`` prepared:
-conv / linear weights prepacked into oneDNN's blocked layout (IPEX's
-``_IPEXConv2d`` / ``_IPEXLinear``), in bf16 when precision=bf16 and the CPU
-can. ComfyUI's op classes (``comfy.ops.*.Conv2d``) are mapped to the torch
-class IPEX recognises on the copy only; the model itself is never touched.
-
-Live weights (DESIGN.md rule 3): the copy is a cache keyed on the region's
-parameters (identity, storage, version counter, ComfyUI's weight epoch) and
-rebuilt before the call whenever any of them changed, so a LoRA applied after
-Compile UNet or a strength change is never stale.
-
-What it deliberately does not ask IPEX for, and why (instead of passing its
-warnings through): conv/linear BatchNorm folding (a UNet has no BatchNorm;
-IPEX would try to fx-trace the whole UNet, fail, and warn "Conv BatchNorm
-folding failed"), and concat_linear (it would merge to_q/to_k/to_v into one
-module, which LoRA keys and attention patches address by name; IPEX also
-looks the UNet up at ``diffusers.models.unet_2d_condition``, which diffusers
-removed in 0.29, hence "failed to apply concat_linear on unet").
+Each leaf region runs on a private copy that ``ipex.optimize`` prepared (conv /
+linear weights prepacked into oneDNN's layout, bf16 when precision=bf16 and the
+CPU can); the model itself is never touched. Weights are live: the copy is a
+cache keyed on the region's parameters and ComfyUI's weight epoch, rebuilt
+before the call whenever any of them changed. BatchNorm folding and
+concat_linear are deliberately not asked of IPEX (``NOT_REQUESTED``).
 """
 from __future__ import annotations
 

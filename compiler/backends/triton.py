@@ -1,15 +1,11 @@
 """The pack's fused Triton kernels on the leaf regions (CUDA).
 
-The region bodies are regions.py's; this backend supplies their ops
-(:class:`TritonOps`, the op table): GroupNorm+SiLU in one pass, the GEGLU
-epilogue, flash attention, conv bias + residual add in one pass, each a
-kernel where it removes memory round trips, or the torch ops it replaces
-where torch measured faster for that input signature (_kernel_choice.py).
-Every weight is read from the live module at call time; to_q/to_k/to_v/to_out
-and the convs/linears stay module calls (LoRA and attention patches address
-them by name; cuBLAS/cuDNN do the GEMMs). A kernel that cannot take its
-inputs raises KernelUnsupported and the torch ops it replaces run instead;
-one that escapes a body makes that call run the body on the torch ops.
+The region bodies are regions.py's; this backend supplies their ops (:class:`TritonOps`),
+each a kernel or the torch ops it replaces, whichever measured faster for that input
+signature (_kernel_choice.py). Weights are read from the live module at call time, and
+to_q/to_k/to_v/to_out and the convs/linears stay module calls. A kernel that cannot take
+its inputs raises KernelUnsupported and the torch ops it replaces run instead; one that
+escapes a body makes that call run the body on the torch ops.
 """
 from __future__ import annotations
 
@@ -125,13 +121,9 @@ class TritonBackend(Backend):
         return triton_compat.kernel_compiles()
 
     def extra_probes(self, shapes, levels: int) -> list:
-        """Triton specialises integer kernel arguments on divisibility by 16 (and == 1); the
-        kernels' block sizes never depend on spatial or token sizes, and the size arguments
-        that only bound loops are not specialised, so what is left varies with whether a
-        level's spatial size is a multiple of 16. The smallest shape where it is at every
-        level (sides a multiple of 4 at the deepest: 256 px for SD1.5, 128 px for SDXL) and
-        one where it is at none (80 px) compile both up front; the dynamo probes already
-        cover size 1 (64 px)."""
+        """Two shapes that compile both of Triton's divisibility-by-16 specialisations up front:
+        the smallest where every level's spatial size is a multiple of 16, and 80 px, where none
+        is (the dynamo probes already cover size 1)."""
         from ..shapes import Shape
         b = min(s.batch for s in shapes)
         side = 8 * 4 * 2 ** (levels - 1)

@@ -1,17 +1,11 @@
 """CPU convolution with a oneDNN-prepacked weight, kept live.
 
-Pattern: a 2-D convolution (``torch.conv2d`` in a dynamo graph, or an
-``nn.Conv2d`` called eagerly) on a CPU fp32 tensor.
-Replacement: ``unet_compiler::conv2d_prepacked``, which reorders the weight
-into oneDNN's blocked layout once and reuses it (plain aten re-does that
-reorder on every call: 4-7x the cost of the conv itself for the 1280-channel
-convs at small latents).
-Invariant: the packed copy is a cache of the *current* weight. Its key is the
-weight's identity, storage pointer, shape, dtype, version counter and the
-weight epoch (ComfyUI's ``current_weight_patches_uuid`` plus hook
-applications); any change re-packs before the conv runs, so a LoRA applied
-before or after compiling, or a strength change, is never stale. The op is
-opaque to inductor, so the weight stays a graph input (never a constant).
+Pattern: a 2-D convolution (``torch.conv2d`` in a dynamo graph, or an ``nn.Conv2d`` called
+eagerly) on CPU fp32 tensors. Replacement: ``unet_compiler::conv2d_prepacked``, which reorders
+the weight into oneDNN's blocked layout once and reuses it. Weights are live: the packed copy
+is a cache keyed on the weight (identity, storage, shape, dtype, version counter) and the
+weight epoch, re-packed before the conv when any changed. The op is opaque to inductor, so
+the weight stays a graph input (never a constant).
 """
 from __future__ import annotations
 
@@ -35,9 +29,8 @@ _cache = weights.DerivedCache(stats)
 
 def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
     """The weight in the blocked layout oneDNN picks for this input size. The input shape is part
-    of the key: a copy packed for another size runs 3-7x slower at some SD sizes (measured on CPU,
-    1280 channels at 2x2 and 320 at 8x8: slower than plain aten), which made a range warmup's
-    smallest shape crawl. One copy per weight is kept: a shape change re-packs it once."""
+    of the key: a copy packed for another size can run slower than plain aten. One copy per
+    weight is kept: a shape change re-packs it once."""
     shape = [int(s) for s in x_shape]
     return _cache.get(w, lambda t: _reorder(t, list(padding), list(stride), list(dilation), groups, shape),
                       key=(tuple(shape),))

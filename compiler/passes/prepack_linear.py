@@ -1,18 +1,11 @@
 """CPU linear layers with an MKL-prepacked weight, kept live.
 
-Pattern: ``torch._C._nn.linear`` / ``F.linear`` in a dynamo graph on CPU fp32
-tensors. Replacement: ``unet_compiler::linear_prepacked``, which packs the
-weight into MKL's GEMM layout once (``mkl._mkl_reorder_linear_weight``)
-instead of on every call. Measured on an older torch here: at the small token
-counts of a UNet's deep levels plain sgemm spent most of its time re-packing
-the weight (1280x1280 at 8 rows 9.8 -> 0.25 ms); with torch 2.13 plain
-``F.linear`` is as fast (0.28 vs 0.34 ms there, and whole compiled SD1.5 steps
-equal), so ``CompileConfig.prepack_linear`` is off by default.
-The packed layout does not depend on the row count, so one packed copy
-serves every batch size and resolution.
-Invariant: as in prepack_conv, the packed copy is a cache of the *current*
-weight, keyed on identity, storage, shape, dtype, version counter and the
-weight epoch; any change re-packs before the GEMM runs.
+Pattern: ``torch._C._nn.linear`` / ``F.linear`` in a dynamo graph on CPU fp32 tensors.
+Replacement: ``unet_compiler::linear_prepacked``, which packs the weight into MKL's GEMM
+layout once (the layout does not depend on the row count: one copy serves every shape).
+Off by default (``CompileConfig.prepack_linear``): recent torch's plain linear is as fast.
+Weights are live: as in prepack_conv, the packed copy is a cache keyed on the weight and
+the weight epoch, re-packed before the GEMM when either changed.
 """
 from __future__ import annotations
 

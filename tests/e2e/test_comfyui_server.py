@@ -219,7 +219,7 @@ def test_recompile_during_sampling_reaches_that_prompts_history(comfy_server, sd
 
 def test_shared_model_still_eager_after_compile(comfy_server, sd15_checkpoint,
                                                 eager_result, request):
-    """Compiling a clone must leave the loader's MODEL untouched (DESIGN.md rule 1).
+    """Compiling a clone must leave the loader's MODEL untouched (the shared model is never mutated).
 
     ComfyUI caches CheckpointLoaderSimple's output, so this prompt gets the very
     ModelPatcher the compiled prompt cloned. A no-op ModelSamplingDiscrete (eps,
