@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .backends import names as _backend_names
-from .switch import DISABLE_ENV, disabled_by_env  # noqa: F401 - public here too
+from .report import DISABLE_ENV  # noqa: F401 - public here too
 
 #: "auto" and every registered backend, in auto's order (compiler/backends)
 BACKENDS = ("auto",) + _backend_names()
@@ -41,7 +41,7 @@ class CompileConfig:
         True (default): batch, height, width and context length are symbolic,
         so a new batch size or resolution reuses the compiled code (zero
         recompiles inside the warmed range). A warmup of one shape compiles that
-        shape static (``Accelerator.fix_shape``): another shape recompiles once,
+        shape static (``warmup.fix_shape``): another shape recompiles once,
         then runs dynamic code. False: every new shape compiles
         its own specialised code (slightly faster kernels, a compile per
         shape: only for workflows with one fixed shape).

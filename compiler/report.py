@@ -11,7 +11,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from .switch import DISABLE_ENV, disabled_by_env
+from . import settings
+from .shapes import parse_shapes
+
+DISABLE_ENV = settings.env("DISABLE")
 
 
 class Reason(str):
@@ -83,7 +86,7 @@ class Report:
     why: list = field(default_factory=list)
     family: str = ""
     precision: str = "auto"
-    dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (Accelerator.fix_shape)
+    dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (warmup.fix_shape)
     regions: dict = field(default_factory=dict)       # kind -> count
     skipped: list = field(default_factory=list)       # (kind, count, reason)
     notes: list = field(default_factory=list)
@@ -142,7 +145,7 @@ def compile_facts(rep: Report) -> dict:
         state = "eager"
         reason = NOTHING_TO_COMPILE + ": " + whole[0].removeprefix("running eager: ")
         fix = "none: the pack accelerates SD1.x / SD2.x / SDXL / SVD UNets; this model runs as ComfyUI loaded it"
-    elif disabled_by_env():
+    elif settings.disabled():
         state = "eager"
         reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"
     elif requested == "eager":
@@ -217,3 +220,44 @@ def error_summary(error: BaseException) -> str:
     if text.endswith(":") and len(lines) > 1:
         text += " " + lines[1]
     return f"{type(error).__name__}: {text}"[:300]
+
+
+# ---- recompiles after warmup, in words ------------------------------------------------
+def recompile_sentence(e: dict, warmed_shapes: list[str]) -> str:
+    """One recompile event ({prompt, shape, graphs, seconds, guards, background}) as the sentence the
+    log, the node and ``/history`` show: where, why (the failed guards) and the fix."""
+    where = f"prompt {e['prompt']}: " if e.get("prompt") else ""
+    shape = f" for a {e['shape']} call" if e.get("shape") else ""
+    if e.get("background"):
+        shape += " in the background (the calls ran the model's own code meanwhile)"
+    warmed = ", ".join(warmed_shapes) or "none"
+    inside = bool(e.get("shape")) and bool(warmed_shapes) and _inside(e["shape"], warmed_shapes)
+    where_shape = ("" if not e.get("shape") or not warmed_shapes else
+                   " (inside the warmed range: a specialisation or patch warmup did not prime)" if inside
+                   else " (outside the warmed range)")
+    why = "; ".join(e.get("guards") or []) or "dynamo recorded no failed guard (a new code path)"
+    fix = ("none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
+           "with this line" if inside or not e.get("shape") else
+           f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG)")
+    return (f"{where}{e['graphs']} graph(s) compiled after warmup{shape}{where_shape}, {e['seconds']:.1f} s; "
+            f"warmed shapes: {warmed}; why: {why}. Fix: {fix}")
+
+
+def _inside(label: str, warmed_shapes: list[str]) -> bool:
+    try:
+        s, box = parse_shapes(label)[0], parse_shapes(", ".join(warmed_shapes))
+    except Exception:
+        return False
+    return all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
+               for f in ("batch", "width", "height"))
+
+
+def accelerator_text(accel) -> str:
+    """The whole report of one accelerator: the Report's text, then what its backend, CUDA graphs,
+    compile cache, patches, recompiles and background compile add."""
+    extra = accel.backend.status_lines() + (accel.graphs.status_lines() if accel.graphs is not None else [])
+    extra += accel.cache.lines() if accel.cache is not None else []
+    extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(accel.patches_seen.items())]
+    extra += [f"  recompile: {e['text']}" for e in accel.recompiles[-5:]]
+    extra += [f"  {accel.background.line()}"] if accel.background is not None else []
+    return accel.report.text(accel.stats) + ("\n" + "\n".join(extra) if extra else "")

@@ -1,17 +1,20 @@
 """Run a UNet through its accelerated regions, one call at a time.
 
-``Accelerator.active()`` installs each region's shim as an instance
-``forward`` for the duration of one UNet call and removes it in ``finally``:
-nothing persists on the (possibly shared) module between calls. Each shim
-decides per call whether the region may run accelerated; anything it cannot
-prove safe runs the model's own code.
+``Accelerator.active()`` installs each region's shim as an instance ``forward`` for one UNet call
+and removes it in ``finally``: nothing persists on the (possibly shared) module between calls.
+Each shim decides per call whether the region runs compiled code or the model's own code, and
+the accelerator counts what ran, what compiled and what recompiled after warmup.
+
+Lifetime: the accelerator holds its UNet weakly and nothing in it refers back to it (its shims
+call it through a weak method), so reference counting frees it, its regions' per-model state and
+its CUDA-graph buffers the moment its owner (ComfyUI's patcher wrappers, or the diffusers module
+it is attached to) is freed.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import threading
 import time
 import traceback
 import weakref
@@ -19,16 +22,16 @@ from collections import Counter
 
 import torch
 
+from . import background, settings, variants, weights
 from . import plan as P
-from . import precompiled
-from . import weights
-from .backends import resolve
+from .backends import choose, graphs_problem
 from .cache import CompileCache
 from .compat import comfy as comfy_compat
-from .compat.dynamo import guard_marks, guard_reasons_since, plain_guard, rank
+from .compat.dynamo import plain_guard, rank
 from .compat.torch_version import torch_too_old
-from .config import DISABLE_ENV, CompileConfig, disabled_by_env
-from .report import NOTHING_TO_COMPILE, Reason, Report, error_summary
+from .config import CompileConfig
+from .report import NOTHING_TO_COMPILE, Reason, Report, accelerator_text, error_summary, recompile_sentence
+from .shims import make_shim
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ def cache_hits() -> int:
     """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
     from torch._dynamo.utils import counters
 
-    return int(counters["inductor"]["fxgraph_cache_hit"]) + precompiled.VARIANTS.from_cache
+    return int(counters["inductor"]["fxgraph_cache_hit"]) + variants.VARIANTS.from_cache
 
 
 def _release(error: BaseException, args) -> None:
@@ -66,22 +69,23 @@ def _call_modes(device_type: str, autocast: torch.dtype | None):
     return stack
 
 
-class Accelerator:
-    """The accelerated regions of one UNet and what they did.
+def _off_because(plan) -> Reason | None:
+    """Why no backend is resolved for this model (the pack is off, torch too old, nothing to compile)."""
+    if settings.disabled():
+        return Reason(f"{settings.env('DISABLE')} is set: every rewrite is off")
+    return torch_too_old() or (Reason(NOTHING_TO_COMPILE) if plan.not_a_unet else None)
 
-    Lifetime: the accelerator holds its UNet weakly and nothing in it refers back to the
-    accelerator (its shims call it through a weak method), so it is freed by reference counting
-    the moment its owner (ComfyUI's patcher wrappers, or the diffusers module it is attached to)
-    is, and with it the UNet, its compiled regions' per-model state and its CUDA-graph buffers:
-    never left to Python's cyclic collector, as an unloaded ComfyUI model is not either."""
+
+class Accelerator:
+    """The accelerated regions of one UNet: routes each region call to compiled code or the
+    model's own code, and counts what ran (``stats``), what fell back (``failed``) and what
+    compiled after warmup (``recompiles``). ``text()`` is its report."""
 
     def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None):
         self._root = weakref.ref(unet)
         # Inference only, and dynamo guards every weight's requires_grad: ComfyUI's weight patches
-        # (a LoRA, a new strength, its removal) put each weight they touch back as a new
-        # Parameter(requires_grad=False), so a weight still True at warmup compiled every region
-        # again at the first LoRA after Warmup Shapes (found by the soak). Set once here what those
-        # patches set; nothing that runs without gradients reads it.
+        # (a LoRA, its strength, its removal) put each weight back as a new Parameter(requires_grad=
+        # False), so a weight still True at warmup compiled every region again at the first LoRA.
         for p in unet.parameters():
             if p.requires_grad:
                 p.requires_grad_(False)
@@ -100,29 +104,20 @@ class Accelerator:
         self.warmed_shapes: list[str] = []
         self.recompiles: list[dict] = []
         self.recompiles_by_prompt: Counter = Counter()
+        #: background mode (Warmup Shapes' ``background``); None: compiles happen in the calling thread
+        self.background: background.BackgroundMode | None = None
         self._bypass = False
         if device is None:
             p = next(unet.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
         self.model_dtype = next((p.dtype for p in unet.parameters()), torch.float32)
 
-        rep = Report(backend_requested=self.config.backend, family=self.plan.family,
-                     precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
-        self.report = rep
-        requested = self.config.backend
-        old = torch_too_old()
-        if disabled_by_env():
-            requested, rep.why = "eager", [Reason(f"{DISABLE_ENV} is set: every rewrite is off")]
-        elif old:
-            requested, rep.why = "eager", [old]
-        elif self.plan.not_a_unet:
-            # nothing to compile: no backend is resolved (no compiler probe, no compile cache entry)
-            requested, rep.why = "eager", [Reason(NOTHING_TO_COMPILE)]
-        if requested == "eager":
-            from .backends import lookup_backend
-            self.backend = lookup_backend("eager")()
-        else:
-            self.backend, rep.why = resolve(requested, device)
+        rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family,
+                                   precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
+        off = _off_because(self.plan)
+        self.backend, why = choose(self.config.backend, device, off)
+        if off is not None or why:
+            rep.why = why
         rep.backend = self.backend.name
         if rep.backend != self.config.backend and self.config.backend != "auto":
             log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
@@ -140,16 +135,8 @@ class Accelerator:
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         if self.cache is not None and self.cache.load():
             # deserialize its variants beside what runs next (warmup's eager reference forward)
-            device_type = next(unet.parameters(), torch.empty(0)).device.type
-            precompiled.VARIANTS.preload(functools.partial(_call_modes, device_type, self._autocast))
-        #: compiled code the compile cache does not hold yet; saves deferred by ``one_cache_save``
-        self._cache_dirty = False
-        self._defer_save = False
-        #: background mode's state (``background_owner``); None: compiles happen in the calling thread
-        self.background: dict | None = None
-        self._background_lock = threading.Lock()
-        #: optional ``callable(report line, state)`` told (from the thread) when that compile is done
-        self.on_background_done = None
+            variants.VARIANTS.preload(functools.partial(_call_modes, device.type if hasattr(device, "type")
+                                                        else str(device), self._autocast))
         self._install(self.backend.impls(self.config), first=True)
         log.info("%s", rep.text().replace("\n", " |"))
 
@@ -168,22 +155,16 @@ class Accelerator:
         self.report.regions = {k: counts[k] for k in P.KINDS if counts[k]}
         self.report.skipped = self.plan.skipped_summary()
 
-    def fix_shape(self, shapes: list) -> bool:
-        """Warmup lists one shape: compile exactly that shape (static code: 18 % less to
-        compile, about a third of the time to load at a restart, ~10 % faster steps on CPU, measured with
-        SD1.5), instead of code for every size. Only with dynamic shapes on and nothing compiled
-        yet; a later shape compiles once more and then dynamically (torch's automatic dynamic
-        shapes), and is named as a recompile. Returns whether it did."""
-        if (len(shapes) != 1 or self.config.dynamic_shapes is not True or self.stats["graphs_compiled"]
-                or not self.backend.follows_dynamic_shapes):
-            return False
-        self.config = self.config.replace(dynamic_shapes=None)
-        self.report.dynamic_shapes = None
-        self._install(self.backend.impls(self.config))
-        self.report.notes.append(f"one warmup shape: compiled for exactly {shapes[0].label}; another shape "
-                                 f"compiles once, then for any size. Warm a range: list its smallest and "
-                                 f"largest shapes")
-        return True
+    @property
+    def has_regions(self) -> bool:
+        """Whether any region runs through a shim (the backend has an implementation for it)."""
+        return bool(self._shims)
+
+    def reconfigure(self, config: CompileConfig) -> None:
+        """Use ``config`` from now on (before anything compiled: warmup's one-shape policy)."""
+        self.config = config
+        self.report.dynamic_shapes = config.dynamic_shapes
+        self._install(self.backend.impls(config))
 
     @property
     def root(self) -> torch.nn.Module | None:
@@ -194,16 +175,7 @@ class Accelerator:
         """The region CUDA graphs, when asked for and possible here; else a note why not."""
         if not self.config.cuda_graphs:
             return None
-        from .compat import triton as triton_compat
-        why = None
-        if getattr(device, "type", "cpu") != "cuda":
-            why = f"they need CUDA and the model runs on {device}"
-        elif not self.backend.uses_cuda_graphs:
-            from .backends import lookup_backend, names
-            users = " and ".join(n for n in names() if lookup_backend(n).uses_cuda_graphs)
-            why = f"the {self.backend.name} backend does not use them ({users} do)"
-        else:
-            why = triton_compat.cuda_graphs_problem(triton_compat.gather())
+        why = graphs_problem(self.backend, device)
         if why:
             self.report.notes.append(f"cuda graphs: not used: {why}")
             log.warning("UNet Compiler: cuda graphs not used: %s", why)
@@ -223,44 +195,10 @@ class Accelerator:
     # ---- per-region shim ------------------------------------------------
     def _make_shim(self, region, impl):
         """The callable installed as ``module.<region.hook>`` for one UNet call (its ``hook``
-        attribute names where ``active`` installs it)."""
-        shim = self._shim_body(region, impl)
+        attribute names where ``active`` installs it); the accelerator holds its shims, which
+        call it back through a weak method (no cycle)."""
+        shim = make_shim(region, impl, weakref.WeakMethod(self._run), self.stats, self.failed)
         shim.hook = region.hook
-        return shim
-
-    def _shim_body(self, region, impl):
-        module, kind, leaves = region.module, region.kind, region.leaves
-        original = getattr(type(module), region.hook)
-        stats, failed = self.stats, self.failed
-        run = weakref.WeakMethod(self._run)   # the accelerator holds its shims: no cycle back to it
-
-        if kind == P.ATTENTION and region.family == "comfy":
-            def shim(x, context=None, value=None, mask=None, transformer_options={}):
-                if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
-                        or any(comfy_compat.has_cast_weights(m) for m in leaves)):
-                    stats["region_eager"] += 1
-                    return original(module, x, context=context, value=value, mask=mask,
-                                    transformer_options=transformer_options)
-                return run()(kind, impl, module, original, (x, context, value),
-                                 dict(context=context, value=value, mask=mask, transformer_options=transformer_options))
-            return shim
-        if kind == P.ATTENTION:
-            def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
-                if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
-                    stats["region_eager"] += 1
-                    return original(module, hidden_states, encoder_hidden_states, attention_mask, **kw)
-                return run()(kind, impl, module, original, (hidden_states, encoder_hidden_states),
-                                 dict(encoder_hidden_states=encoder_hidden_states))
-            return shim
-
-        def shim(*args, **kwargs):
-            if kwargs.get("scale", 0) in (None, 1.0):
-                # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
-                kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
-            if kwargs or kind in failed or any(comfy_compat.has_cast_weights(m) for m in leaves):
-                stats["region_eager"] += 1
-                return original(module, *args, **kwargs)
-            return run()(kind, impl, module, original, args, None)
         return shim
 
     def _run(self, kind, impl, module, original, args, eager_kwargs):
@@ -291,7 +229,7 @@ class Accelerator:
         """The backend failed where the model's own code runs: ``kind`` regions run eager from now on."""
         self.failed[kind] = error_summary(error)
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
-               f"they run eager from now on. Set {DISABLE_ENV}=1 to turn the pack off entirely.")
+               f"they run eager from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)
         self.report.notes.append(msg)
         if self.on_fallback is not None:
@@ -331,15 +269,15 @@ class Accelerator:
         weights.set_epoch(weight_epoch)
         installed = []
         before, hits_before = self._compiled(), cache_hits()
-        bg = precompiled.BACKGROUND
+        bg = background.BACKGROUND
         bg_before = (bg.epoch, bg.active)
-        marks = guard_marks() if self.warmed else None
+        marks = variants.guard_marks() if self.warmed else None
         t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
                 stack.enter_context(cm)
             if self.background is not None:
-                stack.enter_context(precompiled.queueing(self.background["owner"]))
+                stack.enter_context(background.queueing(self.background.owner))
             if self._autocast is not None:
                 dev = next(self.root.parameters()).device.type
                 # no autocast weight-cast cache under graphs: a cast cached inside one region's capture
@@ -359,27 +297,25 @@ class Accelerator:
                 self.stats["calls"] += 1
                 if bg_before[1] or bg.active or bg.epoch != bg_before[0]:
                     # the background thread compiled meanwhile: its graphs are counted when it is done
-                    # (``background_started``), not as this call's compiles or recompiles
+                    # (``_background_compiled``), not as this call's compiles or recompiles
                     new = 0
                 if new:
                     self.stats["graphs_compiled"] += new
                     hits = cache_hits() - hits_before
                     self.stats["graphs_from_cache"] += hits
                     self.stats["compile_seconds"] += time.perf_counter() - t0
-                    if hits < new:  # something new to keep
-                        self._cache_dirty = True
-                        if not self._defer_save:
-                            self.save_cache()
+                    if hits < new and self.cache is not None:  # something new to keep
+                        self.cache.compiled_new()
                     if self.warmed:
                         self._recompiled(new, shape, time.perf_counter() - t0, marks)
 
-    def _recompiled(self, graphs: int, shape: str | None, seconds: float, marks, background: bool = False) -> None:
+    def _recompiled(self, graphs: int, shape: str | None, seconds: float, marks, in_background: bool = False):
         """Count a compile after warmup against the running prompt, name its shape and the guard that
         failed, log it and tell the listener (never raises into the UNet call)."""
         self.stats["recompiles_after_warmup"] += graphs
         guards = []
         try:
-            for plain in map(plain_guard, sorted(guard_reasons_since(marks or {}), key=rank)):
+            for plain in map(plain_guard, sorted(variants.guard_reasons_since(marks or {}), key=rank)):
                 if plain not in guards and len(guards) < 3:
                     guards.append(plain)
         except Exception:
@@ -387,9 +323,9 @@ class Accelerator:
         prompt = comfy_compat.current_prompt()
         self.recompiles_by_prompt[prompt] += graphs
         event = {"prompt": prompt, "shape": shape, "graphs": graphs, "seconds": round(seconds, 2), "guards": guards,
-                 "background": background}
+                 "background": in_background}
         self.recompiles = (self.recompiles + [event])[-50:]
-        event["text"] = self.recompile_sentence(event)
+        event["text"] = recompile_sentence(event, self.warmed_shapes)
         log.warning("UNet Compiler: %s", event["text"])
         if self.on_recompile is not None:
             try:
@@ -397,139 +333,31 @@ class Accelerator:
             except Exception:  # a listener must not break sampling
                 log.debug("on_recompile listener failed", exc_info=True)
 
-    def recompile_sentence(self, e: dict) -> str:
-        where = f"prompt {e['prompt']}: " if e.get("prompt") else ""
-        shape = f" for a {e['shape']} call" if e.get("shape") else ""
-        if e.get("background"):
-            shape += " in the background (the calls ran the model's own code meanwhile)"
-        warmed = ", ".join(self.warmed_shapes) or "none"
-        inside = bool(e.get("shape")) and bool(self.warmed_shapes) and self._inside_warmed(e["shape"])
-        where_shape = ("" if not e.get("shape") or not self.warmed_shapes else
-                       " (inside the warmed range: a specialisation or patch warmup did not prime)" if inside
-                       else " (outside the warmed range)")
-        why = "; ".join(e.get("guards") or []) or "dynamo recorded no failed guard (a new code path)"
-        fix = ("none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
-               "with this line" if inside or not e.get("shape") else
-               f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG)")
-        return (f"{where}{e['graphs']} graph(s) compiled after warmup{shape}{where_shape}, {e['seconds']:.1f} s; "
-                f"warmed shapes: {warmed}; why: {why}. Fix: {fix}")
-
-    def _inside_warmed(self, label: str) -> bool:
-        from .shapes import parse_shapes
-        try:
-            s, box = parse_shapes(label)[0], parse_shapes(", ".join(self.warmed_shapes))
-        except Exception:
-            return False
-        return all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
-                   for f in ("batch", "width", "height"))
-
-    def background_owner(self) -> precompiled.Owner:
-        """Start background mode (Warmup Shapes' ``background``): from now on this model's region
+    # ---- background mode ---------------------------------------------------
+    def background_mode(self) -> background.BackgroundMode:
+        """Enter background mode (Warmup Shapes' ``background``): from now on this model's region
         calls that no compiled code fits are queued for the compile thread and run the model's own
         code meanwhile; nothing compiles in the sampling thread."""
         if self.background is None:
-            self.background = {"owner": precompiled.Owner(), "t0": time.perf_counter(), "done": None,
-                               "counted": 0, "seconds": 0.0, "marks": None}
-        return self.background["owner"]
-
-    def background_started(self) -> None:
-        """Warmup recorded this model's region calls for the compile thread: each time its queue
-        empties, what it compiled for this model is counted (the first time as warmup's, later as
-        compiles after warmup), saved to the compile cache, and (the first time) told."""
-        bg = precompiled.BACKGROUND
-        self.background_owner()
-        state = self.background
-        state["marks"] = guard_marks()
-        if state["done"] is not None:      # another warmup (new shapes): its compiles are warmup's again
-            state["t0"], state["done"] = time.perf_counter(), None
-        if state.get("listener") is None:
-            me = weakref.ref(self)
-
-            def done():
-                accel = me()
-                if accel is None:
-                    bg.listeners[:] = [f for f in bg.listeners if f is not done]
-                    return
-                accel._background_done()
-            state["listener"] = done
-            bg.listeners.append(done)
-        if not bg.active:    # nothing was queued (all from the compile cache), or it finished already
-            done()
+            self.background = background.BackgroundMode(weakref.WeakMethod(self._background_compiled))
+        return self.background
 
     def end_background(self) -> None:
         """A warmup in the foreground: this model's misses compile in the calling thread again."""
-        state, self.background = self.background, None
-        if state is not None and state.get("listener") in precompiled.BACKGROUND.listeners:
-            precompiled.BACKGROUND.listeners.remove(state["listener"])
+        if self.background is not None:
+            self.background.end()
+            self.background = None
 
-    def _background_done(self) -> None:
-        with self._background_lock:
-            state = self.background
-            if state is None:
-                return
-            owner = state["owner"]
-            new, secs = owner.graphs - state["counted"], owner.seconds - state["seconds"]
-            first = state["done"] is None
-            if not first and not new:
-                return
-            state["counted"], state["seconds"] = owner.graphs, owner.seconds
-            self.stats["graphs_compiled"] += new
-            self.stats["compile_seconds"] += secs
-            if first:
-                state["done"] = time.perf_counter() - state["t0"]
-            else:
-                self._recompiled(new, None, secs, state["marks"], background=True)
-            state["marks"] = guard_marks()
-        if new:   # saved first: "done" is said when nothing is left to do
-            self._cache_dirty = True
-            self.save_cache()
-        line = self.background_line()
-        if line is None:       # background mode was ended meanwhile
-            return
-        log.info("UNet Compiler: %s", line)
-        if first and self.on_background_done is not None:
-            try:
-                self.on_background_done(line, "fallback" if self.failed else "compiled")
-            except Exception:   # a listener must not break the thread
-                log.debug("on_background_done listener failed", exc_info=True)
-
-    def background_line(self) -> str | None:
-        """The report line of background mode (None: warmup compiled in the foreground)."""
-        state = self.background
-        if state is None:
-            return None
-        owner = state["owner"]
-        failed = f"; failed: {'; '.join(owner.failures[-2:])}" if owner.failures else ""
-        if state["done"] is None:
-            return (f"background compile: running, {owner.variants} region variant(s) compiled ({owner.graphs} "
-                    f"graph(s)), {precompiled.BACKGROUND.queued} to go, {time.perf_counter() - state['t0']:.0f} s "
-                    f"so far; region calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
-        return (f"background compile: done in {state['done']:.1f} s, {owner.variants} region variant(s) "
-                f"({owner.graphs} graph(s)); {owner.eager_calls} region call(s) ran the model's own code "
-                f"meanwhile{failed}")
-
-    def save_cache(self):
-        """Write what compiled so far to the persistent compile cache, if anything new did (never raises)."""
-        if self.cache is not None and self._cache_dirty:
-            self._cache_dirty = False
-            self.cache.save()
-
-    @contextlib.contextmanager
-    def one_cache_save(self):
-        """Calls inside save the compile cache once, at the end (warmup: every shape in one entry)."""
-        prev, self._defer_save = self._defer_save, True
-        try:
-            yield
-        finally:
-            self._defer_save = prev
-        if not prev:
-            self.save_cache()
+    def _background_compiled(self, graphs: int, seconds: float, first: bool, marks) -> str:
+        """The compile thread's queue emptied: count what it compiled for this model (the first time
+        as warmup's, later as compiles after warmup) and save it. Returns the model's state."""
+        self.stats["graphs_compiled"] += graphs
+        self.stats["compile_seconds"] += seconds
+        if not first:
+            self._recompiled(graphs, None, seconds, marks, in_background=True)
+        if graphs and self.cache is not None:
+            self.cache.compiled_new()
+        return "fallback" if self.failed else "compiled"
 
     def text(self) -> str:
-        extra = self.backend.status_lines() + (self.graphs.status_lines() if self.graphs is not None else [])
-        extra += self.cache.lines() if self.cache is not None else []
-        extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(self.patches_seen.items())]
-        extra += [f"  recompile: {e['text']}" for e in self.recompiles[-5:]]
-        line = self.background_line()
-        extra += [f"  {line}"] if line else []
-        return self.report.text(self.stats) + ("\n" + "\n".join(extra) if extra else "")
+        return accelerator_text(self)

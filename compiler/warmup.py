@@ -8,12 +8,12 @@ the model's own code. ``warmup_probes`` says which probe shapes a backend needs.
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 
 import torch
 
-from . import precompiled
+from . import background as bg
+from . import variants
 from .runtime import Accelerator
 from .shapes import Shape, probe_shapes
 
@@ -22,6 +22,20 @@ def _levels(unet) -> int:
     """Resolution levels of the UNet (SD1.5: 4, SDXL: 3)."""
     blocks = getattr(unet, "down_blocks", None) or getattr(unet, "channel_mult", None)
     return len(blocks) if blocks else 4
+
+
+def fix_shape(accel: Accelerator, shapes: list[Shape]) -> bool:
+    """Warmup lists one shape: compile exactly that shape (static code) instead of code for every
+    size. Only with dynamic shapes on and nothing compiled yet; a later shape compiles once more and
+    then dynamically, and is named as a recompile. Returns whether it did."""
+    if (len(shapes) != 1 or accel.config.dynamic_shapes is not True or accel.stats["graphs_compiled"]
+            or not accel.backend.follows_dynamic_shapes):
+        return False
+    accel.reconfigure(accel.config.replace(dynamic_shapes=None))
+    accel.report.notes.append(f"one warmup shape: compiled for exactly {shapes[0].label}; another shape "
+                              f"compiles once, then for any size. Warm a range: list its smallest and "
+                              f"largest shapes")
+    return True
 
 
 def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
@@ -36,7 +50,7 @@ def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
         levels = _levels(accel.root)
         probes = probe_shapes(shapes, size_one_sides=not (accel.backend.name == "inductor"
-                                                          and precompiled.size_oblivious()), levels=levels)
+                                                          and variants.size_oblivious()), levels=levels)
         return probes + [p for p in accel.backend.extra_probes(shapes, levels) if p not in probes]
     return []
 
@@ -48,33 +62,17 @@ def primed_probes(accel: Accelerator) -> set:
     range row's 16.8 s restart). Only for precompiled regions, whose variants are what a probe
     makes; the Triton backend's kernel variants and plain dynamo graphs are not in the entry."""
     cache = getattr(accel, "cache", None)
-    if cache is None or accel.backend.name != "inductor" or not precompiled.enabled():
+    if cache is None or accel.backend.name != "inductor" or not variants.enabled():
         return set()
-    return cache.primed
-
-
-def background_problem(accel: Accelerator) -> str | None:
-    """Why this model's code cannot compile in the background (None: it can)."""
-    if accel.backend.name == "eager" or not accel._shims:
-        return "nothing is compiled"
-    if accel.graphs is not None:
-        return "CUDA graphs are captured in the sampling thread (turn cuda_graphs off to compile in the background)"
-    return accel.backend.background_problem()
-
-
-#: ``always``: every warmup runs the eager reference, also where ``recorded_compare`` has one
-COMPARE_ENV = "UNET_COMPILER_COMPARE"
+    return cache.primed_probes()
 
 
 def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
     """The compare (max |compiled - eager|) an earlier warmup recorded for ``shape`` in the compile
     cache entry this model loaded, or None. Warmup shows it instead of running the eager reference
     again when all the code it runs came from that entry (checked after the run: anything compiled
-    anew runs the reference then). The reference is most of a restart's warmup on CPU (the model's
-    own convs re-pack every weight on every call)."""
-    if os.environ.get(COMPARE_ENV, "").strip().lower() == "always" or accel.cache is None:
-        return None
-    return accel.cache.compares.get(shape.label)
+    anew runs the reference then)."""
+    return accel.cache.recorded_compare(shape.label) if accel.cache is not None else None
 
 
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
@@ -85,11 +83,11 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     the accelerator warmed (later compiles are counted as recompiles).
 
     ``background``: the runs only record what to compile and run the model's own code; a daemon
-    thread compiles it (``precompiled.BACKGROUND``) while sampling goes on with the model's own code
+    thread compiles it (``background.BACKGROUND``) while sampling goes on with the model's own code
     in every region not ready yet. Where that is impossible a note says why and warmup compiles first."""
     rep = accel.report
-    accel.fix_shape(shapes)
-    why = background_problem(accel) if background else None
+    fix_shape(accel, shapes)
+    why = bg.problem(accel) if background else None
     if why:
         rep.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
         background = False
@@ -124,11 +122,12 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         # (``Variants.preload``) instead of before the first compiled call
         with accel.bypass():
             ref = run_one(shapes[0])
-    with accel.one_cache_save(), (precompiled.BACKGROUND.record(accel.background_owner()) if background else contextlib.nullcontext()):
+    with (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()), \
+            (bg.BACKGROUND.record(accel.background_mode().owner) if background else contextlib.nullcontext()):
         for probe in probes:
             timed(probe, f"{probe.label} (probe){recorded}")
             if not background and accel.cache is not None:   # (background: compiled later, maybe)
-                accel.cache.primed.add(probe.label)
+                accel.cache.record_probe(probe.label)
         for i, shape in enumerate(shapes):
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
@@ -142,8 +141,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                     rep.max_abs_diff, rep.diff_recorded = float((out.float() - ref.float()).abs().max()), None
                     ref = None
                     if accel.cache is not None:
-                        accel.cache.compares[shape.label] = {"max_abs_diff": rep.max_abs_diff,
-                                                             "measured": time.strftime("%Y-%m-%d %H:%M")}
+                        accel.cache.record_compare(shape.label, rep.max_abs_diff)
                 else:
                     rep.max_abs_diff, rep.diff_recorded = kept["max_abs_diff"], kept["measured"]
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
@@ -151,7 +149,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             if on_shape is not None:
                 on_shape(i, shape, secs)
     if background:
-        accel.background_started()
+        accel.background.started()
     accel.warmed = True
     accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep

@@ -245,11 +245,11 @@ class WarmupFeedback:
         diff = accel.report.max_abs_diff
         if state == "eager":
             text = f"eager: {self.total} shape(s) in {secs:.1f} s, no rewrites: {reason}."
-        elif accel.background is not None and accel.background["done"] is None and state == "compiled":
+        elif accel.background is not None and accel.background.done is None and state == "compiled":
             state = "compiling"
             text = (f"{accel.backend.name}: compiling in the background, {self.total} shape(s) recorded in "
                     f"{secs:.1f} s; until each region's code is ready it runs the model's own code")
-            accel.on_background_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
+            accel.background.on_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
                                                         total=self.total, t0=self._t0)
         else:
             text = (f"{accel.backend.name}: {state}, {self.total} shape(s) in {secs:.1f} s, {graphs} graph(s) "

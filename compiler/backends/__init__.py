@@ -75,7 +75,7 @@ class Backend:
     #: warmup's probe shapes (batch 1, 64 px) are worth running
     specialises_on_shapes = True
     #: whether its code follows ``config.dynamic_shapes`` (dynamo-compiled bodies), so one warmup
-    #: shape can be compiled static (``Accelerator.fix_shape``)
+    #: shape can be compiled static (``warmup.fix_shape``)
     follows_dynamic_shapes = False
 
     def background_problem(self) -> str | None:
@@ -142,3 +142,22 @@ def resolve(requested: str, device) -> tuple[Backend, list[str]]:
             return backend, story
         story.append(Reason.of(why, what=name))
     raise AssertionError("the eager backend is always available")
+
+
+def graphs_problem(backend: Backend, device) -> str | None:
+    """Why region CUDA graphs cannot be used with ``backend`` on ``device`` (None: they can)."""
+    if getattr(device, "type", "cpu") != "cuda":
+        return f"they need CUDA and the model runs on {device}"
+    if not backend.uses_cuda_graphs:
+        users = " and ".join(n for n in names() if lookup_backend(n).uses_cuda_graphs)
+        return f"the {backend.name} backend does not use them ({users} do)"
+    from ..compat import triton as triton_compat
+    return triton_compat.cuda_graphs_problem(triton_compat.gather())
+
+
+def choose(requested: str, device, off_because=None) -> tuple[Backend, list]:
+    """The backend to run and the story of the choice: ``resolve(requested)``, or eager when
+    ``off_because`` (a Reason: the pack is switched off, torch is too old, nothing to compile)."""
+    if off_because is not None or requested == "eager":
+        return lookup_backend("eager")(), ([off_because] if off_because is not None else [])
+    return resolve(requested, device)

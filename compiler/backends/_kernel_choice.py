@@ -13,23 +13,23 @@ always runs the kernels (kernel tests, A/B).
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 
 import torch
 
+from .. import settings
 from ..regions import Ops
 
 log = logging.getLogger(__name__)
 
-CHOICE_ENV = "UNET_COMPILER_KERNEL_CHOICE"
+CHOICE_ENV = settings.env("KERNEL_CHOICE")
 #: (kernel, device, input signature) -> "triton" | "torch", measured once per process
 _CHOICE: dict = {}
 
 
 def _measurable(device) -> bool:
     """Whether kernel-vs-torch timing is meaningful here (a real GPU, not the interpreter)."""
-    return device.type == "cuda" and os.environ.get(CHOICE_ENV, "measure").strip().lower() != "triton"
+    return device.type == "cuda" and settings.choice("KERNEL_CHOICE") != "triton"
 
 
 def _measure_ms(fn, reps: int = 10) -> float:

@@ -14,7 +14,7 @@ import shutil
 
 import torch
 
-from .. import precompiled
+from .. import precompiled, settings, variants
 from .. import regions as R
 from ..compat.torch_version import torch_too_old
 from ..plan import PROJECTION
@@ -55,7 +55,7 @@ def region_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool = F
     """What runs a region body: its precompiled variants (kept by the compile cache, loaded at a
     restart without tracing; ``precompiled.py``), else plain torch.compile."""
     plain = compiled_body(body, dynamic, prepack, prepack_lin)
-    if not precompiled.enabled():
+    if not variants.enabled():
         return plain
     return precompiled.body(body, _backend(prepack, prepack_lin), dynamic, plain, (prepack, prepack_lin))
 
@@ -101,14 +101,14 @@ class InductorBackend(Backend):
         return out
 
     def background_problem(self) -> str | None:
-        if not precompiled.enabled():
-            return (f"precompiled regions are off ({precompiled.ENV}=off, or torch has no aot_compile: "
+        if not variants.enabled():
+            return (f"precompiled regions are off ({settings.env('PRECOMPILE')}=off, or torch has no aot_compile: "
                     f"torch >= 2.10 needed)")
         return None
 
     def compile_count(self) -> int:
         # a variant compiled here is a dynamo graph already; one loaded from the cache is not traced
-        return precompiled.VARIANTS.from_cache
+        return variants.VARIANTS.from_cache
 
     def dynamo_config(self, config):
         if config.dynamic_shapes is not True:   # False: static; None: static first (fix_shape)

@@ -16,22 +16,18 @@ def _failures() -> dict:
     return guard_failures
 
 
-def _precompiled_failures() -> list:
-    from ..precompiled import VARIANTS   # the precompiled regions' misses, worded as dynamo's guards
-    return VARIANTS.failures
-
-
-def guard_marks() -> dict:
-    """A bookmark in dynamo's guard-failure record (cheap: one length per compiled code object)."""
+def guard_marks(extra: list) -> dict:
+    """A bookmark in dynamo's guard-failure record (cheap: one length per compiled code object) and
+    in ``extra`` (another list of failures worded as dynamo's guards: the precompiled regions' misses)."""
     marks = {code: len(reasons) for code, reasons in list(_failures().items())}
-    marks["precompiled"] = len(_precompiled_failures())
+    marks["extra"] = len(extra)
     return marks
 
 
-def guard_reasons_since(marks: dict) -> list[str]:
-    """The raw reasons dynamo recorded after ``marks``, oldest first, each once."""
+def guard_reasons_since(marks: dict, extra: list) -> list[str]:
+    """The raw reasons recorded after ``marks`` (dynamo's, then ``extra``'s), oldest first, each once."""
     out = []
-    for code, reasons in [*_failures().items(), ("precompiled", _precompiled_failures())]:
+    for code, reasons in [*_failures().items(), ("extra", extra)]:
         for r in reasons[marks.get(code, 0):]:
             r = str(r).split("\nUser stack trace:", 1)[0]
             if r not in out:

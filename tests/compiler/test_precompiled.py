@@ -1,8 +1,8 @@
-"""Precompiled region variants (compiler/precompiled.py): they match eager, a new store fed only
+"""Precompiled region variants (compiler/variants.py, compiler/precompiled.py): they match eager, a new store fed only
 their bytes serves a UNet with nothing traced (what a restart does), a region dynamo alone can
 follow (a hook inside it) runs plain torch.compile and honours the hook, and a call no variant
 fits compiles one more and names the input that did not fit. The two-process restart is in
-tests/test_cache.py."""
+tests/compiler/test_cache.py."""
 from __future__ import annotations
 
 import hashlib
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from unet_compiler.compiler import api
-from unet_compiler.compiler import precompiled as P
+from unet_compiler.compiler import variants as V
 
-pytestmark = pytest.mark.skipif(not P.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
+pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
 
 
 @pytest.fixture
 def store(monkeypatch):
-    fresh = P.Variants()
-    monkeypatch.setattr(P, "VARIANTS", fresh)
+    fresh = V.Variants()
+    monkeypatch.setattr(V, "VARIANTS", fresh)
     return fresh
 
 
@@ -38,9 +38,9 @@ def _both(unet, args):
     return out, ref
 
 
-def _fed(blobs: dict, change=lambda b: b) -> P.Variants:
+def _fed(blobs: dict, change=lambda b: b) -> V.Variants:
     """A store holding only these variants' bytes (``change``d), as a restart's after loading its entry."""
-    fed = P.Variants()
+    fed = V.Variants()
     for key, items in blobs.items():
         for b in items:
             fed.add_serialized(key, change(b))
@@ -62,7 +62,7 @@ def test_a_new_store_fed_only_bytes_serves_another_unet_without_tracing(tiny_une
     assert sum(map(len, blobs.values())) == store.compiled, "every variant compiled here can be saved"
 
     restarted = _fed(blobs)   # what a restart holds after loading the cache entry
-    monkeypatch.setattr(P, "VARIANTS", restarted)
+    monkeypatch.setattr(V, "VARIANTS", restarted)
     second = tiny_unet(seed=3)   # other weights: they are inputs of the variants, read live
     api.compile_unet(second, "inductor", dynamic_shapes=False)
     traced = _traced()
@@ -77,9 +77,9 @@ def test_a_region_with_a_hook_runs_plain_torch_compile_and_honours_it(tiny_unet,
     unet = tiny_unet()
     api.compile_unet(unet, "inductor", dynamic_shapes=False)
     conv = unet.down_blocks[0].resnets[0].conv2   # its output joins the residual (no norm after it)
-    assert P.structure(unet.down_blocks[0].resnets[0], (None,)) is not None
+    assert V.structure(unet.down_blocks[0].resnets[0], (None,)) is not None
     conv.register_forward_hook(lambda m, i, o: o * 2.0)
-    assert P.structure(unet.down_blocks[0].resnets[0], (None,)) is None, "a hook only dynamo's guards follow"
+    assert V.structure(unet.down_blocks[0].resnets[0], (None,)) is None, "a hook only dynamo's guards follow"
     out, ref = _both(unet, _inputs())
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), "the hook ran in the compiled UNet too"
     with torch.inference_mode(), api.accelerator_of(unet).bypass():
@@ -93,12 +93,12 @@ def test_structure_tells_blocks_and_missing_inputs_apart(tiny_unet):
     a, b = unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1, \
         unet.down_blocks[0].attentions[0].transformer_blocks[0].attn2
     x = torch.zeros(1)
-    assert P.structure(a, (x, None)) == P.structure(a, (x, None))
-    assert P.structure(a, (x, None)) != P.structure(a, (x, x)), "a None input is another variant"
-    assert P.structure(a, (x, x)) != P.structure(a, (x, torch.zeros(1))), \
+    assert V.structure(a, (x, None)) == V.structure(a, (x, None))
+    assert V.structure(a, (x, None)) != V.structure(a, (x, x)), "a None input is another variant"
+    assert V.structure(a, (x, x)) != V.structure(a, (x, torch.zeros(1))), \
         "the same tensor twice is another variant (dynamo passes it to the graph once)"
     b.to_q.forward = lambda t: t   # an instance override: only an identity guard would see it
-    assert P.structure(b, (x, x)) is None
+    assert V.structure(b, (x, x)) is None
 
 
 def test_a_call_no_variant_fits_compiles_one_more_and_names_the_input(tiny_unet, store):
@@ -127,11 +127,11 @@ def test_a_variant_pickled_under_another_install_path_loads(tiny_unet, store, mo
     _both(unet, _inputs())
     blobs = store.serialized()
     saved, _, data = next(iter(blobs.values()))[0].partition(b"\n")
-    assert saved.decode() == P.PACKAGE and P.PACKAGE.encode() in data, "the bytes name the pack's modules"
-    other = "x" * len(P.PACKAGE)   # same length: pickle's strings are length-prefixed
+    assert saved.decode() == V.PACKAGE and V.PACKAGE.encode() in data, "the bytes name the pack's modules"
+    other = "x" * len(V.PACKAGE)   # same length: pickle's strings are length-prefixed
     moved = _fed(blobs, lambda b: other.encode() + b"\n" + b.partition(b"\n")[2].replace(
-        P.PACKAGE.encode(), other.encode()))
-    monkeypatch.setattr(P, "VARIANTS", moved)
+        V.PACKAGE.encode(), other.encode()))
+    monkeypatch.setattr(V, "VARIANTS", moved)
     second = tiny_unet(seed=5)
     api.compile_unet(second, "inductor", dynamic_shapes=False)
     out, ref = _both(second, _inputs(seed=4))
@@ -147,7 +147,7 @@ def test_a_cached_variant_that_fails_at_its_first_call_is_dropped_and_compiled_a
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     _both(first, _inputs())
     restarted = _fed(store.serialized())
-    monkeypatch.setattr(P, "VARIANTS", restarted)
+    monkeypatch.setattr(V, "VARIANTS", restarted)
     key = next(iter(restarted.pending))
     with torch.inference_mode():   # where the UNet calls load it: guards keep the loading thread's dispatch state
         (broken,) = restarted.candidates(key)[:1]
@@ -168,7 +168,7 @@ def test_a_cached_variant_that_fails_at_its_first_call_is_dropped_and_compiled_a
 def test_a_dynamic_variant_serves_a_size_one_side_without_a_graph_of_its_own(tiny_unet, store):
     """Dynamic variants trace size-obliviously: a 1-wide deepest level (a 64 px side of an SD
     UNet) is one more value of the width, not a class that compiles again."""
-    if not P.size_oblivious():
+    if not V.size_oblivious():
         pytest.skip("this torch traces no backed size-oblivious symbols")
     unet = tiny_unet()
     api.compile_unet(unet, "inductor", dynamic_shapes=True)
@@ -182,7 +182,7 @@ def test_a_dynamic_variant_serves_a_size_one_side_without_a_graph_of_its_own(tin
     assert _traced() == traced, f"{_traced() - traced} graph(s) traced for a 1-high deepest level: {store.failures}"
 
 
-def _preloaded(blobs, modes=torch.inference_mode) -> P.Variants:
+def _preloaded(blobs, modes=torch.inference_mode) -> V.Variants:
     fed = _fed(blobs)
     fed.preload(modes)
     return fed
@@ -202,7 +202,7 @@ def test_a_restart_deserializes_its_variants_beside_the_caller_and_calls_trace_n
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     _both(first, _inputs())
     restarted = _preloaded(store.serialized())
-    monkeypatch.setattr(P, "VARIANTS", restarted)
+    monkeypatch.setattr(V, "VARIANTS", restarted)
     _wait_loaded(restarted)
     assert sum(map(len, restarted.live.values())) == store.compiled, "every variant loaded before any call"
     second = tiny_unet(seed=1)
@@ -218,16 +218,16 @@ def test_a_call_whose_variant_is_being_loaded_waits_for_it_rather_than_compiling
     first = tiny_unet()
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     _both(first, _inputs())
-    real, started, release = P._deserialize, threading.Event(), threading.Event()
+    real, started, release = V._deserialize, threading.Event(), threading.Event()
 
     def slow(blob):
         if threading.current_thread().name == "unet-compiler-cache-load":
             started.set()
             release.wait(30)
         return real(blob)
-    monkeypatch.setattr(P, "_deserialize", slow)
+    monkeypatch.setattr(V, "_deserialize", slow)
     restarted = _fed(store.serialized())
-    monkeypatch.setattr(P, "VARIANTS", restarted)
+    monkeypatch.setattr(V, "VARIANTS", restarted)
     key = next(iter(restarted.pending))
     restarted.preload(torch.inference_mode)
     assert started.wait(30) and key in restarted.loading
@@ -245,7 +245,7 @@ def test_a_variant_preloaded_under_another_dispatch_state_is_loaded_again_for_th
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     first(*_inputs())          # grad on: the regions run outside inference mode
     restarted = _preloaded(store.serialized(), modes=torch.inference_mode)
-    monkeypatch.setattr(P, "VARIANTS", restarted)
+    monkeypatch.setattr(V, "VARIANTS", restarted)
     _wait_loaded(restarted)
     second = tiny_unet(seed=1)
     api.compile_unet(second, "inductor", dynamic_shapes=False)

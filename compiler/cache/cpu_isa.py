@@ -1,25 +1,10 @@
-"""Inductor's CPU ISA probe, remembered across processes in the pack's cache folder.
+"""Inductor's CPU ISA probe, recorded in the cache folder and replayed by later processes.
 
-Before inductor's first C++ kernel in a process, ``torch._inductor.cpu_vec_isa`` checks which
-vector ISAs (AVX2, AVX-512, VNNI, AMX, ...) this machine's compiler can build for: per ISA it
-compiles a probe (kept in inductor's cache) and then ``dlopen``s it in a fresh Python subprocess
-(not cached: every process pays it). Measured on this 2-core VM, torch 2.13: ``pick_vec_isa()``
-0.82-0.99 s a process (6 checks), 0.06 s replayed (the compiler version check); a one-shape SD1.5 restart through the
-server had 3.0 s of compile overhead before.
-
-Here each ``VecISA.check_build`` that succeeds is recorded (ISA, its build flags at the call, a
-digest of the probe's code) and written to ``cpu_isa.record`` in the pack's cache folder at a
-save; a later process replays it instead of spawning. Records are kept per machine key, and used
-only where everything the outcome depends on matches: torch's version and library folder, the
-Python running the probes, the platform, the CPU's ISA flags, ``TORCHINDUCTOR_CPP_MARCH`` and the
-C++ compiler (inductor's own version string of the compiler it picks, as its probe cache uses,
-and each candidate resolved to its file with size and mtime; worked out at the first check, where
-inductor picks the compiler anyway). A failed check is never recorded (a timeout or a full disk
-would otherwise cost an ISA for good): it is probed again in each process, as is anything not in
-the record. The record is JSON (nothing unpickled); a wrong one could at worst claim an ISA the
-compiler cannot build, which inductor's compile then reports and the pack runs that model eager.
-A read-only folder is read, never written.
-``UNET_COMPILER_CPU_ISA_RECORD=off`` turns the replay off.
+Inductor dlopens one probe per vector ISA in a fresh subprocess in every process; each check that
+succeeds is recorded in ``cpu_isa.record`` (JSON, per machine key) at a save and replayed only
+where torch, Python, platform, CPU flags, ``TORCHINDUCTOR_CPP_MARCH`` and the C++ compiler all
+match. Failures are never recorded; a read-only folder is never written.
+``UNET_COMPILER_CPU_ISA_RECORD=off`` turns the replay off. Measurements: DEVELOPERS.md.
 """
 from __future__ import annotations
 
@@ -36,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write
+from .. import settings
+from .files import atomic_write
 
 log = logging.getLogger(__name__)
 
-ENV = "UNET_COMPILER_CPU_ISA_RECORD"
 FILE = "cpu_isa.record"   # JSON, but not named *.json: those are the entries
 FORMAT = "unet-compiler-cpu-isa-2"
 MAX_MACHINES = 32         # a folder shared by machines of several kinds keeps each one's outcomes
@@ -52,7 +37,7 @@ _new: dict[str, bool] = {}        # successes probed in this process (written at
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "on").strip().lower() not in ("0", "off", "false", "no")
+    return settings.flag("CPU_ISA_RECORD")
 
 
 def _vec_isa_class():

@@ -1,4 +1,4 @@
-"""Warmup Shapes' ``background`` (compiler/precompiled.py ``Background``): warmup returns having
+"""Warmup Shapes' ``background`` (compiler/background.py): warmup returns having
 compiled nothing, calls meanwhile run the model's own code and match eager, a daemon thread
 compiles what warmup recorded, after which the same calls run the compiled variants with nothing
 traced in the caller; its graphs count once, never as recompiles; a call no variant fits while
@@ -16,21 +16,23 @@ import pytest
 import torch
 
 from unet_compiler.compiler import api
+from unet_compiler.compiler import background as B
 from unet_compiler.compiler import precompiled as P
+from unet_compiler.compiler import variants as V
 
-pytestmark = pytest.mark.skipif(not P.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
+pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
 
 
 @pytest.fixture
 def fresh(monkeypatch):
     """A fresh variant store and background queue (what a new process has), whose thread starts only
     at ``fresh.gate.set()`` (so a test sees the running state)."""
-    monkeypatch.setattr(P, "VARIANTS", P.Variants())
-    bg = P.Background()
+    monkeypatch.setattr(V, "VARIANTS", V.Variants())
+    bg = B.Background()
     bg.gate = threading.Event()
     work = bg._work
     bg._work = lambda: (bg.gate.wait(120), work())
-    monkeypatch.setattr(P, "BACKGROUND", bg)
+    monkeypatch.setattr(B, "BACKGROUND", bg)
     yield bg
     bg.gate.set()
     bg.wait(300)
@@ -78,7 +80,7 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     assert "recorded for the background compile" in text and "background compile: running" in text, text
     assert accel.stats["graphs_compiled"] == 0 and fresh.active
     _check(unet, _inputs())                       # meanwhile: the model's own code, same numbers
-    owner = accel.background["owner"]
+    owner = accel.background.owner
     assert owner.eager_calls > 0
     fresh.gate.set()
     assert api.wait_for_background(300)
@@ -89,7 +91,7 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     traced = _traced()
     assert traced - seen == owner.graphs
     _check(unet, _inputs(seed=1))                 # now the variants: nothing traced in this thread
-    assert _traced() == traced and P.VARIANTS.compiled == fresh.compiled
+    assert _traced() == traced and V.VARIANTS.compiled == fresh.compiled
     assert accel.stats["recompiles_after_warmup"] == 0
 
 
@@ -140,7 +142,7 @@ def test_where_it_cannot_warmup_compiles_first_and_says_why(tiny_unet, fresh, mo
 
 
 def _apply(mp, seed=1):
-    """One sampling-style SD1.5 UNet call through ComfyUI's apply_model (as tests/test_comfy_patcher.py)."""
+    """One sampling-style SD1.5 UNet call through ComfyUI's apply_model (as tests/nodes/test_comfy_patcher.py)."""
     import comfy.model_management as mm
 
     from unet_compiler.nodes import patcher
@@ -167,7 +169,7 @@ def test_warmup_shapes_node_in_the_background(make_comfy_model, fresh, monkeypat
     from unet_compiler.compiler import cache as C
     monkeypatch.setenv(C.DIR_ENV, str(tmp_path))
     monkeypatch.delenv(C.MODE_ENV, raising=False)
-    monkeypatch.setattr(C, "_loaded", set())
+    monkeypatch.setattr(C.entry, "_loaded", set())
     for env in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):   # the cache points torch's there: put back after
         monkeypatch.setenv(env, os.environ[env]) if env in os.environ else monkeypatch.delenv(env, raising=False)
     mp = make_comfy_model("sd15")

@@ -9,7 +9,7 @@ import pytest
 
 from unet_compiler.compiler.config import CompileConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_config_rejects_unknown_values():

@@ -1,76 +1,45 @@
-"""The pack's persistent compile cache: one entry per model and setup, holding the precompiled
-region variants (``precompiled.py``) and torch's Mega-Cache.
+"""One compile cache entry per model and setup: the precompiled region variants and torch's Mega-Cache.
 
-A restart (or a second worker pointed at the same folder) loads the entry before anything
-compiles: each precompiled region variant is deserialized at its first use and called with
-nothing traced; what runs under plain torch.compile finds inductor's, AOTAutograd's and Triton's
-artifacts in the Mega-Cache (dynamo still traces those).
-
-- Where: ``UNET_COMPILER_CACHE_DIR`` if set, else ComfyUI's user directory
-  (``<user>/unet_compiler/compile_cache``) inside ComfyUI, else ``~/.cache/unet_compiler/compile_cache``.
-  A read-only folder (a fleet's shared mount) is read and never written.
-- Key: everything the artifacts depend on: the UNet's architecture (class, parameter names,
-  shapes, dtypes), device type and GPU capability, torch and triton versions, the CompileConfig,
-  the pack's version, a digest of its compiled code (region bodies, passes, backends) and ComfyUI's
-  version (the variants carry the bodies' bytecode, traced over ComfyUI's classes). Anything else is
-  a different entry.
-- Integrity: each entry is ``<key>.bin`` (``pack_entry``: a header, torch's Mega-Cache bytes and
-  the precompiled variants' bytes) and ``<key>.json``
-  (format, size and sha256 of the .bin, written by the pack after the .bin). An entry whose
-  .bin does not match its .json (truncated, corrupt, foreign) is never handed to torch (whose
-  loader unpickles): it is discarded with one log line and rebuilt.
-- Torch's own caches: unless ``TORCHINDUCTOR_CACHE_DIR`` is set, the pack points inductor's (and
-  so Triton's inside it) into the same folder (``inductor/``) at its first compile, so they
-  survive a reboot that clears /tmp. Measured on CPU (tiny UNet, 2 cores): the Mega-Cache entry
-  alone leaves inductor re-building its C++ kernels (warmup 48 % of cold), the kept inductor
-  folder does not (11 %). A read-only folder (a fleet's shared mount) has its ``inductor/``
-  copied to a local temp folder first, since inductor writes beside what it reads.
-- An entry is the union of every save: torch's loader keeps only the last of several saves of
-  one process, and a worker that loaded an entry saves only what it compiled itself
-  (compat/megacache.py merges both).
-- Inductor's CPU ISA probe (a subprocess per vector ISA, every process) is recorded in
-  ``cpu_isa.record`` beside the entries and replayed where the machine matches (compat/cpu_isa.py).
-- Off: ``UNET_COMPILER_CACHE=off``. Cleared: ``UNET_COMPILER_CACHE=clear`` (the folder is
-  emptied once, at the first compile of the process, then used as usual).
+An entry is ``<key>.bin`` (a header, the Mega-Cache bytes, each variant's bytes) and ``<key>.json``
+(the key's facts, the .bin's size and sha256, the probe shapes warmup ran into it and the compares
+recorded when its code compiled). A .bin that does not match its .json is never handed to torch
+(whose loader unpickles): it is discarded with one log line and rebuilt. A save writes the union of
+what the entry held and what this process added; a read-only folder is read, never written.
+Folder and modes: ``UNET_COMPILER_CACHE_DIR``, ``UNET_COMPILER_CACHE`` (compiler/settings.py).
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
+import contextlib
 import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from . import precompiled
-from .compat import cpu_isa, megacache
+from .. import settings, variants
+from . import cpu_isa, megacache, torch_dirs
 from .files import atomic_write
+from .key import FORMAT, key_facts, key_of
 
 log = logging.getLogger(__name__)
 
-DIR_ENV = "UNET_COMPILER_CACHE_DIR"
-MODE_ENV = "UNET_COMPILER_CACHE"
-FORMAT = "unet-compiler-mega-cache-2"
+DIR_ENV = settings.env("CACHE_DIR")
+MODE_ENV = settings.env("CACHE")
 _MAGIC = b"UNET-COMPILER-ENTRY-2\n"
-PACK_VERSION = "0.1.0"   # pyproject's version; a new release is a new key
 _loaded: set = set()       # keys loaded into this process's torch caches
 _cleared = [False]
-_copied: dict = {}         # local copies of read-only folders' inductor files made in this process -> seconds
 
 
 def mode() -> str:
-    m = os.environ.get(MODE_ENV, "on").strip().lower()
-    return m if m in ("on", "off", "clear") else "on"
+    """on, off or clear (``UNET_COMPILER_CACHE``)."""
+    return settings.choice("CACHE")
 
 
 def directory() -> Path:
-    env = os.environ.get(DIR_ENV)
+    env = settings.value("CACHE_DIR")
     if env:
         return Path(env).expanduser()
     try:
@@ -80,55 +49,6 @@ def directory() -> Path:
         return Path.home() / ".cache" / "unet_compiler" / "compile_cache"
 
 
-def architecture(unet: torch.nn.Module) -> str:
-    """A fingerprint of the UNet's structure (not its weights: parameters are graph inputs)."""
-    h = hashlib.sha256(f"{type(unet).__module__}.{type(unet).__qualname__}".encode())
-    for name, t in list(unet.named_parameters()) + list(unet.named_buffers()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}\n".encode())
-    return h.hexdigest()
-
-
-def key_facts(unet, config, device) -> dict:
-    """What an entry depends on, as written into its .json."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    capability = None
-    if dev.type == "cuda" and torch.cuda.is_available():
-        capability = ".".join(map(str, torch.cuda.get_device_capability(dev)))
-    try:
-        import triton
-        triton_version = triton.__version__
-    except Exception:
-        triton_version = None
-    return {"format": FORMAT, "architecture": architecture(unet), "device": dev.type, "capability": capability,
-            "torch": torch.__version__, "triton": triton_version, "config": dataclasses.asdict(config),
-            "pack": PACK_VERSION, "code": code_digest(), "comfyui": _comfyui_version()}
-
-
-@functools.lru_cache(maxsize=1)
-def code_digest() -> str:
-    """The pack's compiled code (region bodies, graph passes, backends): precompiled variants carry
-    its bytecode, so a changed body is a new entry even without a version bump."""
-    root = Path(__file__).resolve().parent
-    h = hashlib.sha256()
-    for p in sorted([root / "regions.py", root / "precompiled.py", *root.glob("passes/*.py"),
-                     *root.glob("backends/*.py")]):
-        h.update(p.name.encode() + p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-def _comfyui_version() -> str | None:
-    """ComfyUI's version when inside it: its module classes' defaults are code the variants were traced over."""
-    try:
-        import comfyui_version
-        return str(comfyui_version.__version__)
-    except Exception:
-        return None
-
-
-def key_of(facts: dict) -> str:
-    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
 def size_mib(folder: Path) -> float:
     try:
         return sum(p.stat().st_size for p in folder.glob("*.bin")) / 2**20
@@ -136,11 +56,11 @@ def size_mib(folder: Path) -> float:
         return 0.0
 
 
-def pack_entry(mega: bytes | None, variants: dict[str, list[bytes]]) -> bytes:
+def pack_entry(mega: bytes | None, by_key: dict[str, list[bytes]]) -> bytes:
     """An entry's .bin: a header (JSON: the sizes of what follows), torch's Mega-Cache bytes, then
     each precompiled region variant's bytes (``precompiled.py``)."""
     mega = mega or b""
-    order = [(k, b) for k, blobs in sorted(variants.items()) for b in blobs]
+    order = [(k, b) for k, blobs in sorted(by_key.items()) for b in blobs]
     header = json.dumps({"megacache": len(mega), "variants": [[k, len(b)] for k, b in order]}).encode()
     return b"".join([_MAGIC, len(header).to_bytes(8, "little"), header, mega, *(b for _, b in order)])
 
@@ -157,13 +77,13 @@ def unpack_entry(data: bytes | None) -> tuple[bytes | None, dict[str, list[bytes
     at += 8 + size
     mega = data[at:at + header["megacache"]]
     at += header["megacache"]
-    variants: dict[str, list[bytes]] = {}
+    by_key: dict[str, list[bytes]] = {}
     for key, n in header["variants"]:
-        variants.setdefault(key, []).append(data[at:at + n])
+        by_key.setdefault(key, []).append(data[at:at + n])
         at += n
     if at != len(data):
         raise ValueError("entry length does not match its header")
-    return mega or None, variants
+    return mega or None, by_key
 
 
 def merge_variants(old: dict, new: dict) -> dict:
@@ -211,10 +131,55 @@ class CompileCache:
         #: max |compiled - eager| per shape label, measured by a warmup that compiled the entry's code
         #: (read from its .json at a load from disk, added to by this model's warmup)
         self.compares: dict[str, dict] = {}
+        self._dirty = False    # compiled code the entry does not hold yet
+        self._defer = False    # inside ``one_save``
 
     @property
     def paths(self) -> tuple[Path, Path]:
         return self.folder / f"{self.key}.bin", self.folder / f"{self.key}.json"
+
+    # -- what warmup records in the entry --------------------------------------------
+    def record_probe(self, label: str) -> None:
+        """Warmup ran probe shape ``label`` into this entry: a restart need not run it again."""
+        self.primed.add(label)
+
+    def primed_probes(self) -> set[str]:
+        """Probe shapes whose code the entry holds (this process's warmups and earlier ones)."""
+        return set(self.primed)
+
+    def record_compare(self, label: str, max_abs_diff: float) -> None:
+        """Warmup measured max |compiled - eager| at ``label`` for code it compiled into this entry."""
+        self.compares[label] = {"max_abs_diff": max_abs_diff, "measured": time.strftime("%Y-%m-%d %H:%M")}
+
+    def recorded_compare(self, label: str) -> dict | None:
+        """The compare recorded for ``label`` ({max_abs_diff, measured}), or None (none, or
+        ``UNET_COMPILER_COMPARE=always``: warmup runs the eager reference every time)."""
+        if settings.choice("COMPARE") == "always":
+            return None
+        return self.compares.get(label)
+
+    # -- when to save -----------------------------------------------------------------
+    def compiled_new(self) -> None:
+        """Something compiled that the entry does not hold: saved now, or at the end of ``one_save``."""
+        self._dirty = True
+        if not self._defer:
+            self.save_if_new()
+
+    def save_if_new(self) -> None:
+        if self._dirty:
+            self._dirty = False
+            self.save()
+
+    @contextlib.contextmanager
+    def one_save(self):
+        """Compiles inside are saved once, at the end (warmup: every shape in one write)."""
+        prev, self._defer = self._defer, True
+        try:
+            yield
+        finally:
+            self._defer = prev
+        if not prev:
+            self.save_if_new()
 
     # -- load ----------------------------------------------------------------------
     def load(self) -> bool:
@@ -224,7 +189,7 @@ class CompileCache:
         if mode() == "clear" and not _cleared[0]:
             _cleared[0] = True
             self._clear()
-        self._place_torch_caches()
+        self.torch_dirs = torch_dirs.place(self.folder)
         cpu_isa.install(self.folder)
         if self.key in _loaded:
             self.state = "hit (loaded earlier in this process)"
@@ -241,12 +206,12 @@ class CompileCache:
             self.state = f"miss (entry discarded: {why}; rebuilt after compiling)"
             return False
         try:
-            mega, variants = unpack_entry(data)
+            mega, found = unpack_entry(data)
             if mega:
                 megacache.load(mega)
-            for key, blobs in variants.items():
+            for key, blobs in found.items():
                 for blob in blobs:
-                    precompiled.VARIANTS.add_serialized(key, blob)
+                    variants.VARIANTS.add_serialized(key, blob)
         except Exception as e:  # a torch that cannot read it: compile as if cold
             log.warning("UNet Compiler: torch could not load compile cache entry %s (%s); it is rebuilt", self.key, e)
             self._discard()
@@ -256,54 +221,10 @@ class CompileCache:
         self._entry = data
         self.primed.update(_labels(self._meta))
         self.compares.update(_compares(self._meta))
-        n = sum(map(len, variants.values()))
+        n = sum(map(len, found.values()))
         self.state = (f"hit ({len(data) / 2**20:.1f} MiB loaded in {time.perf_counter() - t0:.2f} s"
                       + (f", {n} precompiled region variant(s)" if n else "") + ")")
         return True
-
-    def _place_torch_caches(self):
-        """Inductor's own on-disk cache (and Triton's inside it, torch's default) into the pack's
-        folder, unless the user chose one. Inductor writes its default (/tmp/torchinductor_<user>)
-        into the environment on first use, so that value counts as not chosen."""
-        self.torch_dirs = []
-        env = "TORCHINDUCTOR_CACHE_DIR"
-        current = os.environ.get(env)
-        if current:
-            try:
-                from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-                if os.path.abspath(current) != os.path.abspath(default_cache_dir()):
-                    return
-            except Exception:
-                return
-        target = self.folder / "inductor"
-        try:
-            if not target.is_dir():
-                target.mkdir(parents=True, exist_ok=True)
-            writable = os.access(target, os.W_OK)
-        except OSError:
-            writable = False
-        if writable:
-            os.environ[env] = str(target)
-            self.torch_dirs.append("torch's own inductor cache")
-            return
-        if not target.is_dir():
-            return   # unwritable and empty: torch keeps its default (/tmp)
-        # a fleet's read-only shared folder: inductor writes beside what it reads, so its files
-        # (the compiled C++ / Triton kernels the entry does not carry) are copied to a local folder
-        local = Path(tempfile.gettempdir()) / ("unet_compiler_inductor_"
-                                               + hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:12])
-        if local not in _copied:   # once per process: later models use the same copy
-            t0 = time.perf_counter()
-            try:
-                shutil.copytree(target, local, dirs_exist_ok=True, ignore=shutil.ignore_patterns("locks", "*.lock"))
-            except (OSError, shutil.Error) as e:
-                log.warning("UNet Compiler: compile cache: copying %s to %s failed (%s); torch's caches stay in "
-                            "their default folder", target, local, e)
-                return
-            _copied[local] = time.perf_counter() - t0
-        os.environ[env] = str(local)
-        self.torch_dirs.append(f"torch's own inductor cache, copied from the read-only folder to {local} in "
-                               f"{_copied[local]:.1f} s")
 
     def _mismatch(self, meta: dict, data: bytes) -> str:
         if meta.get("format") != FORMAT:
@@ -329,8 +250,8 @@ class CompileCache:
             self.problem = f"torch could not serialize its caches ({type(e).__name__}: {e})"
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
-        variants = precompiled.VARIANTS.serialized()
-        if (not got or not got[0]) and not variants:
+        compiled = variants.VARIANTS.serialized()
+        if (not got or not got[0]) and not compiled:
             return
         # the entry keeps what it held (another process's graphs, this process's earlier saves)
         try:
@@ -338,7 +259,7 @@ class CompileCache:
         except ValueError:   # what this process wrote is always readable; a foreign .bin is replaced
             old_mega, old_variants = None, {}
         mega = megacache.merge(old_mega, got[0]) if got and got[0] else old_mega
-        data = pack_entry(mega, merge_variants(old_variants, variants))
+        data = pack_entry(mega, merge_variants(old_variants, compiled))
         bin_path, meta_path = self.paths
         primed = self.primed | set(_labels(self._meta))
         meta = {**self.facts, "key": self.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),

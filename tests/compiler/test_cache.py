@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from unet_compiler.compiler import cache as C
-from unet_compiler.compiler import precompiled
+from unet_compiler.compiler import variants
 from unet_compiler.compiler.config import CompileConfig
 
 
@@ -23,7 +24,7 @@ from unet_compiler.compiler.config import CompileConfig
 def folder(tmp_path, monkeypatch):
     monkeypatch.setenv(C.DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(C.MODE_ENV, raising=False)
-    monkeypatch.setattr(C, "_loaded", set())
+    monkeypatch.setattr(C.entry, "_loaded", set())
     return tmp_path / "cache"
 
 
@@ -42,7 +43,7 @@ def test_key_covers_what_the_code_depends_on(tiny_unet, folder, monkeypatch):
     monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
     assert _entry(unet, folder).key != base, "another torch"
     monkeypatch.undo()
-    monkeypatch.setattr(C, "PACK_VERSION", "9.9.9")
+    monkeypatch.setattr(C.key, "PACK_VERSION", "9.9.9")
     assert _entry(unet, folder).key != base, "another pack version"
 
 
@@ -82,12 +83,12 @@ def test_a_bad_entry_is_discarded_before_torch_sees_it(tiny_unet, folder, monkey
 def test_a_good_entry_is_loaded_once_per_process(tiny_unet, folder, monkeypatch):
     handed = []
     monkeypatch.setattr(C.megacache, "load", lambda data: handed.append(data))
-    monkeypatch.setattr(C.precompiled, "VARIANTS", C.precompiled.Variants())
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
     entry = _entry(tiny_unet(), folder)
     _write(entry, C.pack_entry(b"x" * 2048, {"k1": [b"v1", b"v2"], "k2": [b"v3"]}))
     assert entry.load() and handed == [b"x" * 2048] and entry.state.startswith("hit")
     assert "3 precompiled region variant(s)" in entry.state, entry.state
-    pending = {k: [b for _, b in v] for k, v in C.precompiled.VARIANTS.pending.items()}
+    pending = {k: [b for _, b in v] for k, v in variants.VARIANTS.pending.items()}
     assert pending == {"k1": [b"v1", b"v2"], "k2": [b"v3"]}, "variants wait for first use"
     assert _entry(tiny_unet(), folder).load() and len(handed) == 1, "loaded once per process"
 
@@ -99,7 +100,7 @@ def test_entry_container_round_trip_and_merge():
     for bad in (b"x" * 40, data[:-1], data + b"!"):
         with pytest.raises(ValueError):
             C.unpack_entry(bad)
-    merged = C.merge_variants({"a": [b"1"], "b": [b"2"]}, {"a": [b"1", b"3"]})
+    merged = C.entry.merge_variants({"a": [b"1"], "b": [b"2"]}, {"a": [b"1", b"3"]})
     assert sorted(merged["a"]) == [b"1", b"3"] and merged["b"] == [b"2"], "the union, each variant once"
 
 
@@ -126,7 +127,7 @@ def test_clear_and_off(tiny_unet, folder, monkeypatch, tmp_path):
     off = _entry(tiny_unet(), folder)
     assert off.load() is False and "off" in "\n".join(off.lines())
     monkeypatch.setenv(C.MODE_ENV, "clear")
-    monkeypatch.setattr(C, "_cleared", [False])
+    monkeypatch.setattr(C.entry, "_cleared", [False])
     assert _entry(tiny_unet(), folder).load() is False
     assert not any(folder.iterdir()), ("clear empties the folder once", list(folder.iterdir()))
 
@@ -178,7 +179,7 @@ def test_restart_and_second_worker_compile_nothing(tmp_path, tiny_unet):
         assert "compile cache: saved" not in out, "nothing new to save"
         stats = _stats(out)
         assert stats["graphs_compiled"] > 0 and stats["graphs_from_cache"] == stats["graphs_compiled"], stats
-        if precompiled.enabled():
+        if variants.enabled():
             assert stats["traced"] == 0 and "precompiled region variant(s)" in out, \
                 f"the precompiled regions were loaded, nothing was traced: {stats}"
     cold, warm, fleet = (_stats(o)["warmup_s"] for o in (first, restart, worker))
@@ -197,7 +198,7 @@ def test_read_only_folder_is_read_and_said_plainly(tiny_unet, folder, monkeypatc
         raise PermissionError(13, "Read-only file system")
     monkeypatch.setattr(C.CompileCache, "_atomic_write", staticmethod(refuse))
     real_access = os.access
-    monkeypatch.setattr(C.os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
     entry = _entry(tiny_unet(), folder)
     monkeypatch.setitem(C.cpu_isa._new, "avx2|-mavx2|0", True)   # an ISA check this process made
     entry.save()
@@ -241,7 +242,7 @@ def test_an_entry_keeps_every_save_and_every_workers_graphs(tmp_path):
     warmup saves again), and a worker that loaded an entry saves only what it compiled itself. The
     pack merges: after a process saved twice and a second worker added a third graph, a fresh
     process takes all three from the entry."""
-    from unet_compiler.compiler.compat import megacache
+    from unet_compiler.compiler.cache import megacache
     first = _steps(tmp_path, "a", "sin", "save", "cos", "save")
     assert first["misses"] == 2 and first["state"].startswith("miss"), first
     (entry,) = (tmp_path / "pack").glob("*.bin")
@@ -262,9 +263,9 @@ def test_a_read_only_folder_lends_its_inductor_files_through_a_local_copy(tiny_u
     kernel.write_bytes(b"compiled")
     (folder / "inductor" / "locks").mkdir()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.setattr(C.tempfile, "gettempdir", lambda: str(tmp_path / "local_tmp"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "local_tmp"))
     real_access = os.access
-    monkeypatch.setattr(C.os, "access", lambda p, mode: False if Path(p) == folder / "inductor"
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder / "inductor"
                         else real_access(p, mode))
     entry = _entry(tiny_unet(), folder)
     entry.load()
@@ -279,7 +280,7 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     the listed shapes, every region from the cache, and a shape inside the box compiles nothing."""
     from unet_compiler.compiler import api
     from torch._dynamo.utils import counters
-    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
     box = "2x64x64, 2x128x128"
     first = tiny_unet()
     api.compile_unet(first, "inductor", dynamic_shapes=True)
@@ -289,8 +290,8 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     meta = json.loads(next(folder.glob("*.json")).read_text())
     assert sorted(meta["primed"]) == sorted(label.split(" ")[0] for label in ran)
 
-    monkeypatch.setattr(C, "_loaded", set())           # a new process: nothing loaded, nothing live
-    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
     second = tiny_unet(seed=4)
     api.compile_unet(second, "inductor", dynamic_shapes=True)
     traced = int(counters["stats"]["unique_graphs"])
@@ -301,7 +302,7 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     with torch.inference_mode():
         second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
     assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: warmup or the shape inside the box"
-    assert accel.stats["recompiles_after_warmup"] == 0 and precompiled.VARIANTS.compiled == 0
+    assert accel.stats["recompiles_after_warmup"] == 0 and variants.VARIANTS.compiled == 0
 
 
 def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_unet, folder, monkeypatch):
@@ -310,7 +311,7 @@ def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_un
     of a CPU restart's warmup); UNET_COMPILER_COMPARE=always runs it; code compiled anew runs it too."""
     from unet_compiler.compiler import api
     monkeypatch.delenv("UNET_COMPILER_COMPARE", raising=False)
-    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
     first = tiny_unet()
     api.compile_unet(first, "inductor")
     api.warmup(first, "2x64x64")
@@ -320,8 +321,8 @@ def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_un
     assert recorded["max_abs_diff"] == cold.report.max_abs_diff
 
     def restart(seed, compare=None):
-        monkeypatch.setattr(C, "_loaded", set())           # a new process: nothing loaded, nothing live
-        monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+        monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
+        monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
         if compare:
             monkeypatch.setenv("UNET_COMPILER_COMPARE", compare)
         unet = tiny_unet(seed=seed)
@@ -342,7 +343,7 @@ def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_un
 def test_a_recorded_compare_is_not_shown_for_code_compiled_anew(tiny_unet, folder, monkeypatch):
     from unet_compiler.compiler import api
     monkeypatch.delenv("UNET_COMPILER_COMPARE", raising=False)
-    monkeypatch.setattr(precompiled, "VARIANTS", precompiled.Variants())
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
     unet = tiny_unet(seed=6)
     api.compile_unet(unet, "inductor")
     accel = api.accelerator_of(unet)
@@ -358,7 +359,7 @@ def isa_probe(monkeypatch):
     """compat/cpu_isa.py around a stand-in for inductor's ISA probe that counts its calls."""
     from torch._inductor import cpu_vec_isa
 
-    from unet_compiler.compiler.compat import cpu_isa
+    from unet_compiler.compiler.cache import cpu_isa
     cpu_isa.uninstall()
     calls = []
 
@@ -409,7 +410,7 @@ def test_the_isa_record_is_off_by_env_and_a_bad_record_is_ignored(isa_probe, tmp
     cpu_isa.save(tmp_path)   # the bad record is replaced by a good one
     assert cpu_isa.machine_key() in json.loads((tmp_path / cpu_isa.FILE).read_text())["machines"]
     cpu_isa.uninstall()
-    monkeypatch.setenv(cpu_isa.ENV, "off")
+    monkeypatch.setenv("UNET_COMPILER_CPU_ISA_RECORD", "off")
     cpu_isa.install(tmp_path)
     vec.VecAVX2().check_build("x")
     assert len(calls) == 2, "off: inductor probes as it always does"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from unet_compiler.compiler.report import Reason, Report, compile_facts, runtime_fallback, status_line, warmup_facts
-from unet_compiler.compiler.switch import DISABLE_ENV
+from unet_compiler.compiler.report import DISABLE_ENV
 
 
 def test_reason_is_the_sentence_and_its_parts():

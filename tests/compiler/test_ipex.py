@@ -3,7 +3,7 @@ installed torch is never imported (its import kills the process) and the
 model falls back, visibly, to inductor.
 
 The real IPEX runs in its own lane (torch 2.8.0 + IPEX 2.8.0, see .ci/run):
-tests/test_diffusers_unet.py with UNET_COMPILER_TEST_BACKENDS=ipex."""
+tests/compiler/test_diffusers_unet.py with UNET_COMPILER_TEST_BACKENDS=ipex."""
 import os
 import subprocess
 import sys

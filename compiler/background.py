@@ -1,0 +1,367 @@
+"""Background compile: region variants compiled in a daemon thread while calls run the bodies' own code.
+
+Warmup Shapes' ``background`` records every region call that has no variant yet (its module and its
+inputs' shapes, strides, dtypes and dispatch state); one daemon thread (``BACKGROUND``, one per
+process) compiles those signatures on stand-in tensors. Until a variant is ready its calls run the
+model's own code; while a model is in background mode (``BackgroundMode``, held by its
+Accelerator) its misses are queued for the thread, never compiled in the sampling thread.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import threading
+import time
+import weakref
+
+import torch
+
+from . import variants
+from .variants import guard_marks
+from .report import error_summary
+
+log = logging.getLogger(__name__)
+
+
+def _spec(a):
+    """What a stand-in for input ``a`` needs (values are not guarded: zeros will do)."""
+    if isinstance(a, torch.Tensor):
+        return ("t", tuple(a.shape), tuple(a.stride()), a.dtype, a.device, a.is_inference(), a.requires_grad)
+    return ("v", a)
+
+
+def _stand_ins(specs, struct_inputs) -> list:
+    args = []
+    for i, s in enumerate(specs):
+        if struct_inputs[i] not in (-1, i):       # the same tensor as an earlier input
+            args.append(args[struct_inputs[i]])
+        elif s[0] == "t":
+            _, shape, stride, dtype, device, inference, grad = s
+            with torch.inference_mode(inference):
+                # zeros, not uninitialised memory: the compile thread calls the variant once on them
+                # (denormal garbage would make that call slow)
+                t = torch.empty_strided(shape, stride, dtype=dtype, device=device).zero_()
+            args.append(t.requires_grad_() if grad else t)
+        else:
+            args.append(s[1])
+    return args
+
+
+#: dynamo settings the backends patch around a call (``Backend.dynamo_config``); patches are per thread
+_DYNAMO_KEYS = ("force_parameter_static_shapes", "force_nn_module_property_static_shapes",
+                "assume_static_by_default", "automatic_dynamic_shapes")
+
+
+def _modes_now(device_type: str) -> tuple:
+    """The caller thread's grad / inference / autocast state (variants guard it) and its dynamo
+    settings (how it traces): all per thread, so the compile thread takes them over."""
+    dynamo = {k: getattr(torch._dynamo.config, k) for k in _DYNAMO_KEYS if hasattr(torch._dynamo.config, k)}
+    return (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), device_type,
+            torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type), tuple(dynamo.items()))
+
+
+@contextlib.contextmanager
+def _modes(state):
+    grad, inference, device_type, autocast, dtype, dynamo = state
+    with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
+            torch.autocast(device_type, dtype=dtype, enabled=autocast), torch._dynamo.config.patch(**dict(dynamo)):
+        yield
+
+
+_THREAD = threading.local()
+
+
+def _not_in_the_thread(set_state):
+    """``set_state`` (torch's ``set_rng_state``), except in the compile thread. Dynamo restores the
+    global RNG state it saw when a compile began (``convert_frame.preserve_global_state``); from
+    another thread that rewinds every number the sampling thread drew meanwhile (measured: 1414 of
+    1422 draws differed), so samplers and nodes that draw from torch's global generator made other
+    images. The compile itself draws none of them (tests/compiler/test_background.py checks the sequence)."""
+    @functools.wraps(set_state)
+    def set_rng_state(*args, **kwargs):
+        if getattr(_THREAD, "compiling", False):
+            return None
+        return set_state(*args, **kwargs)
+    set_rng_state._unet_compiler = True
+    return set_rng_state
+
+
+def _before_the_thread() -> None:
+    """What the compile thread must not do while other threads run modules, done in the caller's
+    thread first. Once per process, inductor traces a dummy function with a plain FX ``Tracer``
+    (``loop_body.InterpreterShim._dummy_gm``), which patches ``nn.Module.__call__`` process-wide
+    meanwhile: a module called in the sampling thread in that window raised ``NameError: module is
+    not installed as a submodule`` (found by the starts bench). The other traces a compile makes
+    (make_fx's ``PythonKeyTracer``) pass module calls straight through. And torch's
+    ``set_rng_state`` is made a no-op in the compile thread (``_not_in_the_thread``)."""
+    try:
+        from torch._inductor.loop_body import InterpreterShim
+        InterpreterShim._dummy_gm()
+    except Exception:   # another torch: nothing of this kind to do first
+        log.debug("no inductor loop-body tracer to prime", exc_info=True)
+    for module in (torch.random, torch.cuda):
+        if not getattr(module.set_rng_state, "_unet_compiler", False):
+            module.set_rng_state = _not_in_the_thread(module.set_rng_state)
+
+
+class Owner:
+    """What one model's background compiles did (an accelerator keeps one; jobs count into it).
+    While ``queueing(owner)`` is entered, that model's misses go to the thread, never compiled in
+    the calling thread: background compile is a mode of the model, not only of its warmup."""
+
+    def __init__(self):
+        self.variants = 0          # variants the thread compiled for it
+        self.graphs = 0            # dynamo graphs they were (torch's unique_graphs)
+        self.seconds = 0.0         # the thread's time on them
+        self.eager_calls = 0       # region calls that ran the body's own code while theirs compiled
+        self.failures: list[str] = []
+
+
+_OWNER: contextvars.ContextVar = contextvars.ContextVar("unet_compiler_background_owner", default=None)
+
+
+def current_owner() -> Owner | None:
+    """The owner whose misses this context queues (inside ``queueing``), else None."""
+    return _OWNER.get()
+
+
+@contextlib.contextmanager
+def queueing(owner: Owner):
+    """Calls inside queue their misses for the background thread (and run the body's own code)."""
+    token = _OWNER.set(owner)
+    try:
+        yield
+    finally:
+        _OWNER.reset(token)
+
+
+class Background:
+    """Region variants compiled in a daemon thread while calls run the bodies' own code (see the
+    module docstring). Process-wide, like ``VARIANTS``; ``listeners`` are told when the queue empties."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.recording = False
+        self.running = False
+        self.queue: list[tuple] = []
+        self._seen: set = set()
+        self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
+        self._instances: dict = {}       # signature -> weakrefs to the other modules that called it
+        self.epoch = 0                   # bumped as each job starts and ends (runtime's recompile count)
+        self.compiled = 0                # variants the thread compiled, for every owner
+        self.failures: list[str] = []
+        self.listeners: list = []        # callable(): told (in the thread) when the queue is empty
+
+    @property
+    def active(self) -> bool:
+        return self.recording or self.running
+
+    @property
+    def queued(self) -> int:
+        return len(self.queue) + (1 if self.running else 0)
+
+    @contextlib.contextmanager
+    def record(self, owner: Owner):
+        """Calls inside run the bodies' own code and queue what they miss for ``owner``; the thread
+        starts at the end."""
+        with self.lock:
+            prev, self.recording = self.recording, True
+        try:
+            with queueing(owner):
+                yield
+        finally:
+            with self.lock:
+                self.recording = prev
+            self._start()
+
+    def add(self, pre, key: str, module, args, struct_inputs, owner: Owner | None) -> None:
+        specs = tuple(_spec(a) for a in args)
+        device = next((s[4] for s in specs if s[0] == "t"), torch.device("cpu"))
+        try:
+            sig = (key, specs)
+            hash(sig)
+        except TypeError:            # an unhashable constant input: not something to queue
+            return
+        with self.lock:
+            if sig in self._seen:
+                # another module of the same structure (a block repeated in the UNet): one variant
+                # serves both, and the thread's first call primes each (its packed weights)
+                others = self._instances.setdefault(sig, [])
+                if not any(r() is module for r in others):
+                    others.append(weakref.ref(module))
+                return
+            self._seen.add(sig)
+            dyn = pre.dynamic if pre.dynamic is not None else (key in self._keys or bool(variants.VARIANTS.live.get(key)))
+            self._keys.add(key)
+            self.queue.append((owner, pre, key, weakref.ref(module), specs, struct_inputs, dyn,
+                               _modes_now(device.type), sig))
+        if not self.recording:
+            self._start()
+
+    def _start(self) -> None:
+        _before_the_thread()
+        with self.lock:
+            if self.running or self.recording or not self.queue:
+                return
+            self.running = True
+        threading.Thread(target=self._work, name="unet-compiler-background", daemon=True).start()
+
+    def _work(self) -> None:
+        _THREAD.compiling = True
+        while True:
+            with self.lock:
+                if not self.queue:
+                    self.running = False
+                    self.epoch += 1
+                    self._seen.clear()       # what was compiled is in VARIANTS now
+                    self._keys.clear()
+                    self._instances.clear()
+                    listeners = list(self.listeners)
+                    break
+                job = self.queue.pop(0)
+                self.epoch += 1
+            owner = job[0] or Owner()
+            t0 = time.perf_counter()
+            try:
+                self._compile(owner, *job[1:])
+            except BaseException as e:   # never into the interpreter's thread hook
+                owner.failures.append(error_summary(e))
+                self.failures.append(error_summary(e))
+                log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
+            owner.seconds += time.perf_counter() - t0
+            with self.lock:
+                self.epoch += 1
+        for listener in listeners:
+            try:
+                listener()
+            except Exception:
+                log.debug("background listener failed", exc_info=True)
+
+    def _compile(self, owner, pre, key, module_ref, specs, struct_inputs, dynamic, modes, sig) -> None:
+        from torch._dynamo.utils import counters
+        module = module_ref()
+        if module is None:
+            return
+        with self.lock:
+            others = [m for m in (r() for r in self._instances.pop(sig, [])) if m is not None]
+        with _modes(modes):
+            args = _stand_ins(specs, struct_inputs)
+            serving = next((fn for fn in variants.VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
+            if serving is not None:      # an earlier job's (dynamic) variant serves it: prime its modules
+                first_calls(serving, [module, *others], args)
+                return
+            g0 = int(counters["stats"]["unique_graphs"])
+            fn = pre._aot(key, module, args, dynamic, first_call=True, others=others)
+            owner.graphs += int(counters["stats"]["unique_graphs"]) - g0
+        if fn is not None:
+            owner.variants += 1
+            self.compiled += 1
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until nothing is queued or compiling (True), or ``timeout`` seconds pass (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.active:
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(0.05)
+        return True
+
+
+BACKGROUND = Background()
+
+def first_calls(fn, modules, args) -> None:
+    """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming)."""
+    with torch.no_grad():
+        for m in modules:
+            if fn.guard_check(m, *args):
+                fn.fn(m, *args)
+
+
+
+class BackgroundMode:
+    """One model in background mode (Warmup Shapes' ``background``): from ``started()`` on, each time
+    the thread's queue empties, what it compiled for this model is handed to ``account(graphs,
+    seconds, first, marks) -> state`` (the accelerator counts and saves it: the first time as
+    warmup's, later as compiles after warmup) and, the first time, ``on_done(line, state)`` is told.
+    Holds its accelerator only through ``account`` (a weak method)."""
+
+    def __init__(self, account):
+        self.owner = Owner()
+        self.t0 = time.perf_counter()
+        self.done: float | None = None       # seconds from start to the first empty queue
+        self.on_done = None                  # optional callable(report line, state), told from the thread
+        self._account = account
+        self._counted, self._seconds, self._marks = 0, 0.0, None
+        self._listener = None
+        self._lock = threading.Lock()
+
+    def started(self) -> None:
+        """Warmup recorded the model's calls for the thread (again: its compiles are warmup's again)."""
+        self._marks = guard_marks()
+        if self.done is not None:
+            self.t0, self.done = time.perf_counter(), None
+        if self._listener is None:
+            me = weakref.ref(self)
+
+            def listener():
+                mode = me()
+                if mode is None:
+                    BACKGROUND.listeners[:] = [f for f in BACKGROUND.listeners if f is not listener]
+                    return
+                mode._queue_empty()
+            self._listener = listener
+            BACKGROUND.listeners.append(listener)
+        if not BACKGROUND.active:    # nothing was queued (all from the compile cache), or done already
+            self._queue_empty()
+
+    def end(self) -> None:
+        """Leave background mode: the model's misses compile in the calling thread again."""
+        if self._listener in BACKGROUND.listeners:
+            BACKGROUND.listeners.remove(self._listener)
+        self._listener = None
+        self._account = None
+
+    def _queue_empty(self) -> None:
+        with self._lock:
+            account = self._account() if self._account is not None else None
+            if account is None:
+                return
+            new, secs = self.owner.graphs - self._counted, self.owner.seconds - self._seconds
+            first = self.done is None
+            if not first and not new:
+                return
+            self._counted, self._seconds = self.owner.graphs, self.owner.seconds
+            if first:
+                self.done = time.perf_counter() - self.t0
+            marks, self._marks = self._marks, guard_marks()
+        state = account(new, secs, first, marks)   # counted and saved first: "done" means nothing is left
+        line = self.line()
+        log.info("UNet Compiler: %s", line)
+        if first and self.on_done is not None:
+            try:
+                self.on_done(line, state)
+            except Exception:   # a listener must not break the thread
+                log.debug("background on_done listener failed", exc_info=True)
+
+    def line(self) -> str:
+        """The report line of background mode."""
+        owner = self.owner
+        failed = f"; failed: {'; '.join(owner.failures[-2:])}" if owner.failures else ""
+        if self.done is None:
+            return (f"background compile: running, {owner.variants} region variant(s) compiled ({owner.graphs} "
+                    f"graph(s)), {BACKGROUND.queued} to go, {time.perf_counter() - self.t0:.0f} s so far; region "
+                    f"calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
+        return (f"background compile: done in {self.done:.1f} s, {owner.variants} region variant(s) "
+                f"({owner.graphs} graph(s)); {owner.eager_calls} region call(s) ran the model's own code "
+                f"meanwhile{failed}")
+
+
+def problem(accel) -> str | None:
+    """Why this accelerator's code cannot compile in the background (None: it can)."""
+    if accel.backend.name == "eager" or not accel.has_regions:
+        return "nothing is compiled"
+    if accel.graphs is not None:
+        return "CUDA graphs are captured in the sampling thread (turn cuda_graphs off to compile in the background)"
+    return accel.backend.background_problem()

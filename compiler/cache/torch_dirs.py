@@ -1,0 +1,56 @@
+"""Torch's own on-disk caches (inductor's, and Triton's inside it) moved into the pack's cache
+folder, so they survive a reboot that clears /tmp; a read-only folder (a fleet's shared mount)
+is copied to a local temp folder first, since inductor writes beside what it reads."""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "TORCHINDUCTOR_CACHE_DIR"
+_copied: dict = {}         # local copies of read-only folders' inductor files made in this process -> seconds
+
+
+def place(folder: Path) -> list[str]:
+    """Point inductor's cache into ``folder/inductor`` unless the user chose one (inductor writes
+    its default, /tmp/torchinductor_<user>, into the environment at first use: that value counts
+    as not chosen). Returns what was placed, in words for the report (empty: nothing moved)."""
+    current = os.environ.get(ENV)
+    if current:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+            if os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+                return []
+        except Exception:
+            return []
+    target = folder / "inductor"
+    try:
+        if not target.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+        writable = os.access(target, os.W_OK)
+    except OSError:
+        writable = False
+    if writable:
+        os.environ[ENV] = str(target)
+        return ["torch's own inductor cache"]
+    if not target.is_dir():
+        return []   # unwritable and empty: torch keeps its default (/tmp)
+    local = Path(tempfile.gettempdir()) / ("unet_compiler_inductor_"
+                                           + hashlib.sha256(str(target.resolve()).encode()).hexdigest()[:12])
+    if local not in _copied:   # once per process: later models use the same copy
+        t0 = time.perf_counter()
+        try:
+            shutil.copytree(target, local, dirs_exist_ok=True, ignore=shutil.ignore_patterns("locks", "*.lock"))
+        except (OSError, shutil.Error) as e:
+            log.warning("UNet Compiler: compile cache: copying %s to %s failed (%s); torch's caches stay in "
+                        "their default folder", target, local, e)
+            return []
+        _copied[local] = time.perf_counter() - t0
+    os.environ[ENV] = str(local)
+    return [f"torch's own inductor cache, copied from the read-only folder to {local} in {_copied[local]:.1f} s"]

@@ -1,0 +1,291 @@
+"""Precompiled region variants by key, in this process: compiled here or loaded from the compile cache.
+
+A variant is one ``aot_compile``d body for one input signature, with the guards that can be
+written to a file (values, not object identity). ``structure`` says what else a call's variant
+depends on (the key); ``serialize`` / ``_deserialize`` turn a variant into the bytes the compile
+cache keeps and back. ``enabled()``: torch has the precompile API and ``UNET_COMPILER_PRECOMPILE``
+is on. How keys, guards and the dynamic policy work: DEVELOPERS.md, "Precompiled regions".
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import sys
+import threading
+import time
+from collections import defaultdict
+
+import torch
+
+from . import settings
+from .compat import dynamo
+from .report import error_summary
+
+log = logging.getLogger(__name__)
+
+#: this pack's top-level module name; inside ComfyUI it is the install path (``nodes.load_custom_node``)
+PACKAGE = __name__.rsplit(".compiler.variants", 1)[0]
+#: guard kinds that serialize and check values (not object identity)
+_KEEP = frozenset({"TENSOR_MATCH", "SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "DETERMINISTIC_ALGORITHMS",
+                   "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE", "AUTOGRAD_SAVED_TENSORS_HOOKS", "CONSTANT_MATCH",
+                   "EQUALS_MATCH", "SEQUENCE_LENGTH", "DICT_KEYS_MATCH", "EMPTY_NN_MODULE_HOOKS_DICT"})
+#: ``nn.Module.__dict__`` entries every module has (the key names the others)
+_STD = frozenset({"training", "_parameters", "_buffers", "_non_persistent_buffers_set", "_backward_pre_hooks",
+                  "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+                  "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                  "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                  "_load_state_dict_post_hooks", "_modules"})
+
+
+
+def enabled() -> bool:
+    """Regions compile to precompiled variants (torch >= 2.10, ``UNET_COMPILER_PRECOMPILE`` on)."""
+    return settings.flag("PRECOMPILE") and _api_present()
+
+
+def size_oblivious() -> bool:
+    """Whether dynamic variants are traced size-obliviously: a size-1 dim (a 64 px side at an SD
+    UNet's deepest level) is one more value of its symbol, not a graph of its own
+    (``UNET_COMPILER_SIZE_OBLIVIOUS``)."""
+    return settings.flag("SIZE_OBLIVIOUS") and enabled() and hasattr(fx_config(), "backed_size_oblivious")
+
+
+def fx_config():
+    import torch.fx.experimental._config as fx_config
+    return fx_config
+
+@functools.lru_cache(maxsize=1)
+def _api_present() -> bool:
+    try:
+        from torch._dynamo import aot_compile  # noqa: F401 - torch >= 2.10
+        return hasattr(torch.compiler, "load_compiled_function")
+    except Exception:
+        return False
+
+
+def guard_filter(entries):
+    return [e.guard_type in _KEEP and not e.is_global and "__mro__" not in e.name and "type(" not in e.name
+            for e in entries]
+
+
+def _type_name(t: type) -> str:
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def structure(module: torch.nn.Module, args, widths: bool = True) -> tuple | None:
+    """What a call's variant depends on besides its guards, or None when only dynamo can follow the
+    region (hooks, or a submodule whose ``forward`` an instance attribute replaces). ``widths``: the
+    weights' shapes too (static code: a block of other widths is another key, not a miss that
+    would make the first key's code dynamic)."""
+    from torch.nn.modules import module as nn_module
+    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+            or nn_module._global_module_registration_hooks):
+        return None
+    parts = []
+    for name, m in module.named_modules():
+        d = m.__dict__
+        if d["_forward_hooks"] or d["_forward_pre_hooks"] or (m is not module and "forward" in d):
+            return None
+        shapes = tuple(tuple(p.shape) for p in d["_parameters"].values() if p is not None) if widths else ()
+        parts.append((name, type(m), tuple(k for k in d if k not in _STD), shapes))
+    # which inputs are the same tensor: dynamo passes an aliased input to the graph once (and only
+    # an identity guard, not kept, would tell a later call with two different tensors apart)
+    ids = [id(a) for a in args]
+    return tuple(parts), tuple(-1 if a is None else ids.index(id(a)) for a in args)
+
+
+class Variants:
+    """Every precompiled variant of this process, by key: compiled here, or loaded from the compile
+    cache (deserialized at first use)."""
+
+    def __init__(self):
+        self.lock = threading.RLock()
+        self.live: dict[str, list] = defaultdict(list)        # key -> [AOTCompiledFunction]
+        self.pending: dict[str, list[tuple[str, bytes]]] = defaultdict(list)  # key -> (sha256, serialized), not loaded yet
+        self.blobs: dict[str, dict[str, bytes]] = defaultdict(dict)  # key -> {sha256: serialized}: what a save writes
+        self.compiled = 0          # variants compiled in this process
+        self.from_cache = 0        # variants loaded from the compile cache and used
+        self.unusable = 0          # cached variants torch could not load (compiled again)
+        self.failures: list[str] = []   # why a call matched no variant (guard parts), oldest first
+        self._names: dict = {}     # structure -> its stable text digest
+        self.loading: set[str] = set()       # keys the preload thread is deserializing now
+        self._loaded = threading.Condition(self.lock)
+        self._unchecked: set[str] = set()    # keys preloaded under a guessed dispatch state, not called yet
+        self.preload_seconds = 0.0           # the preload thread's time (deserializing, beside the caller)
+
+    def key(self, body, struct, options) -> str:
+        memo = (body, struct, options)
+        name = self._names.get(memo)
+        if name is None:
+            parts, inputs = struct
+            # the body by name only: inside ComfyUI the pack's module names carry its install path
+            # (the entry's key carries the code's digest instead)
+            text = repr((getattr(body, "__qualname__", "body"), [(n, _type_name(t), keys, shapes)
+                                                                 for n, t, keys, shapes in parts], inputs, options))
+            name = self._names[memo] = hashlib.sha256(text.encode()).hexdigest()[:24]
+        return name
+
+    def add_serialized(self, key: str, blob: bytes) -> None:
+        """A variant from the compile cache (its bytes were checked against the pack's own .json)."""
+        with self.lock:
+            digest = hashlib.sha256(blob).hexdigest()
+            if digest not in self.blobs[key]:
+                self.blobs[key][digest] = blob
+                self.pending[key].append((digest, blob))
+
+    def candidates(self, key: str) -> list:
+        with self.lock:
+            while key in self.loading:       # the preload thread has it in hand: wait, never a miss
+                self._loaded.wait()
+            waiting = self.pending.pop(key, None)
+            if waiting:
+                self._adopt(key, [(digest, _deserialize(blob)) for digest, blob in waiting])
+            if key in self._unchecked:
+                self._unchecked.discard(key)
+                self._reload_if_other_state(key)
+            return self.live[key]
+
+    def _adopt(self, key: str, loaded: list, tls=None) -> None:
+        for digest, fn in loaded:
+            if fn is None:
+                self.unusable += 1
+                self.blobs[key].pop(digest, None)
+                continue
+            fn.from_cache, fn.digest, fn.tls = True, digest, tls
+            self.live[key].append(fn)
+
+    def _reload_if_other_state(self, key: str) -> None:
+        """A deserialized variant's tensor guards keep the dispatch state (inference mode, autocast)
+        of the thread that loaded it. The preload thread guessed the sampling state; where this
+        first call runs under another, its unused variants are loaded again here, in the caller's."""
+        now = dispatch_state()
+        live = self.live[key]
+        for i, fn in enumerate(live):
+            if getattr(fn, "tls", None) not in (None, now) and not getattr(fn, "used", False):
+                again = _deserialize(self.blobs[key].get(fn.digest, b""))
+                if again is not None:
+                    again.from_cache, again.digest, again.tls = True, fn.digest, None
+                    live[i] = again
+
+    def preload(self, modes) -> None:
+        """Deserialize every variant still waiting, in a daemon thread, under ``modes()`` (a context
+        manager: the dispatch state the calls will run under). The caller goes on (warmup's eager
+        reference forward runs meanwhile); a call whose key is being loaded waits for it, one whose
+        key is not reached yet loads it itself. Measured at a restart (SD1.5, 2 cores): deserializing
+        27 variants, and inductor's one-time CPU ISA probe inside the first, took 2-3 s of warmup."""
+        with self.lock:
+            if not self.pending:
+                return
+        threading.Thread(target=self._preload, args=(modes,), name="unet-compiler-cache-load", daemon=True).start()
+
+    def _preload(self, modes) -> None:
+        t0 = time.perf_counter()
+        try:
+            with modes():
+                tls = dispatch_state()
+                while True:
+                    with self.lock:
+                        key = next(iter(self.pending), None)
+                        if key is None:
+                            return
+                        waiting = self.pending.pop(key)
+                        self.loading.add(key)
+                    loaded = []
+                    try:
+                        loaded = [(digest, _deserialize(blob)) for digest, blob in waiting]
+                    finally:
+                        with self.lock:
+                            if len(loaded) < len(waiting):     # interrupted: the caller loads the rest
+                                self.pending[key].extend(waiting[len(loaded):])
+                            self._adopt(key, loaded, tls)
+                            self._unchecked.add(key)
+                            self.loading.discard(key)
+                            self._loaded.notify_all()
+        except BaseException:   # never into the interpreter's thread hook: the callers load what is left
+            log.debug("UNet Compiler: preloading the compile cache's variants stopped", exc_info=True)
+        finally:
+            self.preload_seconds += time.perf_counter() - t0
+
+    def add_compiled(self, key: str, fn, blob: bytes | None) -> None:
+        with self.lock:
+            fn.from_cache = False
+            self.live[key].append(fn)
+            self.compiled += 1
+            if blob is not None:
+                self.blobs[key][hashlib.sha256(blob).hexdigest()] = blob
+
+    def serialized(self) -> dict[str, list[bytes]]:
+        """{key: [variant bytes]} of everything this process compiled or loaded (what a save writes)."""
+        with self.lock:
+            return {k: list(v.values()) for k, v in self.blobs.items() if v}
+
+
+VARIANTS = Variants()
+
+def serialize(fn) -> bytes:
+    """A variant's bytes: the pack's module name it was pickled under, a newline, torch's bytes."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+    return PACKAGE.encode() + b"\n" + AOTCompiledFunction.serialize(fn).serialized_data
+
+
+@contextlib.contextmanager
+def _aliases(saved: str):
+    """While loading a variant pickled under another module name of this pack (another ComfyUI
+    install path), that name resolves to this pack's modules."""
+    added = []
+    if saved and saved != PACKAGE:
+        for name, module in list(sys.modules.items()):
+            if name == PACKAGE or name.startswith(PACKAGE + "."):
+                alias = saved + name[len(PACKAGE):]
+                if alias not in sys.modules:
+                    sys.modules[alias] = module
+                    added.append(alias)
+    try:
+        yield
+    finally:
+        for alias in added:
+            sys.modules.pop(alias, None)
+
+
+def dispatch_state() -> tuple:
+    """This thread's dispatch-key state, which a deserialized variant's tensor guards keep."""
+    return (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+_DESERIALIZING = threading.Lock()    # one at a time: ``_aliases`` edits sys.modules meanwhile
+
+
+def _deserialize(blob: bytes):
+    try:
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+        saved, _, data = blob.partition(b"\n")
+        with _DESERIALIZING, _aliases(saved.decode()):
+            return AOTCompiledFunction.deserialize(data)
+    except Exception as e:
+        log.warning("UNet Compiler: a precompiled region from the compile cache could not be loaded (%s); "
+                    "it compiles again", error_summary(e))
+        return None
+
+
+def failed_parts(fn, f_locals) -> list[str]:
+    """The guard of ``fn`` a call failed, worded by dynamo's own helper (for the recompile report)."""
+    try:
+        from torch._dynamo.guards import get_guard_fail_reason_helper
+        text = get_guard_fail_reason_helper(fn._artifacts.guard_manager, f_locals, None, None)
+    except Exception:
+        return []
+    text = text.split("\nUser stack trace:", 1)[0]
+    return [text[len("None: "):] if text.startswith("None: ") else text]
+
+
+
+def guard_marks() -> dict:
+    """A bookmark in the guard-failure records: dynamo's and the precompiled regions' misses."""
+    return dynamo.guard_marks(VARIANTS.failures)
+
+
+def guard_reasons_since(marks: dict) -> list[str]:
+    """The raw guard failures recorded after ``marks`` (``guard_marks``), oldest first, each once."""
+    return dynamo.guard_reasons_since(marks, VARIANTS.failures)
