@@ -13,7 +13,7 @@ OFFSET_MARGIN = 2**24
 MAX_NUMEL = 2**31 - 1 - OFFSET_MARGIN
 
 
-# (major, minor) of a GPU to compile for on a machine without one (kernels/targets.py sets it,
+# (major, minor) of a GPU to compile for on a machine without one (bench/targets.py sets it,
 # with a driver that turns launches into compiles): launchers then take CPU tensors and choose
 # as they would on that GPU. None (always, outside that script): the tensors' own device decides.
 COMPILE_TARGET: tuple[int, int] | None = None

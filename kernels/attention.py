@@ -142,7 +142,7 @@ def fp32_declined(dtype: torch.dtype, capability: tuple[int, int] | None) -> boo
     """fp32 attention runs only under the interpreter. Compiled for a GPU, its IEEE
     fp32 tiles spill 14-19 KB per thread in the key loop (sm_90a); tf32x3 with 64x32
     tiles still spills there (d 80 on sm_89, d 160 on sm_90a) and d 160 fits no
-    99 KB GPU (kernels/targets.py measured both). On CUDA the region runs SDPA."""
+    99 KB GPU (bench/targets.py measured both). On CUDA the region runs SDPA."""
     return dtype == torch.float32 and capability is not None
 
 

@@ -71,7 +71,7 @@ def _qkv_kernel(X, CTX, WQ, WK, WV, BQ, BK, BV, OQ, OK, OV,
 def _configs(dtype: torch.dtype) -> list[dict]:
     """Biggest first; the later ones fit ~99 KB (RTX 30xx/40xx/50xx) and ~64 KB of shared
     memory. fp32 (FMA, no tensor cores) takes 64x32 tiles: its 64x64 ones spill in the K
-    loop on some targets (kernels/targets.py)."""
+    loop on some targets (bench/targets.py)."""
     bn = 32 if dtype == torch.float32 else 64
     tiles = ((64, bn, 3), (64, bn, 2), (32, 32, 1))
     return [dict(BLOCK_M=bm, BLOCK_N=n, BLOCK_K=32, num_warps=4, num_stages=st) for bm, n, st in tiles]

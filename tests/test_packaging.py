@@ -90,7 +90,7 @@ def test_readme_commands_are_what_ci_runs():
 def test_comfyui_without_its_requirements_skips_with_one_line(tmp_path, monkeypatch):
     """A ComfyUI tree whose requirements are not in this env: the ComfyUI tests skip with one line
     naming the command that installs them (instead of failing on No module named 'psutil')."""
-    from unet_compiler import families
+    from unet_compiler.bench import families
     (tmp_path / "main.py").write_text("")
     (tmp_path / "requirements.txt").write_text("pytest\ntorchaudio\nno-such-dist-for-unet-compiler>=1\n# a comment\n")
     monkeypatch.setenv("COMFYUI_PATH", str(tmp_path))
@@ -238,7 +238,7 @@ def test_one_answer_to_which_files_are_the_packs(tmp_path):
     "the pack's own frames" read: the package's modules, not the tests, docs or a virtual env."""
     from unet_compiler import layout
     from unet_compiler.compiler.shapes import ShapeError, parse_shapes
-    from unet_compiler.patch_compat import _pack_frames
+    from unet_compiler.bench.patch_compat import _pack_frames
 
     names = {p.relative_to(layout.PACK_ROOT).as_posix() for p in layout.pack_files()}
     assert {"__init__.py", "layout.py", "compiler/api.py", "nodes/v3.py", "kernels/__init__.py"} <= names

@@ -168,24 +168,25 @@ def scan_pack() -> list[Finding]:
 
 # ---- the allow-lists: (file, function) -> why -----------------------------------------------------
 PROCESSES = {
-    ("__main__.py", "_run_row"): "the benchmark runs each row in a fresh python process (`-m unet_compiler bench "
-                                  "--row`) so its cold compile is cold",
-    ("comfy_server.py", "build_checkpoint"): "tests/bench: builds the random-weight test checkpoint with ComfyUI's "
-                                             "classes in a python subprocess (cwd = the ComfyUI tree)",
-    ("comfy_server.py", "patch_assets"): "tests/bench: builds a random LoRA / ControlNet / T2I-Adapter for that "
-                                          "checkpoint the same way",
-    ("comfy_server.py", "start_server"): "tests/bench: starts a headless ComfyUI server (main.py) on a local port",
-    ("starts.py", "_read_only"): "the fleet-start bench: `mount --bind` / `remount,ro` / `umount` of a temp folder "
-                                 "to simulate a read-only shared cache (root only)",
-    ("kernels/targets.py", "sass_of"): "runs triton's bundled cuobjdump to read a compiled kernel's SASS",
-    ("kernels/targets.py", "main"): "one python process per GPU target (`-m unet_compiler.kernels.targets --cap N`): "
-                                    "triton keeps its target per process",
+    ("bench/run.py", "_run_row"): "the benchmark runs each row in a fresh python process (`-m unet_compiler.bench "
+                                   "run --row`) so its cold compile is cold",
+    ("bench/comfy_server.py", "build_checkpoint"): "tests/bench: builds the random-weight test checkpoint with "
+                                                   "ComfyUI's classes in a python subprocess (cwd = the ComfyUI tree)",
+    ("bench/comfy_server.py", "patch_assets"): "tests/bench: builds a random LoRA / ControlNet / T2I-Adapter for "
+                                                "that checkpoint the same way",
+    ("bench/comfy_server.py", "start_server"): "tests/bench: starts a headless ComfyUI server (main.py) on a local "
+                                                "port",
+    ("bench/starts.py", "_read_only"): "the fleet-start bench: `mount --bind` / `remount,ro` / `umount` of a temp "
+                                       "folder to simulate a read-only shared cache (root only)",
+    ("bench/targets.py", "sass_of"): "runs triton's bundled cuobjdump to read a compiled kernel's SASS",
+    ("bench/targets.py", "main"): "one python process per GPU target (`-m unet_compiler.bench.targets --cap N`): "
+                                  "triton keeps its target per process",
 }
 DYNAMIC_IMPORTS = {
     ("compiler/backends/__init__.py", "lookup_backend"): "imports `.<name>` only after checking the name against "
                                                          "the package's own backends/ modules (pkgutil)",
     ("compiler/compat/diffusers.py", "_first_attr"): "tries the module-level constant lists of diffusers' two layouts",
-    ("kernels/targets.py", "run_target"): "imports the kernel modules named in the constant FAMILIES",
+    ("bench/targets.py", "run_target"): "imports the kernel modules named in the constant FAMILIES",
 }
 MEGACACHE = {
     ("compiler/compat/megacache.py", "artifacts"): "reads torch's Mega-Cache stream; compiler/cache.py hands it "

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import pytest
 
-from unet_compiler import comfy_server as S
-from unet_compiler.comfy_server import PromptFailed
+from unet_compiler.bench import comfy_server as S
+from unet_compiler.bench.comfy_server import PromptFailed
 from unet_compiler.compiler.shapes import MAX_ENTRIES, MAX_TEXT
 
 pytestmark = pytest.mark.e2e

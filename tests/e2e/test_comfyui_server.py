@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from unet_compiler.comfy_server import relative_l2, saved_latent  # noqa: F401 (relative_l2: the helpers' import)
+from unet_compiler.bench.comfy_server import relative_l2, saved_latent  # noqa: F401 (relative_l2: the helpers' import)
 
 pytestmark = pytest.mark.e2e
 

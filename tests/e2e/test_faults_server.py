@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from unet_compiler import comfy_server as S
+from unet_compiler.bench import comfy_server as S
 
 _HERE = Path(__file__).resolve().parent
 _spec = importlib.util.spec_from_file_location("_e2e_parity", _HERE / "test_comfyui_server.py")

@@ -1,17 +1,17 @@
-"""Issue 11's soak through a real ComfyUI server (``unet_compiler.soak.run``, the code of
-``python -m unet_compiler soak``): after Warmup Shapes of a range, prompts with a random batch
+"""Issue 11's soak through a real ComfyUI server (``unet_compiler.bench.soak.run``, the code of
+``python -m unet_compiler.bench soak``): after Warmup Shapes of a range, prompts with a random batch
 (1-4), width and height (64 or 128 px) and LoRA strength, the LoRA after the pack's nodes: none
 fails, none recompiles or falls back, the server's resident memory stays flat, and sampled prompts
 equal the same prompt without the pack.
 
 CI runs 20 prompts on the session's server (one ComfyUI process in memory at a time: each holds
 SD1.5 in fp32); ``UNET_COMPILER_SOAK_PROMPTS=200`` runs the full soak. The README's numbers come
-from ``python -m unet_compiler soak --prompts 200 --out docs`` (a server of its own)."""
+from ``python -m unet_compiler.bench soak --prompts 200 --out docs`` (a server of its own)."""
 from __future__ import annotations
 
 import os
 
-from unet_compiler import soak
+from unet_compiler.bench import soak
 
 
 def test_soak_after_a_range_warmup(comfy_server, sd15_checkpoint, patch_assets):

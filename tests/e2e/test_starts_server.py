@@ -1,5 +1,5 @@
 """Issue 15's fleet case with two real ComfyUI processes, through the starts benchmark's own code
-(``unet_compiler.starts``): a first server fills the pack's compile cache cold; a second server,
+(``unet_compiler.bench.starts``): a first server fills the pack's compile cache cold; a second server,
 given a copy of that folder read-only (a bind mount where this machine allows it) and cold caches
 of its own, takes every graph from the cache, compiles no kernel again and writes nothing there."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from unet_compiler import starts
+from unet_compiler.bench import starts
 
 
 def _files(folder):

@@ -1,11 +1,11 @@
-"""The starts benchmark's pieces (``python -m unet_compiler starts``) without a server: the
+"""The starts benchmark's pieces (``python -m unet_compiler.bench starts``) without a server: the
 workflow it sends, how it reads ComfyUI's /history and the pack's report, and its arithmetic.
 The two-server fleet run is tests/e2e/test_starts_server.py."""
 from __future__ import annotations
 
-from unet_compiler import starts
+from unet_compiler.bench import starts
 from unet_compiler.compiler.report import Report
-from unet_compiler.starts import StartRow
+from unet_compiler.bench.starts import StartRow
 
 
 def test_workflow_places_the_compiler_between_checkpoint_and_sampler():

@@ -1,8 +1,8 @@
 """Compile every kernel, at the shapes SD1.5 and SDXL UNets launch, for the GPUs users
 run, on a machine without a GPU; print what each target gets and fail on what would hurt.
 
-    python -m unet_compiler.kernels.targets [--cap 80,86,89,90,120] [--dtype fp16,bf16,fp32]
-                                            [--only attention,groupnorm,...] [--jobs 2]
+    python -m unet_compiler.bench targets [--cap 80,86,89,90,120] [--dtype fp16,bf16,fp32]
+                                          [--only attention,groupnorm,...] [--jobs 2]
 
 Targets: sm_80 (A100), sm_86 (RTX 30xx), sm_89 (RTX 40xx), sm_90a (H100/H200), sm_120
 (RTX 50xx). Per compiled variant: the case that first compiled it, kernel, constexpr config,
@@ -143,10 +143,10 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
         from triton.runtime.jit import JITFunction
         from triton.tools.disasm import path_to_cuobjdump
     except ImportError as e:
-        sys.exit(f"kernels.targets: triton {triton.__version__} moved an internal this tool uses ({e}); "
+        sys.exit(f"bench targets: triton {triton.__version__} moved an internal this tool uses ({e}); "
                  f"it works with triton 3.6 and 3.9")
 
-    from . import _common
+    from ..kernels import _common
 
     class TargetOnlyDriver(DriverBase):
         """Reports the target GPU; launches become compiles (nothing can run)."""
@@ -162,7 +162,7 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
     try:
         driver.set_active(TargetOnlyDriver())
     except TypeError as e:  # a new abstract method on DriverBase
-        sys.exit(f"kernels.targets: triton {triton.__version__}'s driver interface changed ({e})")
+        sys.exit(f"bench targets: triton {triton.__version__}'s driver interface changed ({e})")
     _common.COMPILE_TARGET = (cap // 10, cap % 10)
     limit = SMEM_LIMIT[cap]
     compiled = []
@@ -179,7 +179,7 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
         return k
 
     JITFunction.run = compile_only
-    mods = {f: importlib.import_module(f"{__package__}.{f}") for f in FAMILIES}
+    mods = {f: importlib.import_module(f"{__package__.rpartition('.')[0]}.kernels.{f}") for f in FAMILIES}
     arch = f"sm_{cap}a" if cap >= 90 else f"sm_{cap}"
     print(f"== {arch} ({CAPS[cap]}), {limit} B shared memory per block, triton "
           f"{triton.__version__}, torch {torch.__version__}")
@@ -229,7 +229,7 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m unet_compiler.kernels.targets", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler.bench targets", description=__doc__.split("\n")[0])
     ap.add_argument("--cap", default=",".join(map(str, CAPS)), help="compute capabilities, e.g. 89,90")
     ap.add_argument("--dtype", default=",".join(DTYPES), help=f"comma list of {','.join(DTYPES)}")
     ap.add_argument("--only", default=",".join(FAMILIES), help=f"comma list of {','.join(FAMILIES)}")

@@ -1,7 +1,7 @@
 """Every UNet family ComfyUI loads through openaimodel.UNetModel (issue 14, part 1).
 
 Each family is built by its own ``comfy.supported_models`` class from ComfyUI's
-own config (families.py: the loader's config table / checkpoint
+own config (bench/families.py: the loader's config table / checkpoint
 detection, widths shrunk, structure kept), random weights, in a real
 ModelPatcher, and driven through ``apply_model`` with the conditioning its own
 ``extra_conds`` builds (c_concat, y, frames, ...).
@@ -18,7 +18,7 @@ Lanes:
   inductor x 2 resolutions x 2 batch sizes after a warmup over that box, 0
   recompiles; ``UNET_COMPILER_TEST_MATRIX_BACKENDS=inductor,triton`` adds the
   triton backend (meant for CUDA: on CPU the interpreter takes minutes per forward).
-The compatibility table: ``python -m unet_compiler compat`` (inductor, one warmed shape
+The compatibility table: ``python -m unet_compiler.bench compat`` (inductor, one warmed shape
 per family), or ``-s`` on either lane, which prints the rows of the cases that ran.
 Each lane takes ~1.5 min (default) / ~7 min (matrix) on a shared 2-core CPU.
 """
@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 
-from unet_compiler import families as F  # noqa: N812
+from unet_compiler.bench import families as F  # noqa: N812
 from unet_compiler.compiler import plan as P
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.shapes import Shape
@@ -48,7 +48,7 @@ BATCHES = (1, 2)
 TOL = 1e-4
 MATRIX_ENV = "UNET_COMPILER_TEST_MATRIX"
 CI_INDUCTOR_FAMILY = "x4_upscaler"
-#: batch >= 2 and >= 2x2 at the deepest level: the symbolic regime tests/test_comfy_patcher.py
+#: batch >= 2 and >= 2x2 at the deepest level: the symbolic regime tests/nodes/test_comfy_patcher.py
 #: already compiles (one probe shape, shared compiled bodies), so CI pays few new compiles
 CI_INDUCTOR_CASES = ((2, 16, 16), (3, 16, 24))
 _ROWS: list = []

@@ -1,9 +1,9 @@
-"""python -m unet_compiler bench: eager vs UNet Compiler vs whole-model
-torch.compile (what ComfyUI's built-in TorchCompileModel does), same process,
-random-weight SD1.5-architecture diffusers UNet, no downloads."""
+"""The bench (``python -m unet_compiler.bench run``, ``bin/bench``): eager vs UNet Compiler vs
+whole-model torch.compile (what ComfyUI's built-in TorchCompileModel does) on a random-weight
+SD1.5-architecture diffusers UNet, no downloads. Each row but eager runs in a fresh process
+(``bench_row``) timed interleaved with eager there. The command line is bench/__main__.py."""
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import platform
@@ -50,7 +50,7 @@ def _sync(dev):
 
 
 def _inputs(unet, batch, lat, dev, dtype):
-    from .compiler.shapes import Shape, unet_inputs
+    from ..compiler.shapes import Shape, unet_inputs
     with torch.inference_mode():
         return unet_inputs(unet, "diffusers", Shape(batch, lat * 8, lat * 8), 77, dtype, dev)
 
@@ -99,7 +99,7 @@ def _graphs() -> int:
     of its graphs)."""
     import sys
     from torch._dynamo.utils import counters
-    tc = sys.modules.get(__package__ + ".compiler.compat.triton") if __package__ else None
+    tc = sys.modules.get(__package__.rpartition(".")[0] + ".compiler.compat.triton") if __package__ else None
     return int(counters["stats"]["unique_graphs"]) + (tc.kernel_compiles() if tc is not None else 0)
 
 
@@ -168,7 +168,7 @@ def _save(args, rows, kernel_rows=()):
 
 
 def _kernel_table(args, dev, dtype) -> list[dict]:
-    from .kernels import bench as kb
+    from . import kernels as kb
     only = None if args.kernels == "all" else {k.strip() for k in args.kernels.split(",") if k.strip()}
     print(f"\nper-kernel: {args.size} UNet calls at latent {args.latent}x{args.latent}, batch {args.batch}, "
           f"{args.dtype}; eager = the model's own torch ops, inductor = torch.compile of them")
@@ -201,8 +201,8 @@ def bench_row(args):
     the parent made fresh for it (cold), synchronised; then eager and the row timed
     interleaved on the same module; then the shape changes. Prints one JSON line."""
     import json
-    from .compiler import compile_unet, report, warmup
-    from .compiler.api import accelerator_of
+    from ..compiler import compile_unet, report, warmup
+    from ..compiler.api import accelerator_of
     dev = torch.device(args.device)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
     unet = _unet(args.size, dev).to(dev, dtype)
@@ -273,7 +273,7 @@ def _run_row(args, spec) -> dict:
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
         env["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
         env["UNET_COMPILER_CACHE_DIR"] = os.path.join(fresh, "unet_compiler")  # the pack's own cache: cold too
-    cmd = [sys.executable, "-m", __package__ or "unet_compiler", "bench", *args.argv, "--row", spec]
+    cmd = [sys.executable, "-m", __package__ or "unet_compiler.bench", "run", *args.argv, "--row", spec]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
     row = None
     for line in proc.stdout.splitlines():
@@ -404,65 +404,10 @@ def _print_table(args, rows, flops):
                                                    for c in r["shape_changes"]))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m unet_compiler")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("bench", help="eager vs compiled vs whole-model torch.compile, same process")
-    b.add_argument("--size", choices=["sd15", "sdxl", "tiny"], default="sd15")
-    b.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], default="fp32",
-                   help="model + inputs dtype (as ComfyUI would load it); bf16 for the GPU numbers")
-    b.add_argument("--peak-tflops", type=float, default=None,
-                   help="add an MFU column against this peak in TFLOP/s (default on CUDA in bf16/fp16: 790, the H100 "
-                        "bf16 reference of the project's GPU targets; none in fp32)")
-    b.add_argument("--latent", type=int, default=16, help="latent side (pixels / 8)")
-    b.add_argument("--batch", type=int, default=2)
-    b.add_argument("--iters", type=int, default=5)
-    b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    b.add_argument("--backend", default=None,
-                   help="comma-separated, each gets its own row; a +graphs suffix adds CUDA graphs "
-                        "(default: inductor,triton,triton+graphs on CUDA, auto elsewhere)")
-    b.add_argument("--kernels", nargs="?", const="all", default="",
-                   help="first a per-kernel table (triton vs eager torch vs inductor); optionally a comma list of "
-                        "groupnorm_silu,layernorm,geglu,attention,bias_residual")
-    b.add_argument("--kernels-only", action="store_true", help="only the per-kernel table (implies --kernels)")
-    b.add_argument("--kernels-skip-inductor", action="store_true", help="no inductor column in the kernel table")
-    b.add_argument("--reuse-cache", action="store_true",
-                   help="keep inductor's on-disk cache (default: a fresh one, so cold compile seconds are real)")
-    b.add_argument("--out", default="", help="folder for the table as JSON and a PNG plot (e.g. docs)")
-    b.add_argument("--bf16-eager", action="store_true", help="add an eager row with the model in bf16")
-    b.add_argument("--skip-whole", action="store_true", help="skip the whole-model torch.compile baseline")
-    b.add_argument("--compat", action="store_true",
-                   help="after the bench table, the model-family compatibility table (needs a ComfyUI tree: "
-                        "COMFYUI_PATH or ~/comfy/ComfyUI)")
-    b.add_argument("--row", default="", help=argparse.SUPPRESS)  # internal: one row, in a fresh process
-    c = sub.add_parser("compat", help="the compatibility tables alone: model families, then core patch nodes")
-    c.add_argument("--backend", dest="compat_backend", default="inductor", metavar="NAME",
-                   help="inductor (default), triton (CUDA), ipex, eager")
-    c.add_argument("--only", choices=["families", "patches"], default="", help="one of the two tables")
-    c.add_argument("--latent", dest="latent_hw", default="16x16", metavar="HxW", help="families: latent HxW (16x16 = 128 px)")
-    c.add_argument("--batch", dest="compat_batch", type=int, default=2, metavar="N",
-                   help="families: batch (videos of families.FRAMES frames for the video families)")
-    c.add_argument("--full", action="store_true",
-                   help="patch nodes: every case on SD1.5 and SDXL in both node orders (default: the CI set)")
-    from .families import FAMILIES
-    c.add_argument("families", nargs="*", choices=list(FAMILIES), metavar="FAMILY",
-                   help=f"families: default all ({' '.join(FAMILIES)})")
-    sub.add_parser("starts", add_help=False, help="cold and warm starts through a real ComfyUI server "
-                   "(python -m unet_compiler starts --help)")
-    sub.add_parser("soak", add_help=False, help="prompts with random batch / resolution / LoRA strength through a "
-                   "real ComfyUI server after warming a range (python -m unet_compiler soak --help)")
-    import sys
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["starts"]:
-        from .starts import main as starts_main
-        return starts_main(argv[1:])
-    if argv[:1] == ["soak"]:
-        from .soak import main as soak_main
-        return soak_main(argv[1:])
-    args = p.parse_args(argv)
-    if args.cmd == "compat":
-        return compat(args)
-    args.argv = argv[1:]  # what a row's process is started with (after the 'bench' command)
+def main(args, argv):
+    """Run the bench: ``args`` as bench/__main__.py's ``run`` parsed them, ``argv`` the arguments
+    they came from (what each row's process is started with)."""
+    args.argv = list(argv)
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_bench_")
@@ -478,7 +423,3 @@ def main(argv=None):
         # 989 dense); only for 16-bit runs, where tensor cores are the limit
         args.peak_tflops = 790.0 if args.device.startswith("cuda") and args.dtype in ("bf16", "fp16") else 0.0
     bench(args)
-
-
-if __name__ == "__main__":
-    main()

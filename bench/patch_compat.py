@@ -1,11 +1,11 @@
 """ComfyUI's core patch nodes, alone and stacked, through real KSampler sampling: eager vs
 Compile UNet on the same nodes (the patch-node half of the compatibility table; the other half,
-model families, is families.py). Used by tests/test_patch_nodes.py, which asserts on every case,
+model families, is families.py). Used by tests/nodes/test_patch_nodes.py, which asserts on every case,
 and by the bench; the table alone::
 
-    python -m unet_compiler compat --only patches [--full]
+    python -m unet_compiler.bench compat --only patches [--full]
 
-(``python -m unet_compiler bench --compat`` prints it after the family table.) It needs a
+(``python -m unet_compiler.bench run --compat`` prints it after the family table.) It needs a
 ComfyUI tree (``COMFYUI_PATH`` or ``~/comfy/ComfyUI``); nothing is downloaded.
 
 Everything is ComfyUI's own code on tiny random-weight models: an SD1.5- or SDXL-shaped UNet
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .families import import_comfy, init_random
-from .layout import is_pack_file
+from ..layout import is_pack_file
 
 STEPS = 3
 CFG = 5.0
@@ -523,7 +523,7 @@ class CaseRun:
 
 
 def _compiled(ctx, mp, patch, order, config):
-    from .nodes import patcher
+    from ..nodes import patcher
     if patch is None:
         return patcher.compile_model(mp, config)[0]
     if order == AFTER:
@@ -533,8 +533,8 @@ def _compiled(ctx, mp, patch, order, config):
 
 def run_case(ctx, mp, name, order, config=None) -> CaseRun:
     """The case's nodes on ``mp`` sampled eager, then with Compile UNet in ``order``."""
-    from .compiler.config import CompileConfig
-    from .nodes import patcher
+    from ..compiler.config import CompileConfig
+    from ..nodes import patcher
     config = config or CompileConfig(backend="inductor")
     family, patch, conds, _ = CASES[name]
     size = size_of(name, ctx.kind)
@@ -652,13 +652,13 @@ def patch_rows(backend="inductor", cases=None, log=None) -> list[Row]:
     """Run each (name, kind, order) case (default: ``in_default``'s set) and check it: the
     table's rows, each with its outcome. Needs ComfyUI (``import_comfy``)."""
     import tempfile
-    from .compiler.config import CompileConfig
+    from ..compiler.config import CompileConfig
     import_comfy()
     cases = [c for c in all_cases() if in_default(*c)] if cases is None else cases
     config = CompileConfig(backend=backend)
     tmp = Path(tempfile.mkdtemp(prefix="unet_compiler_patch_nodes_"))
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: dispatch-bound (see tests/test_patch_nodes.py)
+    torch.set_num_threads(1)  # tiny models: dispatch-bound (see tests/nodes/test_patch_nodes.py)
     ctxs, rows = {}, []
     try:
         for name, kind, order in cases:

@@ -1,4 +1,4 @@
-"""kernels/targets.py: what it reads out of PTX / SASS, and one real compile for a GPU
+"""bench/targets.py: what it reads out of PTX / SASS, and one real compile for a GPU
 this machine does not have (the full check over every target runs as its own CI lane)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from unet_compiler.kernels import targets
+from unet_compiler.bench import targets
 
 LOOP_PTX = """
 \tld.global.v4.b32 { %r1, %r2, %r3, %r4 }, [ %rd1 + 0 ];
@@ -59,7 +59,7 @@ def test_compiles_for_a_gpu_that_is_not_here():
     """The epilogue kernel for sm_89 on this machine: a variant line with registers,
     16-byte accesses, and exit 0. A fresh process: the check must not run interpreted."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-m", "unet_compiler.kernels.targets", "--cap", "89", "--dtype", "fp16",
+    r = subprocess.run([sys.executable, "-m", "unet_compiler.bench", "targets", "--cap", "89", "--dtype", "fp16",
                         "--only", "epilogue"], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     line = next(ln for ln in r.stdout.splitlines() if "_bias_residual_kernel" in ln)

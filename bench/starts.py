@@ -1,4 +1,4 @@
-"""Cold and warm starts through a real ComfyUI server: ``python -m unet_compiler starts``.
+"""Cold and warm starts through a real ComfyUI server: ``python -m unet_compiler.bench starts``.
 
 Every row is its own ComfyUI process (``comfy_server.start_server``: ``main.py``, ``--cpu`` unless
 CUDA is there, loopback, this checkout as a custom-node pack) running one txt2img workflow on the
@@ -283,7 +283,7 @@ def table(rows: list[StartRow]) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m unet_compiler starts",
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler.bench starts",
                                  description="Cold and warm starts through a real ComfyUI server (see the module doc)")
     ap.add_argument("--px", type=int, default=64, help="the prompt's image side in pixels (default 64)")
     ap.add_argument("--batch", type=int, default=1, help="the prompt's batch (default 1)")

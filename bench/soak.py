@@ -1,4 +1,4 @@
-"""Soak through a real ComfyUI server: ``python -m unet_compiler soak [--prompts 200]``.
+"""Soak through a real ComfyUI server: ``python -m unet_compiler.bench soak [--prompts 200]``.
 
 One ComfyUI process (``comfy_server.start_server``, ``--cpu`` unless CUDA is there) runs, on the
 random-weight SD1.5 checkpoint and its random LoRA (no downloads):
@@ -150,7 +150,7 @@ def _rss_mib(pid: int) -> float:
 
 
 def _range(shapes: str):
-    from .compiler.shapes import parse_shapes
+    from ..compiler.shapes import parse_shapes
     parsed = parse_shapes(shapes)
     return (min(s.batch for s in parsed), max(s.batch for s in parsed),
             min(min(s.width, s.height) for s in parsed), max(max(s.width, s.height) for s in parsed))
@@ -223,7 +223,7 @@ def soak(root: Path, ckpt: Path, prompts: int, shapes: str = "1x64x64, 4x128x128
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m unet_compiler soak",
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler.bench soak",
                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=200, help="prompts after the warmup prompt (default 200)")
     ap.add_argument("--range", default="1x64x64, 4x128x128", help="Warmup Shapes' entries (default: %(default)s)")

@@ -1,6 +1,6 @@
 """A headless ComfyUI server with this pack installed, driven through its HTTP API, and the
 random-weight SD1.5 checkpoint it loads (no downloads). Used by the end-to-end tests
-(tests/e2e) and the starts benchmark (``python -m unet_compiler starts``).
+(tests/e2e) and the starts and soak benches (``python -m unet_compiler.bench starts`` / ``soak``).
 
 Nothing here imports ComfyUI into the calling process: the checkpoint is built by a subprocess
 that imports ComfyUI's own model classes, and the server is a second subprocess
@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .layout import PACK_ROOT
+from ..layout import PACK_ROOT
 CHECKPOINT_NAME = "unet_compiler_random_sd15.safetensors"
 # Bump when the builder below changes, so a cached file is not reused.
 CHECKPOINT_FORMAT_VERSION = "1"

@@ -1,6 +1,6 @@
 """Per-kernel timings: the pack's Triton kernel vs eager torch vs inductor.
 
-``python -m unet_compiler bench --kernels`` runs this before the UNet table.
+``python -m unet_compiler.bench kernels`` prints this table alone; ``run --kernels`` before the UNet table.
 Each case is one call the SD1.5 / SDXL UNet makes at the benchmarked latent
 size and batch: "eager torch" is the op sequence the model runs without the
 pack (F.group_norm then F.silu, SDPA, ...), "inductor" is torch.compile of
@@ -40,7 +40,7 @@ class Case:
 
 
 def cases(size: str, latent: int, batch: int, device, dtype, only: set | None = None) -> list[Case]:
-    from . import attention, epilogue, geglu, groupnorm, layernorm
+    from ..kernels import attention, epilogue, geglu, groupnorm, layernorm
     a = ARCH[size]
     esize = dtype.itemsize
     out: list[Case] = []
@@ -115,7 +115,7 @@ def _median_ms(fn, device, iters: int) -> float:
 def run(size: str, latent: int, batch: int, device, dtype, iters: int = 5, only: set | None = None,
         inductor: bool = True, log=print) -> list[dict]:
     """Time every case; one dict per case (ms per path, max |triton - eager|)."""
-    from ._common import KernelUnsupported
+    from ..kernels._common import KernelUnsupported
     rows = []
     for case in cases(size, latent, batch, device, dtype, only):
         inputs = case.make()

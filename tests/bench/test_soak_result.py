@@ -1,5 +1,5 @@
 """The soak's verdict on a run (soak.SoakResult.problems), from recorded prompts: no server needed."""
-from unet_compiler import soak
+from unet_compiler.bench import soak
 
 
 def _result(rss: list[float], prompts: int) -> soak.SoakResult:

@@ -1,4 +1,4 @@
-"""The benchmark CLI (python -m unet_compiler bench) runs end to end and writes
+"""The benchmark CLI (python -m unet_compiler.bench run) runs end to end and writes
 what it measured. Small sizes only: the numbers are not checked, the table's
 structure and the kernels' agreement with eager torch are."""
 import json
@@ -7,12 +7,12 @@ import pytest
 import torch
 
 pytest.importorskip("diffusers", reason="diffusers not installed")
-from unet_compiler.__main__ import main  # noqa: E402
+from unet_compiler.bench.__main__ import main  # noqa: E402
 
 
 def test_kernel_table_runs_every_kernel_and_agrees_with_torch(tmp_path, capsys):
     pytest.importorskip("triton", reason="triton not installed: the kernel table needs it")
-    main(["bench", "--size", "tiny", "--latent", "4", "--batch", "1", "--iters", "1", "--kernels-only",
+    main(["run", "--size", "tiny", "--latent", "4", "--batch", "1", "--iters", "1", "--kernels-only",
           "--reuse-cache", "--kernels-skip-inductor", "--out", str(tmp_path),
           "--device", "cuda" if torch.cuda.is_available() else "cpu"])
     data = json.loads(next(tmp_path.glob("kernels_tiny_*.json")).read_text())
@@ -27,7 +27,7 @@ def test_kernel_table_runs_every_kernel_and_agrees_with_torch(tmp_path, capsys):
 
 def test_kernel_table_inductor_column(tmp_path):
     pytest.importorskip("triton", reason="triton not installed: the kernel table needs it")
-    main(["bench", "--size", "tiny", "--latent", "2", "--batch", "1", "--iters", "1", "--kernels-only",
+    main(["run", "--size", "tiny", "--latent", "2", "--batch", "1", "--iters", "1", "--kernels-only",
           "--kernels", "bias_residual", "--reuse-cache", "--out", str(tmp_path),
           "--device", "cuda" if torch.cuda.is_available() else "cpu"])
     (row,) = json.loads(next(tmp_path.glob("kernels_tiny_*.json")).read_text())["kernels"]
@@ -35,7 +35,7 @@ def test_kernel_table_inductor_column(tmp_path):
 
 
 def test_unet_table_rows_and_shape_changes(tmp_path, capsys):
-    main(["bench", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
+    main(["run", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
           "--skip-whole", "--reuse-cache", "--device", "cpu", "--out", str(tmp_path)])
     data = json.loads(next(tmp_path.glob("bench_tiny_cpu_lat8_b1.json")).read_text())
     assert [r["path"] for r in data["rows"]] == ["eager", "unet_compiler eager"]
@@ -49,7 +49,7 @@ def test_rows_run_cold_in_their_own_process(tmp_path):
     """Each row compiles in a fresh process with fresh inductor and Triton caches: no row's
     'cold' seconds reuse what the kernel table or an earlier row compiled."""
     import os
-    main(["bench", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager,eager",
+    main(["run", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager,eager",
           "--skip-whole", "--device", "cpu", "--out", str(tmp_path)])
     rows = json.loads(next(tmp_path.glob("bench_tiny_cpu_lat8_b1.json")).read_text())["rows"]
     assert [r["path"] for r in rows] == ["eager", "unet_compiler eager", "unet_compiler eager"]
@@ -62,7 +62,7 @@ def test_rows_run_cold_in_their_own_process(tmp_path):
 
 
 def test_eager_and_compiled_are_timed_interleaved():
-    from unet_compiler.__main__ import _time_pair
+    from unet_compiler.bench.run import _time_pair
     order = []
     e, c, _, _ = _time_pair(lambda: order.append("e") or torch.zeros(1), lambda: order.append("c") or torch.ones(1),
                             4, torch.device("cpu"))
@@ -72,7 +72,7 @@ def test_eager_and_compiled_are_timed_interleaved():
 
 def test_backend_suffix_is_checked():
     with pytest.raises(SystemExit, match=r"the only suffix is \+graphs"):
-        main(["bench", "--size", "tiny", "--latent", "2", "--backend", "triton+fast", "--skip-whole",
+        main(["run", "--size", "tiny", "--latent", "2", "--backend", "triton+fast", "--skip-whole",
               "--reuse-cache", "--device", "cpu"])
 
 
@@ -80,12 +80,12 @@ def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
     """--compat: after the bench table, the family table and the patch-node table measured in this
     run (here one family and one patch node on the eager backend, to keep it short) or one line
     saying why there are none."""
-    from unet_compiler import families, patch_compat
+    from unet_compiler.bench import families, patch_compat
     real, real_patch = families.compat_rows, patch_compat.patch_rows
     monkeypatch.setattr(families, "compat_rows", lambda *a, log=None: real("eager", (8, 8), 1, ["sd15"], log))
     monkeypatch.setattr(patch_compat, "patch_rows", lambda *a, log=None: real_patch(
         "eager", [("RescaleCFG", "sd15", patch_compat.AFTER)], log))
-    argv = ["bench", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
+    argv = ["run", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
             "--skip-whole", "--reuse-cache", "--device", "cpu", "--compat"]
     if families.comfy_path() is None:
         main(argv)
@@ -108,10 +108,10 @@ def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
 
 
 def test_compat_command_runs_the_tables_asked_for(capsys):
-    """``python -m unet_compiler compat``: its options reach the table (one family, eager, 8x8,
+    """``python -m unet_compiler.bench compat``: its options reach the table (one family, eager, 8x8,
     batch 1; the patch-node table left out with --only), and a family name it does not know is
     refused by name before anything runs."""
-    from unet_compiler import families
+    from unet_compiler.bench import families
     with pytest.raises(SystemExit):
         main(["compat", "--only", "families", "sd16"])
     assert "invalid choice: 'sd16'" in capsys.readouterr().err

@@ -1,11 +1,11 @@
 """Every ``openaimodel.UNetModel`` family ComfyUI loads, built at tiny widths
 from ComfyUI's own configs, with the conditioning ComfyUI's own model classes
-build for it: the compatibility table's source. Used by tests/test_families.py and
+build for it: the compatibility table's source. Used by tests/nodes/test_families.py and
 the bench; the table alone::
 
-    python -m unet_compiler compat --only families [--backend triton|inductor|eager] [families...]
+    python -m unet_compiler.bench compat --only families [--backend triton|inductor|eager] [families...]
 
-(``python -m unet_compiler bench --compat`` prints it after the bench table, the patch-node
+(``python -m unet_compiler.bench run --compat`` prints it after the bench table, the patch-node
 table of patch_compat.py after it.) It needs a
 ComfyUI tree (``COMFYUI_PATH`` or ``~/comfy/ComfyUI``); nothing is downloaded.
 
@@ -181,7 +181,7 @@ def comfy_problem() -> str | None:
     missing = comfy_missing(path)
     if not missing:
         return None
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]   # the checkout: bin/setup, constraints.txt
     fix = (f"{here / 'bin' / 'setup'} {sys.prefix}" if sys.prefix != sys.base_prefix else
            f"{sys.executable} -m pip install -c {here / 'constraints.txt'} -r {path / 'requirements.txt'} requests")
     shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
@@ -364,7 +364,7 @@ def make_inputs(fam: Family, mp, batch: int, h: int, w: int, seed: int = 1, toke
 
 def apply(mp, fam: Family, batch: int, h: int, w: int, seed: int = 1):
     """One sampling-style apply_model call (the patcher's wrappers merged in as KSampler does)."""
-    from .nodes import patcher
+    from ..nodes import patcher
     x, sigma, kw = make_inputs(fam, mp, batch, h, w, seed)
     to = patcher.sampling_transformer_options(mp)
     with torch.inference_mode():
@@ -406,10 +406,10 @@ def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log
     """Build each family (default all), compile it, warm one shape, run it against the model's
     own code on the same inputs: the table's rows. Needs ComfyUI (``import_comfy``)."""
     import_comfy()
-    from .compiler.warmup import warmup_runs
-    from .compiler.config import CompileConfig
-    from .compiler.shapes import Shape
-    from .nodes import patcher
+    from ..compiler.warmup import warmup_runs
+    from ..compiler.config import CompileConfig
+    from ..compiler.shapes import Shape
+    from ..nodes import patcher
     h, w = latent
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: dispatch-bound
