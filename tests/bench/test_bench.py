@@ -121,3 +121,14 @@ def test_compat_command_runs_the_tables_asked_for(capsys):
     out = capsys.readouterr().out
     assert "eager, latent 8x8, batch 1" in out and "| SD1.5 | none |" in out, out
     assert "| SDXL |" not in out and "node / stack" not in out, out
+
+
+def test_the_root_alias_forwards_to_the_bench_cli():
+    """``python -m unet_compiler bench ...`` (the GPU kit's command) is ``python -m unet_compiler.bench run
+    ...``; the other commands keep their names."""
+    import subprocess
+    import sys
+    for argv, usage, option in ((["bench", "--help"], "usage: python -m unet_compiler.bench run", "--kernels-only"),
+                                (["targets", "--help"], "usage: python -m unet_compiler.bench targets", "--cap")):
+        r = subprocess.run([sys.executable, "-m", "unet_compiler", *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout.startswith(usage) and option in r.stdout, r.stdout + r.stderr
