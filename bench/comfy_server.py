@@ -24,7 +24,8 @@ import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..layout import PACK_ROOT
+
+PACK_ROOT = Path(__file__).resolve().parents[1]   # the pack's checkout, linked into a server's custom_nodes
 CHECKPOINT_NAME = "unet_compiler_random_sd15.safetensors"
 # Bump when the builder below changes, so a cached file is not reused.
 CHECKPOINT_FORMAT_VERSION = "1"

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .families import import_comfy, init_random
-from ..layout import is_pack_file
+
+PACK_ROOT = Path(__file__).resolve().parents[1]   # the checkout
 
 STEPS = 3
 CFG = 5.0
@@ -560,12 +561,19 @@ def run_case(ctx, mp, name, order, config=None) -> CaseRun:
 PASS_THROUGH = {"patcher.py:unet_compiler_apply_model", "runtime.py:active", "shims.py:shim", "runtime.py:_run"}
 
 
+def is_pack_file(filename) -> bool:
+    """``filename`` (a traceback frame's) is the pack's: a .py file in the checkout, not under bench/,
+    tests/ or docs/ nor in a hidden or virtual-env folder (tests/_pack.py has the same rule)."""
+    path = Path(filename).resolve()
+    return (path.suffix == ".py" and path.is_relative_to(PACK_ROOT)
+            and (parts := path.relative_to(PACK_ROOT).parts)[0] not in ("bench", "tests", "docs")
+            and not any(p.startswith(".") or p == "site-packages" for p in parts))
+
+
 def _pack_frames(exc: BaseException) -> list[str]:
-    """The pack's frames in an exception's traceback (not this harness's, not the tests', not a
-    virtual env's inside the checkout: ``layout.pack_files``)."""
-    here = Path(__file__).resolve()
+    """The pack's frames in an exception's traceback (not this harness's, not the tests')."""
     return [f"{Path(f.filename).name}:{f.name}" for f in traceback.extract_tb(exc.__traceback__)
-            if is_pack_file(f.filename) and Path(f.filename).resolve() != here]
+            if is_pack_file(f.filename)]
 
 
 def what_the_pack_added(e: BaseException, accel) -> list[str]:

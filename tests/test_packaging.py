@@ -1,5 +1,6 @@
 """Install surface: what ComfyUI-Manager and the Comfy Registry read, and a clean import of the pack
 (no ComfyUI, triton, IPEX or diffusers needed)."""
+import ast
 import re
 import subprocess
 import sys
@@ -9,9 +10,7 @@ import tomllib
 import pytest
 from pathlib import Path
 
-from unet_compiler.layout import module_name, pack_files
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests._pack import ROOT, module_name, py_files
 
 
 def test_requirements_install_nothing_heavy():
@@ -189,10 +188,7 @@ def test_library_api_at_the_top_level():
 
 def _import_graph() -> dict:
     """The pack's modules and which of them each imports (top level or inside a function)."""
-    import ast
-    mods = {}
-    for p in pack_files():
-        mods[module_name(p)] = p
+    mods = {module_name(p): p for p in py_files()}
     graph = {m: set() for m in mods}
     for m, p in mods.items():
         pkg = m if p.name == "__init__.py" else m.rsplit(".", 1)[0]
@@ -233,20 +229,55 @@ def test_import_graph_has_no_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
-def test_one_answer_to_which_files_are_the_packs(tmp_path):
-    """``layout.pack_files`` is what the security scan, the import graph and the patch harness's
-    "the pack's own frames" read: the package's modules, not the tests, docs or a virtual env."""
-    from unet_compiler import layout
+def test_which_files_are_the_packs(tmp_path):
+    """One rule: every .py file in the checkout but those under bench/, tests/ and docs/ and in hidden
+    or virtual-env folders; the import checks here (tests/_pack.py) and the patch harness's "the
+    pack's own frames" (bench/patch_compat.py) apply it alike."""
     from unet_compiler.compiler.shapes import ShapeError, parse_shapes
-    from unet_compiler.bench.patch_compat import _pack_frames
+    from unet_compiler.bench.patch_compat import _pack_frames, is_pack_file
 
-    names = {p.relative_to(layout.PACK_ROOT).as_posix() for p in layout.pack_files()}
-    assert {"__init__.py", "layout.py", "compiler/api.py", "nodes/v3.py", "kernels/__init__.py"} <= names
-    assert not [n for n in names if n.split("/")[0] in layout.NOT_SHIPPED or n.startswith(".")], names
-    assert layout.module_name(layout.PACK_ROOT / "compiler" / "__init__.py") == "unet_compiler.compiler"
-    assert layout.is_pack_file(layout.PACK_ROOT / "compiler" / "api.py")
-    assert not layout.is_pack_file(__file__) and not layout.is_pack_file(tmp_path / "api.py")
+    names = {p.relative_to(ROOT).as_posix() for p in py_files()}
+    assert {"__init__.py", "__main__.py", "compiler/api.py", "nodes/v3.py", "kernels/__init__.py"} <= names
+    assert not [n for n in names if n.split("/")[0] in ("bench", "tests", "docs") or n.startswith(".")], names
+    assert module_name(ROOT / "compiler" / "__init__.py") == "unet_compiler.compiler"
+    assert {p for p in py_files(leave_out=()) if is_pack_file(p)} == set(py_files())
+    assert not is_pack_file(ROOT / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "nn" / "functional.py")
+    assert not is_pack_file(ROOT / "venv" / "lib" / "python3.11" / "site-packages" / "torch" / "nn" / "functional.py")
+    assert not is_pack_file(__file__) and not is_pack_file(tmp_path / "api.py")
     with pytest.raises(ShapeError) as info:
         parse_shapes("1x64")
     assert [f for f in _pack_frames(info.value) if f.startswith("shapes.py:")], _pack_frames(info.value)
     assert not [f for f in _pack_frames(info.value) if "test_packaging" in f]
+
+
+def _imports_bench(path: Path, tree: ast.AST) -> list[str]:
+    """The imports in ``tree`` (the module at ``path``) that reach unet_compiler.bench, as written."""
+    package = module_name(path).split(".")[:-1] if path.name != "__init__.py" else module_name(path).split(".")
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names = [a.name.split(".") for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            base = (package[:len(package) - n.level + 1] if n.level else []) + (n.module.split(".") if n.module else [])
+            names = [base + [a.name] for a in n.names]
+        else:
+            continue
+        if any(name[:2] == ["unet_compiler", "bench"] for name in names):
+            found.append(f"{path.relative_to(ROOT)}:{n.lineno}: {ast.unparse(n)}")
+    return found
+
+
+def test_the_pack_never_imports_bench():
+    """bench/ is development tools beside the pack: nothing in nodes/, compiler/, kernels/ or the root
+    ``__init__.py`` (what ComfyUI and the library load) imports it, relatively or absolutely, even
+    lazily inside a function."""
+    files = [p for p in py_files() if p == ROOT / "__init__.py" or p.relative_to(ROOT).parts[0] in
+             ("nodes", "compiler", "kernels")]
+    assert len(files) > 30 and ROOT / "compiler" / "api.py" in files
+    found = [hit for p in files for hit in _imports_bench(p, ast.parse(p.read_text(encoding="utf-8")))]
+    assert not found, "the pack imports bench/:\n" + "\n".join(found)
+    for source in ("from ..bench import run", "from ..bench.families import comfy_path", "from .. import bench",
+                   "import unet_compiler.bench.run", "from unet_compiler import bench",
+                   "from unet_compiler.bench import families"):   # what the check catches, from nodes/v3.py
+        assert _imports_bench(ROOT / "nodes" / "v3.py", ast.parse(source)), source
+    assert not _imports_bench(ROOT / "nodes" / "v3.py", ast.parse("from ..compiler import bench_helpers\nfrom . import bench"))

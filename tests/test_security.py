@@ -1,8 +1,9 @@
 """Security: the pack runs no code it did not ship, installs nothing and writes only where it may.
 
-- Static (``ast``, every .py file the pack ships, tests excluded): no eval / exec / compile() /
-  dynamic import of a computed name, no os.system, no unpickling (pickle, marshal, torch.load
-  without weights_only=True, yaml.load), and a process started only where ``PROCESSES`` lists it,
+- Static (``ast``, every .py file in the checkout but the tests and docs: the pack and bench/, which
+  ships in the same folder): no eval / exec / compile() / dynamic import of a computed name, no
+  os.system, no unpickling (pickle, marshal, torch.load without weights_only=True, yaml.load), and
+  a process started only where ``PROCESSES`` lists it,
   with no pip / install / ensurepip / uv / conda in its command line. Each list names file,
   function and why; a new use fails until it is listed (and a stale entry fails too).
 - The compile cache hands torch's Mega-Cache loader (which unpickles what it loads, then and when
@@ -25,9 +26,10 @@ from pathlib import Path
 
 import pytest
 
-from unet_compiler.layout import PACK_ROOT, pack_files   # the one answer to "which files are the pack's"
+from tests._pack import ROOT, py_files
 
-ROOT = Path(__file__).resolve().parents[1]
+#: what the static scan reads: the pack and bench/ (development tools, shipped in the same folder)
+SCANNED = py_files(leave_out=("tests", "docs"))
 
 
 # ---- the scanner ---------------------------------------------------------------------------------
@@ -163,7 +165,7 @@ def scan_source(source: str, rel: str = "<string>") -> list[Finding]:
 
 
 def scan_pack() -> list[Finding]:
-    return [f for p in pack_files() for f in scan_source(p.read_text(encoding="utf-8"), p.relative_to(PACK_ROOT).as_posix())]
+    return [f for p in SCANNED for f in scan_source(p.read_text(encoding="utf-8"), p.relative_to(ROOT).as_posix())]
 
 
 # ---- the allow-lists: (file, function) -> why -----------------------------------------------------
