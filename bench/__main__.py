@@ -56,6 +56,7 @@ def parser() -> argparse.ArgumentParser:
                    help="after the bench table, the model-family compatibility table (needs a ComfyUI tree: "
                         "COMFYUI_PATH or ~/comfy/ComfyUI)")
     b.add_argument("--row", default="", help=argparse.SUPPRESS)  # internal: one row, in a fresh process
+    b.add_argument("--row-progress", default="", help=argparse.SUPPRESS)  # internal: "row 2/5", its progress lines
 
     c = sub.add_parser("compat", help="the compatibility tables alone: model families, then core patch nodes")
     c.add_argument("--backend", dest="compat_backend", default="inductor", metavar="NAME",
@@ -75,7 +76,7 @@ def parser() -> argparse.ArgumentParser:
                    help="comma list of groupnorm_silu,layernorm,geglu,attention,bias_residual (default all)")
     k.add_argument("--skip-inductor", dest="kernels_skip_inductor", action="store_true",
                    help="no inductor column")
-    k.set_defaults(kernels_only=True, row="", backend="", peak_tflops=0.0)
+    k.set_defaults(kernels_only=True, row="", row_progress="", backend="", peak_tflops=0.0)
 
     sub.add_parser("starts", add_help=False, help="cold and warm starts through a real ComfyUI server "
                    "(starts --help)")

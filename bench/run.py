@@ -5,8 +5,10 @@ SD1.5-architecture diffusers UNet, no downloads. Each row but eager runs in a fr
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import platform
+import sys
 import tempfile
 import time
 
@@ -196,6 +198,22 @@ def _peak_mib(dev):
     return torch.cuda.max_memory_allocated(dev) / 2**20 if dev.type == "cuda" else None
 
 
+def _progress(where: str, what: str) -> None:
+    """One progress line on stderr ("row 2/5: inductor: compiling…"): a row runs for minutes in its
+    own process, whose output comes back only when it ends."""
+    if where:
+        print(f"{where}: {what}", file=sys.stderr, flush=True)
+
+
+class _NoEmptyFloat32Notice(logging.Filter):
+    """diffusers logs "There are modules in UNet2DConditionModel that should be kept in float32: []"
+    at every ``.to(dtype)`` even when that list is empty (the random-weight UNet has none): nothing
+    for the reader to act on. Only that message with the empty list is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "that should be kept in float32: []" not in record.getMessage()
+
+
 def bench_row(args):
     """One row of the table in this (fresh) process: compile + warm up with the caches
     the parent made fresh for it (cold), synchronised; then eager and the row timed
@@ -214,6 +232,7 @@ def bench_row(args):
 
     def eager():
         return unet(*a, **kw).sample
+    _progress(args.row_progress, f"{spec}: compiling…" if spec != CUDNN else f"{spec}: first call…")
     _sync(dev)
     t0 = time.perf_counter()
     if spec in WHOLE:
@@ -246,8 +265,10 @@ def bench_row(args):
                 return unet(*a, **kw).sample
     _sync(dev)
     cold = time.perf_counter() - t0
+    _progress(args.row_progress, f"{name}: timing {args.iters} steps, each beside an eager one…")
     eager_s, step_s, ref, out = _time_pair(eager, lambda: compiled_model(*a, **kw).sample, args.iters, dev)
     peak = _peak_mib(dev)
+    _progress(args.row_progress, f"{name}: shape changes…")
     trans = _transitions(compiled_model, unet, dev, dtype)
     if spec not in WHOLE and spec != CUDNN:
         text = report(unet)
@@ -260,20 +281,20 @@ def bench_row(args):
     print(ROW_TAG + json.dumps(row), flush=True)
 
 
-def _run_row(args, spec) -> dict:
+def _run_row(args, spec, where="") -> dict:
     """``bench_row`` for ``spec`` in a fresh process with fresh inductor and Triton caches
     (unless --reuse-cache): nothing an earlier row or the kernel table compiled is reused,
-    so 'cold' is cold."""
+    so 'cold' is cold. ``where`` ("row 2/5") prefixes its progress lines."""
     import json
     import subprocess
-    import sys
     env = dict(os.environ)
     if not args.reuse_cache:
         fresh = tempfile.mkdtemp(prefix="unet_compiler_bench_row_")
         env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
         env["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
         env["UNET_COMPILER_CACHE_DIR"] = os.path.join(fresh, "unet_compiler")  # the pack's own cache: cold too
-    cmd = [sys.executable, "-m", __package__ or "unet_compiler.bench", "run", *args.argv, "--row", spec]
+    cmd = [sys.executable, "-m", __package__ or "unet_compiler.bench", "run", *args.argv, "--row", spec,
+           "--row-progress", where]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
     row = None
     for line in proc.stdout.splitlines():
@@ -289,8 +310,9 @@ def _run_row(args, spec) -> dict:
     return row
 
 
-def _eager_rows(args, dev, dtype):
-    """The eager rows, timed in this process (the model is freed on return)."""
+def _eager_rows(args, dev, dtype, n_rows: int):
+    """The eager rows, timed in this process (the model is freed on return): eager alone, and with
+    --bf16-eager the bf16 model timed interleaved with it."""
     unet = _unet(args.size, dev).to(dev, dtype)
     lat = args.latent
     a, kw = _inputs(unet, args.batch, lat, dev, dtype)
@@ -302,15 +324,18 @@ def _eager_rows(args, dev, dtype):
     flops = _flops(unet, a, kw) if args.peak_tflops else 0.0
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
+    _progress(f"row 1/{n_rows}", f"eager: timing {args.iters} steps…")
     eager_s, ref = _time(lambda: unet(*a, **kw).sample, args.iters, dev)
     rows = [dict(path="eager", spec="eager", step_s=eager_s, eager_s=eager_s, cold_s=0.0, max_abs_diff=0.0,
                  peak_mib=_peak_mib(dev), shape_changes=[])]
     if args.bf16_eager:
         low = copy.deepcopy(unet).to(torch.bfloat16)
         ab, kwb = _inputs(low, args.batch, lat, dev, torch.bfloat16)
-        s, out = _time(lambda: low(*ab, **kwb).sample, args.iters, dev)
-        rows.append(dict(path="eager bf16 weights+activations", spec="eager-bf16", step_s=s, eager_s=eager_s,
-                         cold_s=0.0, max_abs_diff=float((out.float() - ref.float()).abs().max()), peak_mib=None,
+        _progress(f"row 2/{n_rows}", f"eager bf16: timing {args.iters} steps, each beside an eager one…")
+        twin_s, s, ref_twin, out = _time_pair(lambda: unet(*a, **kw).sample, lambda: low(*ab, **kwb).sample,
+                                              args.iters, dev)
+        rows.append(dict(path="eager bf16 weights+activations", spec="eager-bf16", step_s=s, eager_s=twin_s,
+                         cold_s=0.0, max_abs_diff=float((out.float() - ref_twin.float()).abs().max()), peak_mib=None,
                          shape_changes=[]))
         del low
     return rows, flops
@@ -326,9 +351,6 @@ def bench(args):
         if args.out:
             _save(args, [], kernel_rows)
         return
-    rows, flops = _eager_rows(args, dev, dtype)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     specs = [b.strip() for b in args.backend.split(",") if b.strip()]
     for spec in specs:
         _backend_spec(spec)  # a bad suffix fails before any row runs
@@ -336,7 +358,11 @@ def bench(args):
         specs.insert(0, CUDNN)
     if not args.skip_whole:
         specs += ["whole", "whole-max-autotune"] if dev.type == "cuda" else ["whole"]
-    rows += [_run_row(args, spec) for spec in specs]
+    n_rows = 1 + bool(args.bf16_eager) + len(specs)
+    rows, flops = _eager_rows(args, dev, dtype, n_rows)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    rows += [_run_row(args, spec, f"row {i}/{n_rows}") for i, spec in enumerate(specs, len(rows) + 1)]
     _print_table(args, rows, flops)
     if args.out:
         _save(args, rows, kernel_rows)
@@ -375,25 +401,35 @@ def compat(args):
         print(patch_compat.format_table(patch_compat.patch_rows(backend, cases, log=log)))
 
 
+def _ms(seconds: float) -> str:
+    """Milliseconds to about three significant digits (a row's ratio is then its two ms within 1 %)."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.1f}" if ms >= 10 else f"{ms:.2f}"
+
+
 def _print_table(args, rows, flops):
+    """Every number in a row comes from that row's own measurement: its step and its eager twin, timed
+    interleaved in one process (vs eager = eager ms / step ms); vs TCM divides two rows' vs eager."""
     ok = [r for r in rows if not r.get("failed")]
     whole = next((r for r in ok if r["spec"] == "whole"), None)
     mfu = f" {'MFU':>6s}" if flops else ""
-    print(f"\n{'path':58s} {'step ms':>9s} {'vs eager':>9s} {'vs TCM':>7s} {'cold s':>8s} {'max|diff|':>10s} "
-          f"{'peak MiB':>9s}{mfu}")
+    print(f"\n{'path':58s} {'step ms':>8s} {'eager ms':>8s} {'vs eager':>8s} {'vs TCM':>7s} {'cold s':>7s} "
+          f"{'max|diff|':>9s} {'peak MiB':>8s}{mfu}")
     for r in rows:
         if r.get("failed"):
             print(f"{r['path']:58s}")
             continue
         speed = r["eager_s"] / r["step_s"]
         vs_whole = f"{speed / (whole['eager_s'] / whole['step_s']):6.2f}x" if whole else f"{'-':>7s}"
-        peak = f"{r['peak_mib']:9.0f}" if r.get("peak_mib") is not None else f"{'-':>9s}"
+        peak = f"{r['peak_mib']:8.0f}" if r.get("peak_mib") is not None else f"{'-':>8s}"
         m = f" {flops / r['step_s'] / (args.peak_tflops * 1e12) * 100:5.1f}%" if flops else ""
-        print(f"{r['path']:58s} {r['step_s'] * 1e3:9.1f} {speed:8.2f}x {vs_whole} {r['cold_s']:8.1f} "
-              f"{r['max_abs_diff']:10.2e} {peak}{m}")
-    print("vs eager: each row's median step against eager timed interleaved with it in that row's own process; "
-          "vs TCM: against whole-model torch.compile (what ComfyUI's TorchCompileModel does); cold: compile + "
-          "warmup in a fresh process with fresh inductor/Triton caches, GPU synchronised")
+        print(f"{r['path']:58s} {_ms(r['step_s']):>8s} {_ms(r['eager_s']):>8s} {speed:7.2f}x {vs_whole} "
+              f"{r['cold_s']:7.1f} {r['max_abs_diff']:9.2e} {peak}{m}")
+    print("step ms: the row's median UNet step; eager ms: the same model run eager, timed interleaved with it "
+          "(alternating calls) in that row's own process, so a concurrent load slows both alike; vs eager = "
+          "eager ms / step ms; the eager row is timed alone in the bench's process. vs TCM: vs eager over "
+          "whole-model torch.compile's (what ComfyUI's TorchCompileModel does). cold: compile + warmup in a "
+          "fresh process with fresh inductor/Triton caches, GPU synchronised")
     if flops:
         print(f"(one forward = {flops / 1e12:.2f} TFLOP counted by torch.utils.flop_counter; MFU against "
               f"{args.peak_tflops:g} TFLOP/s)")
@@ -408,6 +444,7 @@ def main(args, argv):
     """Run the bench: ``args`` as bench/__main__.py's ``run`` parsed them, ``argv`` the arguments
     they came from (what each row's process is started with)."""
     args.argv = list(argv)
+    logging.getLogger("diffusers.models.modeling_utils").addFilter(_NoEmptyFloat32Notice())
     if not args.reuse_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # cold means cold: a fresh inductor/triton cache for this run, so compile seconds are not cache hits
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_bench_")

@@ -34,7 +34,20 @@ def test_kernel_table_inductor_column(tmp_path):
     assert row["inductor_ms"] > 0 and row["inductor_compile_s"] > 0, row
 
 
-def test_unet_table_rows_and_shape_changes(tmp_path, capsys):
+def _printed_rows(out: str) -> dict:
+    """The printed table's rows: path -> (step ms, eager ms, vs eager)."""
+    rows = {}
+    for line in out.split("\npath ", 1)[1].splitlines()[1:]:
+        if not line.strip() or line.startswith("step ms:"):
+            break
+        step, eager, vs = line[58:].split()[:3]
+        rows[line[:58].strip()] = (float(step), float(eager), float(vs.rstrip("x")))
+    return rows
+
+
+def test_unet_table_rows_and_shape_changes(tmp_path, capfd, caplog):
+    """The table and its JSON: each row's numbers are one measurement (its ratio is its eager twin's ms
+    over its own ms, as printed); progress lines on stderr; diffusers' empty float32 notice is gone."""
     main(["run", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
           "--skip-whole", "--reuse-cache", "--device", "cpu", "--out", str(tmp_path)])
     data = json.loads(next(tmp_path.glob("bench_tiny_cpu_lat8_b1.json")).read_text())
@@ -42,7 +55,19 @@ def test_unet_table_rows_and_shape_changes(tmp_path, capsys):
     assert data["rows"][1]["max_abs_diff"] == 0.0  # the eager backend is the model's own code
     assert [c["change"] for c in data["shape_changes"]["unet_compiler eager"]] == \
         ["to 1x64x64", "batch 1->2 (2x64x64)", "64->96 px (2x96x96)"]
-    assert "vs eager" in capsys.readouterr().out
+    for r in data["rows"]:
+        assert r["speedup"] == pytest.approx(r["eager_s"] / r["step_s"]), r
+    out, err = capfd.readouterr()
+    printed = _printed_rows(out)
+    assert list(printed) == ["eager", "unet_compiler eager"], out
+    for path, (step_ms, eager_ms, vs_eager) in printed.items():
+        assert vs_eager == pytest.approx(eager_ms / step_ms, rel=0.011, abs=0.005), (path, out)
+    row = next(r for r in data["rows"] if r["path"] == "unet_compiler eager")
+    assert printed["unet_compiler eager"][1] == pytest.approx(row["eager_s"] * 1e3, rel=0.006), out
+    assert "row 1/2: eager: timing" in err and "row 2/2: eager: compiling" in err, err
+    assert "row 2/2: unet_compiler eager: timing" in err, err
+    assert "should be kept in float32" not in out + err, out + err
+    assert not [r for r in caplog.records if "should be kept in float32" in r.getMessage()]
 
 
 def test_rows_run_cold_in_their_own_process(tmp_path):
