@@ -67,23 +67,37 @@ def test_ruff_security_rules_clean():
 
 
 def test_readme_commands_are_what_ci_runs():
-    """The README's setup and test commands are the first thing .ci/run runs (in its env, default the
-    README's .venv), through the tracked bin/setup and constraints.txt: CI sees what a newcomer sees."""
+    """The README's first block is bin/bench and bin/test; each makes its env with bin/setup (CPU torch
+    pinned by the tracked constraints.txt) when it is missing and reuses it when present, and .ci/run's
+    main lane is bin/test in a freshly removed env (UNET_COMPILER_CI_ENV, default the README's .venv,
+    handed to bin/test as UNET_COMPILER_ENV): CI sees what a newcomer sees."""
     readme = (ROOT / "README.md").read_text()
-    block = readme.split("## Three commands", 1)[1].split("\n## ", 1)[0]
+    block = readme.split("## Two commands", 1)[1].split("\n## ", 1)[0]
     commands = [ln.strip() for ln in block.splitlines() if ln.startswith("    ") and not ln.strip().startswith("#")]
-    assert commands[0] == "bin/setup" and commands[-1] == ".venv/bin/python -m pytest -q", commands
-    assert len(commands) == 3 and commands[1].startswith(".venv/bin/python -m unet_compiler bench"), commands
+    assert commands == ["bin/bench", "bin/test"], commands
+    bench, test, setup = (ROOT / "bin" / "bench").read_text(), (ROOT / "bin" / "test").read_text(), \
+        (ROOT / "bin" / "setup").read_text()
+    for script in (bench, test):
+        assert "${UNET_COMPILER_ENV:-.venv}" in script and "bin/setup" in script and "--if-missing" in script, script
+    assert '-m unet_compiler.bench run "$@"' in bench and '-m pytest -q "$@"' in test
+    assert "-c constraints.txt" in setup and "--if-missing" in setup
+    assert all((ROOT / "bin" / name).stat().st_mode & 0o111 for name in ("bench", "setup", "test"))
     ci = (ROOT / ".ci" / "run").read_text()
     assert "ENV=${UNET_COMPILER_CI_ENV:-.venv}" in ci and 'rm -rf "$ENV"' in ci
-    assert '\nbin/setup "$ENV"\n' in ci and '\n"$ENV/bin/python" -m pytest -q\n' in ci
-    setup = ROOT / "bin" / "setup"
-    assert setup.stat().st_mode & 0o111 and "-c constraints.txt" in setup.read_text()
+    assert 'export UNET_COMPILER_ENV="$ENV"' in ci and "\nbin/test\n" in ci
+    assert ci.index('rm -rf "$ENV"') < ci.index('export UNET_COMPILER_ENV="$ENV"') < ci.index("\nbin/test\n")
     assert (ROOT / "constraints.txt").read_text().split() == ["torch==2.13.0"]
-    tracked = subprocess.run(["git", "ls-files", "constraints.txt", "bin/setup"], cwd=ROOT, capture_output=True,
-                             text=True)
+    tracked = subprocess.run(["git", "ls-files", "constraints.txt", "bin"], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode == 0:  # a git checkout (not an sdist): the files the README needs are committed
-        assert tracked.stdout.split() == ["bin/setup", "constraints.txt"], tracked.stdout
+        assert tracked.stdout.split() == ["bin/bench", "bin/setup", "bin/test", "constraints.txt"], tracked.stdout
+
+
+def test_an_env_that_is_there_is_reused():
+    """``bin/setup --if-missing ENV`` (what bin/bench and bin/test run first) leaves a complete env of
+    this checkout alone: no venv, no pip, at once."""
+    r = subprocess.run([str(ROOT / "bin" / "setup"), "--if-missing", sys.prefix], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and not r.stdout and not r.stderr, r.stdout + r.stderr
 
 
 def test_comfyui_without_its_requirements_skips_with_one_line(tmp_path, monkeypatch):
