@@ -4,8 +4,10 @@ random-weight SD1.5 checkpoint it loads (no downloads). Used by the end-to-end t
 
 Nothing here imports ComfyUI into the calling process: the checkpoint is built by a subprocess
 that imports ComfyUI's own model classes, and the server is a second subprocess
-(``main.py --cpu`` unless a GPU is asked for) that loads this checkout as a custom-node pack
-through ``--extra-model-paths-config``, listening on loopback only.
+(``main.py --cpu`` unless a GPU is asked for) that loads this checkout as a custom-node pack,
+listening on loopback only. It loads no other pack (``only_these_custom_nodes``): whatever the
+ComfyUI tree's own custom_nodes folder holds (this pack installed from the Manager, say) changes
+no result.
 """
 from __future__ import annotations
 
@@ -533,16 +535,32 @@ def _make_room(log) -> None:
             log(f"{server.url} freed {freed:.0f} MiB before another server starts")
 
 
+def only_these_custom_nodes(comfyui_path: Path, base: Path, names) -> list[str]:
+    """ComfyUI's own flags that make a server load the custom nodes ``names`` (folders in
+    ``base``/custom_nodes) and nothing else: ``--base-directory base`` puts its custom_nodes (and
+    models) folder in place of the tree's own, and ``--disable-all-custom-nodes`` with
+    ``--whitelist-custom-nodes`` skips any other folder, also one a user's extra_model_paths.yaml in
+    the tree adds, and their prestartup scripts. A ComfyUI without a flag gets the others."""
+    known = (Path(comfyui_path) / "comfy" / "cli_args.py").read_text(encoding="utf-8")
+    flags = []
+    if "--base-directory" in known:
+        flags += ["--base-directory", str(base)]
+    if "--whitelist-custom-nodes" in known:
+        flags += ["--disable-all-custom-nodes", "--whitelist-custom-nodes", *names]
+    return flags
+
+
 def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = None, env: dict | None = None,
                  comfyui_path: Path | None = None, log=print, cpu: bool = True) -> ComfyServer:
     """Start ComfyUI (``main.py``, with ``--cpu`` unless ``cpu`` is False, on loopback, a free port, its user / output / temp folders
     under ``root``) with this checkout in its custom_nodes, ``extra_nodes`` (name -> folder) beside
-    it, and ``checkpoint_dir`` as a checkpoints folder; wait until it answers. ``env`` overrides the
+    it and no other custom node (``only_these_custom_nodes``), and ``checkpoint_dir`` as a
+    checkpoints folder; wait until it answers. ``env`` overrides the
     server's environment (a None value unsets the variable); unless ours or it sets
     ``TORCHINDUCTOR_CACHE_DIR`` the server compiles into ``root/inductor_cache``, so a stale cache
     cannot hide a compile (or a cold start)."""
     comfyui_path = comfyui_path or comfyui_or_fail()
-    root = Path(root)
+    root = Path(root).absolute()
     custom_nodes = root / "custom_nodes"
     custom_nodes.mkdir(parents=True)
     # The folder name is the module name ComfyUI derives; any name works.
@@ -577,6 +595,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         "--database-url", "sqlite:///:memory:",
         "--use-pytorch-cross-attention",
         "--extra-model-paths-config", str(yaml_path),
+        *only_these_custom_nodes(comfyui_path, root, [PACK_ROOT.name, *(extra_nodes or {})]),
         "--output-directory", str(dirs["output"]),
         "--input-directory", str(dirs["input"]),
         "--temp-directory", str(dirs["temp"]),

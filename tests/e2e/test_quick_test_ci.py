@@ -1,7 +1,7 @@
 """ComfyUI's own smoke test: ``main.py --quick-test-for-ci --cpu`` imports
-every node (this pack included, through --extra-model-paths-config) and
-exits. It exits 0 even when a custom node fails to import, so the log is
-what is checked."""
+every node (this pack included, through --extra-model-paths-config; no other
+custom node: ``only_these_custom_nodes``) and exits. It exits 0 even when a
+custom node fails to import, so the log is what is checked."""
 from __future__ import annotations
 
 import json
@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from unet_compiler.bench.comfy_server import only_these_custom_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -30,7 +32,7 @@ def test_quick_test_for_ci_imports_the_pack(comfyui_path, tmp_path):
     yaml_path.write_text(f"unet_compiler_quick_test:\n    base_path: {json.dumps(str(tmp_path))}\n"
                          f"    custom_nodes: {json.dumps(str(custom_nodes))}\n")
     cmd = [sys.executable, "main.py", "--quick-test-for-ci", "--cpu",
-           "--extra-model-paths-config", str(yaml_path),
+           "--extra-model-paths-config", str(yaml_path), *only_these_custom_nodes(comfyui_path, tmp_path, [pack.name]),
            "--database-url", "sqlite:///:memory:",
            "--output-directory", str(dirs["output"]), "--input-directory", str(dirs["input"]),
            "--temp-directory", str(dirs["temp"]), "--user-directory", str(dirs["user"]),
