@@ -258,6 +258,6 @@ def accelerator_text(accel) -> str:
     extra = accel.backend.status_lines() + (accel.graphs.status_lines() if accel.graphs is not None else [])
     extra += accel.cache.lines() if accel.cache is not None else []
     extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(accel.patches_seen.items())]
-    extra += [f"  recompile: {e['text']}" for e in accel.recompiles[-5:]]
+    extra += [f"  recompile: {e['text']}" for e in accel.recompiles.events[-5:]]
     extra += [f"  {accel.background.line()}"] if accel.background is not None else []
     return accel.report.text(accel.stats) + ("\n" + "\n".join(extra) if extra else "")

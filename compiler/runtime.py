@@ -27,10 +27,10 @@ from . import plan as P
 from .backends import choose, graphs_problem
 from .cache import CompileCache
 from .compat import comfy as comfy_compat
-from .compat.dynamo import plain_guard, rank
 from .compat.torch_version import torch_too_old
 from .config import CompileConfig
-from .report import NOTHING_TO_COMPILE, Reason, Report, accelerator_text, error_summary, recompile_sentence
+from .recompiles import Recompiles
+from .report import NOTHING_TO_COMPILE, Reason, Report, accelerator_text, error_summary
 from .shims import make_shim
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,17 @@ def _call_modes(device_type: str, autocast: torch.dtype | None):
     return stack
 
 
+def _autocast_dtype(precision: str, model_dtype: torch.dtype, notes: list) -> torch.dtype | None:
+    """The dtype regions run in under autocast (precision fp16 / bf16), else None (fp32 is kept only
+    for a model loaded in fp32: a note says so otherwise)."""
+    if precision in ("fp16", "bf16"):
+        return _DTYPES[precision]
+    if precision == "fp32" and model_dtype != torch.float32:
+        notes.append(f"precision fp32 needs the model loaded in fp32 (it is {model_dtype}); kept auto. "
+                     f"Fix: start ComfyUI with --force-fp32")
+    return None
+
+
 def _off_because(plan) -> Reason | None:
     """Why no backend is resolved for this model (the pack is off, torch too old, nothing to compile)."""
     if settings.disabled():
@@ -97,13 +108,10 @@ class Accelerator:
         self.failed: dict = {}
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
-        #: optional ``callable(event)`` told of every compile after warmup (see ``_recompiled``)
-        self.on_recompile = None
         self.warmed = False
-        #: the shape labels warmup ran, and every compile after it: {prompt, shape, graphs, seconds, guards}
+        #: the shape labels warmup ran, and every compile after it (``recompiles.listener`` is told)
         self.warmed_shapes: list[str] = []
-        self.recompiles: list[dict] = []
-        self.recompiles_by_prompt: Counter = Counter()
+        self.recompiles = Recompiles()
         #: background mode (Warmup Shapes' ``background``); None: compiles happen in the calling thread
         self.background: background.BackgroundMode | None = None
         self._bypass = False
@@ -123,12 +131,7 @@ class Accelerator:
             log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
                         self.config.backend, rep.backend, "; ".join(rep.why))
 
-        self._autocast = None
-        if self.config.precision in ("fp16", "bf16"):
-            self._autocast = _DTYPES[self.config.precision]
-        elif self.config.precision == "fp32" and self.model_dtype != torch.float32:
-            rep.notes.append(f"precision fp32 needs the model loaded in fp32 (it is {self.model_dtype}); "
-                             f"kept auto. Fix: start ComfyUI with --force-fp32")
+        self._autocast = _autocast_dtype(self.config.precision, self.model_dtype, rep.notes)
 
         self.graphs = self._graphs(device)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
@@ -307,31 +310,8 @@ class Accelerator:
                     if hits < new and self.cache is not None:  # something new to keep
                         self.cache.compiled_new()
                     if self.warmed:
-                        self._recompiled(new, shape, time.perf_counter() - t0, marks)
-
-    def _recompiled(self, graphs: int, shape: str | None, seconds: float, marks, in_background: bool = False):
-        """Count a compile after warmup against the running prompt, name its shape and the guard that
-        failed, log it and tell the listener (never raises into the UNet call)."""
-        self.stats["recompiles_after_warmup"] += graphs
-        guards = []
-        try:
-            for plain in map(plain_guard, sorted(variants.guard_reasons_since(marks or {}), key=rank)):
-                if plain not in guards and len(guards) < 3:
-                    guards.append(plain)
-        except Exception:
-            log.debug("guard reasons unavailable", exc_info=True)
-        prompt = comfy_compat.current_prompt()
-        self.recompiles_by_prompt[prompt] += graphs
-        event = {"prompt": prompt, "shape": shape, "graphs": graphs, "seconds": round(seconds, 2), "guards": guards,
-                 "background": in_background}
-        self.recompiles = (self.recompiles + [event])[-50:]
-        event["text"] = recompile_sentence(event, self.warmed_shapes)
-        log.warning("UNet Compiler: %s", event["text"])
-        if self.on_recompile is not None:
-            try:
-                self.on_recompile(event)
-            except Exception:  # a listener must not break sampling
-                log.debug("on_recompile listener failed", exc_info=True)
+                        self.stats["recompiles_after_warmup"] += new
+                        self.recompiles.record(new, shape, time.perf_counter() - t0, marks, self.warmed_shapes)
 
     # ---- background mode ---------------------------------------------------
     def background_mode(self) -> background.BackgroundMode:
@@ -354,7 +334,8 @@ class Accelerator:
         self.stats["graphs_compiled"] += graphs
         self.stats["compile_seconds"] += seconds
         if not first:
-            self._recompiled(graphs, None, seconds, marks, in_background=True)
+            self.stats["recompiles_after_warmup"] += graphs
+            self.recompiles.record(graphs, None, seconds, marks, self.warmed_shapes, in_background=True)
         if graphs and self.cache is not None:
             self.cache.compiled_new()
         return "fallback" if self.failed else "compiled"

@@ -145,7 +145,7 @@ class _FallbackListener:
             progress_text(text, node_id)
 
     def recompiled(self, event: dict) -> None:
-        """``Accelerator.on_recompile``: code compiled after warmup, during this prompt."""
+        """``Accelerator.recompiles.listener``: code compiled after warmup, during this prompt."""
         send("recompile", {"node_ids": list(self.node_ids), "backend": self.backend,
                            **{k: event.get(k) for k in ("prompt", "shape", "graphs", "seconds", "guards", "text")}})
         for node_id in self.node_ids:
@@ -159,7 +159,7 @@ def attach(accel, node_id) -> None:
     if not isinstance(listener, _FallbackListener):
         listener = _FallbackListener(accel)
         accel.on_fallback = listener
-        accel.on_recompile = listener.recompiled
+        accel.recompiles.listener = listener.recompiled
     if node_id is not None and _id(node_id) not in listener.node_ids:
         listener.node_ids.append(_id(node_id))
 

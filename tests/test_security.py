@@ -42,7 +42,7 @@ INSTALL_WORDS = ("pip", "pip3", "install", "ensurepip", "uv", "conda", "mamba", 
 DESERIALIZERS = ("pickle.load", "pickle.loads", "pickle.Unpickler", "_pickle.load", "_pickle.loads", "cPickle.load",
                  "cPickle.loads", "marshal.load", "marshal.loads", "dill.load", "dill.loads", "shelve.open",
                  "joblib.load", "yaml.unsafe_load", "yaml.full_load", "numpy.load", "jsonpickle.decode")
-#: torch's Mega-Cache loaders: they unpickle artifacts; only compat/megacache.py may call them
+#: torch's Mega-Cache loaders: they unpickle artifacts; only compiler/cache/megacache.py may call them
 MEGACACHE_LOADERS = ("load_cache_artifacts", "populate_caches", "to_list", "deserialize")
 
 
@@ -191,12 +191,12 @@ DYNAMIC_IMPORTS = {
     ("bench/targets.py", "run_target"): "imports the kernel modules named in the constant FAMILIES",
 }
 MEGACACHE = {
-    ("compiler/compat/megacache.py", "artifacts"): "reads torch's Mega-Cache stream; compiler/cache.py hands it "
+    ("compiler/cache/megacache.py", "artifacts"): "reads torch's Mega-Cache stream; compiler/cache/entry.py hands it "
                                                    "only an entry whose .json (format, key, size, sha256) matches",
-    ("compiler/compat/megacache.py", "load"): "the same entry, to torch's caches (public call where the "
+    ("compiler/cache/megacache.py", "load"): "the same entry, to torch's caches (public call where the "
                                               "serializer is missing)",
-    ("compiler/precompiled.py", "_deserialize"): "a precompiled region variant of the same entry, which "
-                                                 "compiler/cache.py hands over only after its .json matched",
+    ("compiler/variants.py", "_deserialize"): "a precompiled region variant of the same entry, which "
+                                                 "compiler/cache/entry.py hands over only after its .json matched",
 }
 
 
@@ -234,7 +234,7 @@ def test_nothing_unpickled_outside_the_checked_compile_cache():
     assert not bad, "the pack must not unpickle (torch.load needs weights_only=True):\n" + "\n".join(map(str, bad))
     mega = _by_kind(found, "megacache")
     new = [f for f in mega if (f.file, f.function) not in MEGACACHE]
-    assert not new, "torch's Mega-Cache loader unpickles; only compat/megacache.py may call it:\n" + \
+    assert not new, "torch's Mega-Cache loader unpickles; only compiler/cache/megacache.py may call it:\n" + \
         "\n".join(map(str, new))
     assert {(f.file, f.function) for f in mega} == set(MEGACACHE)
 
@@ -280,7 +280,7 @@ def deserializers(monkeypatch):
     import torch
     import torch.compiler._cache as tc
 
-    from unet_compiler.compiler.compat import megacache
+    from unet_compiler.compiler.cache import megacache
     reached = []
 
     def record(name):
@@ -305,7 +305,7 @@ def cache_folder(tmp_path, monkeypatch):
     monkeypatch.setenv(C.DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(C.MODE_ENV, raising=False)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))   # the user's: left alone
-    monkeypatch.setattr(C, "_loaded", set())
+    monkeypatch.setattr(C.entry, "_loaded", set())
     (tmp_path / "cache").mkdir()
     return tmp_path / "cache"
 
@@ -375,7 +375,7 @@ def test_the_packs_own_entry_is_what_reaches_the_loader(tiny_unet, cache_folder,
     with mock.patch.object(torch.compiler, "save_cache_artifacts", lambda: (b"written by the pack", None)):
         entry.save()
     assert C.unpack_entry(entry.paths[0].read_bytes())[0] == b"written by the pack" and deserializers == []
-    C._loaded.clear()
+    C.entry._loaded.clear()
     fresh = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu")
     assert fresh.load() is False and "torch could not load" in fresh.state
     assert deserializers == ["megacache.artifacts"], deserializers

@@ -65,19 +65,17 @@ def plain_guard(reason: str) -> str:
     reason = re.sub(r"^\[?\d+/\d+\]?:?\s*", "", str(reason).strip())   # dynamo's compile id
     reason = reason.split("  #", 1)[0].strip()                           # the source line dynamo appends
     raw = reason if len(reason) <= 160 else reason[:157] + "..."
-    m = _SIZE.search(reason)
-    if m:
+    for pattern in (_SIZE, _DTYPE, _SYM):
+        m = pattern.search(reason)
+        if m is None:
+            continue
+        what = f"region input {_name(m.group('name'))}"
+        if pattern is _DTYPE:
+            return f"{what}: dtype {m.group('act')}, compiled for {m.group('exp')}"
         dim = int(m.group("dim"))
-        return (f"region input {_name(m.group('name'))}: {_DIMS.get(dim, f'dim {dim}')} is {m.group('act')}, the "
-                f"code was compiled for exactly {m.group('exp')}")
-    m = _DTYPE.search(reason)
-    if m:
-        return f"region input {_name(m.group('name'))}: dtype {m.group('act')}, compiled for {m.group('exp')}"
-    m = _SYM.search(reason)
-    if m:
-        dim = int(m.group("dim"))
-        return (f"region input {_name(m.group('name'))}: {_DIMS.get(dim, f'dim {dim}')} outside the range the "
-                f"code was compiled for (guard: {raw})")
+        if pattern is _SIZE:
+            return f"{what}: {_DIMS.get(dim, f'dim {dim}')} is {m.group('act')}, the code was compiled for exactly {m.group('exp')}"
+        return f"{what}: {_DIMS.get(dim, f'dim {dim}')} outside the range the code was compiled for (guard: {raw})"
     m = _PARAM_FLAG.search(reason)
     if m:
         flag = "requires_grad" if m.group("what") == "requires_grad" else "inference-tensor state"

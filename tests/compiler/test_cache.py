@@ -356,7 +356,7 @@ def test_a_recorded_compare_is_not_shown_for_code_compiled_anew(tiny_unet, folde
 
 @pytest.fixture
 def isa_probe(monkeypatch):
-    """compat/cpu_isa.py around a stand-in for inductor's ISA probe that counts its calls."""
+    """compiler/cache/cpu_isa.py around a stand-in for inductor's ISA probe that counts its calls."""
     from torch._inductor import cpu_vec_isa
 
     from unet_compiler.compiler.cache import cpu_isa

@@ -109,14 +109,14 @@ def test_a_call_no_variant_fits_compiles_one_more_and_names_the_input(tiny_unet,
     before = store.compiled
     out, ref = _both(unet, _inputs(latent=12))
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
-    assert store.compiled > before and accel.recompiles, "the new size compiled (after warmup: named)"
-    guards = " ".join(g for e in accel.recompiles for g in e["guards"])
+    assert store.compiled > before and accel.recompiles.events, "the new size compiled (after warmup: named)"
+    guards = " ".join(g for e in accel.recompiles.events for g in e["guards"])
     assert "region input" in guards and "12" in guards, guards
     again = store.compiled
     out, ref = _both(unet, _inputs(seed=2, latent=10))
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
     assert store.compiled == again, "the variant after a miss is dynamic (torch's automatic-dynamic rule): " + \
-        accel.recompiles[-1]["text"]
+        accel.recompiles.events[-1]["text"]
 
 
 def test_a_variant_pickled_under_another_install_path_loads(tiny_unet, store, monkeypatch):

@@ -174,17 +174,17 @@ def test_a_recompile_names_its_prompt_shape_and_guard(tiny_unet, monkeypatch):
     unet = api.compile_unet(tiny_unet(), "inductor", dynamic_shapes=False)
     accel = api.accelerator_of(unet)
     told = []
-    accel.on_recompile = told.append
+    accel.recompiles.listener = told.append
     api.warmup(unet, "1x64x64", context_tokens=6)
     assert accel.warmed_shapes == ["1x64x64"] and accel.stats["recompiles_after_warmup"] == 0
     with torch.no_grad():
         unet(*_inputs())                                         # warmed: nothing compiles
-        assert accel.recompiles == [] and told == []
+        assert accel.recompiles.events == [] and told == []
         x, t, ctx = _inputs()
         unet(x.repeat(2, 1, 1, 1), t, ctx.repeat(2, 1, 1))       # batch 2: compiles
     graphs = accel.stats["recompiles_after_warmup"]
-    assert graphs > 0 and accel.recompiles_by_prompt == {"prompt-7": graphs}
-    (event,) = accel.recompiles
+    assert graphs > 0 and accel.recompiles.by_prompt == {"prompt-7": graphs}
+    (event,) = accel.recompiles.events
     assert told == [event] and event["prompt"] == "prompt-7" and event["shape"] == "2x64x64"
     assert event["graphs"] == graphs
     assert any("batch (dim 0) is 2, the code was compiled for exactly 1" in g for g in event["guards"]), event

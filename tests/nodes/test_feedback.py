@@ -14,6 +14,7 @@ import pytest
 
 from unet_compiler.compiler.backends import Backend
 from unet_compiler.compiler.config import DISABLE_ENV, CompileConfig
+from unet_compiler.compiler.recompiles import Recompiles
 from unet_compiler.compiler.report import Report
 from unet_compiler.compiler.shapes import parse_shapes
 from unet_compiler.nodes import feedback
@@ -51,7 +52,8 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     be.name = backend
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
-                           warmed=False, bypassed=False, on_fallback=None, background=None)
+                           warmed=False, bypassed=False, on_fallback=None, background=None,
+                           recompiles=Recompiles())
 
 
 def test_no_server_is_a_noop(monkeypatch, caplog):
@@ -194,8 +196,8 @@ def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
     monkeypatch.setattr(comfy_compat, "current_prompt", lambda: "prompt-A")
     accel.on_fallback("attention", "RuntimeError: boom")
     for i in range(feedback.HISTORY_MAX + 5):
-        accel.on_recompile({"prompt": "prompt-A", "shape": "4x64x64", "graphs": 2, "seconds": 1.0, "guards": [],
-                            "text": f"recompile {i}"})
+        accel.recompiles.listener({"prompt": "prompt-A", "shape": "4x64x64", "graphs": 2, "seconds": 1.0,
+                                   "guards": [], "text": f"recompile {i}"})
     started = ("execution_start", {"prompt_id": "prompt-A", "timestamp": 1})
     server.prompt_queue.task_done(7, {"outputs": {}}, status=status_t("success", True, [started]))
     server.prompt_queue.task_done(8, {"outputs": {}}, status_t("success", True, []))   # another prompt: nothing added
