@@ -16,7 +16,7 @@ import pytest
 
 from unet_compiler.nodes.spec import NODES
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "example_workflows"
+EXAMPLES = Path(__file__).resolve().parents[2] / "example_workflows"
 UI_FILES = sorted(EXAMPLES.glob("*.json"))
 API_FILES = sorted((EXAMPLES / "api").glob("*.json"))
 # the core nodes the examples use, and frontend-only (virtual) nodes
