@@ -13,7 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# the pack's persistent compile cache is off in tests (tests/test_cache.py turns it on for itself):
+# the pack's persistent compile cache is off in tests (tests/compiler/test_cache.py turns it on for itself):
 # a test counts the graphs it compiles, and the cache would also move torch's inductor cache out of
 # /tmp. Where one is turned on, it writes to a fresh folder per session, never ~/.cache.
 os.environ.setdefault("UNET_COMPILER_CACHE", "off")
@@ -54,9 +54,9 @@ def comfy():
 
 @pytest.fixture(autouse=True)
 def _no_cpu_isa_record_between_tests():
-    """compat/cpu_isa.py's routing of inductor's ISA probe is per process: each test starts without it."""
+    """compiler/cache/cpu_isa.py's routing of inductor's ISA probe is per process: each test starts without it."""
     yield
-    from unet_compiler.compiler.compat import cpu_isa
+    from unet_compiler.compiler.cache import cpu_isa
     cpu_isa.uninstall()
 
 
