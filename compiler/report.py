@@ -126,7 +126,9 @@ class Report:
                 + (f" ({stats['graphs_from_cache']} from the compile cache)" if stats.get("graphs_from_cache") else "")
                 + "; recompiles after warmup: "
                 f"{stats.get('recompiles_after_warmup', 0)}; region calls run eager for patches/lowvram: "
-                f"{stats.get('region_eager', 0)}")
+                f"{stats.get('region_eager', 0)}"
+                + (f" ({stats['region_eager_cast']} for weights ComfyUI casts per call)"
+                   if stats.get("region_eager_cast") else ""))
             if stats.get("compile_seconds"):
                 lines.append(f"  seconds in calls that compiled: {stats['compile_seconds']:.1f}")
         return "\n".join(lines)
@@ -191,15 +193,28 @@ def status_line(facts: dict) -> str:
     return f"{backend}: {state}{asked}: {facts['reason']}. Fix: {facts['fix']}."
 
 
-def warmup_facts(rep: Report, backend: str, failed: dict) -> dict:
+def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] | None = None,
+                 cast_calls: int = 0) -> dict:
     """A warmup's state (``compiled`` / ``fallback`` / ``eager``), reason and fix: region kinds
-    that failed at run time (``failed``: {kind: error}) make it a fallback."""
+    that failed at run time (``failed``: {kind: error}) make it a fallback, and so does a warmup in
+    which no region's accelerated code ran (``ran``: (regions that ran it, regions that have it);
+    ``cast_calls``: region calls that ran the model's code because ComfyUI casts their weights)."""
     if failed:
         return {"state": "fallback", "fix": "none needed for correctness; see the log for the error",
                 "reason": "; ".join(f"{k} regions failed ({why}) and run eager" for k, why in failed.items())}
     if backend == "eager":
         facts = compile_facts(rep)
         return {k: facts[k] for k in ("state", "reason", "fix")}
+    if ran is not None and ran[1] and not ran[0]:
+        if cast_calls:
+            return {"state": "fallback", "reason": f"0 of {ran[1]} regions ran compiled code: ComfyUI casts or "
+                    f"patches their weights on every call (fp8 or another storage dtype, a partial load, hook "
+                    f"LoRA), and those regions run the model's own code",
+                    "fix": "load the model in its compute dtype (Load Diffusion Model: weight_dtype default) "
+                           "with the memory to load it whole, and apply LoRAs with a LoRA loader, not hooks"}
+        return {"state": "fallback", "reason": f"0 of {ran[1]} regions ran compiled code: every call needed the "
+                f"model's own code (masks, attention overrides or patches on the regions)",
+                "fix": "none needed for correctness; the patches named in the report decide it"}
     return {"state": "compiled", "reason": "", "fix": ""}
 
 
@@ -256,6 +271,8 @@ def accelerator_text(accel) -> str:
     """The whole report of one accelerator: the Report's text, then what its backend, CUDA graphs,
     compile cache, patches, recompiles and background compile add."""
     extra = accel.backend.status_lines() + (accel.graphs.status_lines() if accel.graphs is not None else [])
+    ran, total = accel.ran_compiled()
+    extra += [f"  regions that ran compiled code: {ran} of {total}"] if total and accel.stats.get("calls") else []
     extra += accel.cache.lines() if accel.cache is not None else []
     extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(accel.patches_seen.items())]
     extra += [f"  recompile: {e['text']}" for e in accel.recompiles.events[-5:]]

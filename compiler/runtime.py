@@ -106,6 +106,8 @@ class Accelerator:
         #: what the caller's patches did to the regions ("<patch>: <effect>" -> UNet calls), for the report
         self.patches_seen: Counter = Counter()
         self.failed: dict = {}
+        #: ids of the region modules whose accelerated code ran at least once
+        self.regions_ran: set[int] = set()
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
         self.warmed = False
@@ -163,6 +165,10 @@ class Accelerator:
         """Whether any region runs through a shim (the backend has an implementation for it)."""
         return bool(self._shims)
 
+    def ran_compiled(self) -> tuple[int, int]:
+        """(regions whose accelerated code ran at least once, regions with an accelerated path)."""
+        return len(self.regions_ran), len(self._shims)
+
     def reconfigure(self, config: CompileConfig) -> None:
         """Use ``config`` from now on (before anything compiled: warmup's one-shape policy)."""
         self.config = config
@@ -219,6 +225,7 @@ class Accelerator:
                 _release(e, args)
         else:
             self.stats[f"ran_{kind}"] += 1
+            self.regions_ran.add(id(module))
             return out
         # The accelerated path raised. The model's own code runs on the same inputs, outside the
         # except block: if it raises too, the error is the model's (ComfyUI would raise it the same

@@ -10,14 +10,15 @@ def make_shim(region, impl, run, stats, failed):
     compiled code can serve goes to ``run()(kind, impl, module, original, args, eager_kwargs)``
     (``run``: a weak method, so the shim holds no accelerator); a call with a mask, extra
     arguments, an attention override, weights ComfyUI casts or patches per call, or a kind in
-    ``failed`` runs the model's own code (counted in ``stats["region_eager"]``)."""
+    ``failed`` runs the model's own code (counted in ``stats["region_eager"]``; those for cast
+    weights in ``stats["region_eager_cast"]`` too)."""
     module, kind, leaves = region.module, region.kind, region.leaves
     original = getattr(type(module), region.hook)
 
     if kind == P.ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
-                    or any(comfy_compat.has_cast_weights(m) for m in leaves)):
+                    or _cast_per_call(leaves, stats)):
                 stats["region_eager"] += 1
                 return original(module, x, context=context, value=value, mask=mask,
                                 transformer_options=transformer_options)
@@ -37,8 +38,17 @@ def make_shim(region, impl, run, stats, failed):
         if kwargs.get("scale", 0) in (None, 1.0):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
-        if kwargs or kind in failed or any(comfy_compat.has_cast_weights(m) for m in leaves):
+        if kwargs or kind in failed or _cast_per_call(leaves, stats):
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         return run()(kind, impl, module, original, args, None)
     return shim
+
+
+def _cast_per_call(leaves, stats) -> bool:
+    """Whether ComfyUI casts or patches a leaf's weights per call (fp8 or another storage dtype, a
+    partial load, hook patches): counted, so the report can name why the region ran eager."""
+    if any(comfy_compat.has_cast_weights(m) for m in leaves):
+        stats["region_eager_cast"] += 1
+        return True
+    return False

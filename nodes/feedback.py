@@ -240,7 +240,8 @@ class WarmupFeedback:
         accel = self.accel
         secs = time.perf_counter() - self._t0
         graphs = accel.stats["graphs_compiled"] - self._graphs0
-        facts = warmup_facts(accel.report, accel.backend.name, accel.failed)
+        facts = warmup_facts(accel.report, accel.backend.name, accel.failed, accel.ran_compiled(),
+                             accel.stats["region_eager_cast"])
         state, reason, fix = facts["state"], facts["reason"], facts["fix"]
         diff = accel.report.max_abs_diff
         if state == "eager":
@@ -252,8 +253,10 @@ class WarmupFeedback:
             accel.background.on_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
                                                         total=self.total, t0=self._t0)
         else:
-            text = (f"{accel.backend.name}: {state}, {self.total} shape(s) in {secs:.1f} s, {graphs} graph(s) "
-                    f"compiled" + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
+            ran, regions = accel.ran_compiled()
+            text = (f"{accel.backend.name}: {state}, {ran} of {regions} regions ran compiled code, {self.total} "
+                    f"shape(s) in {secs:.1f} s, {graphs} graph(s) compiled"
+                    + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
                     + (f" (as compiled, {accel.report.diff_recorded})"
                        if diff is not None and accel.report.diff_recorded else ""))
             if state == "fallback":

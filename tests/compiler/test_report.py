@@ -75,3 +75,13 @@ def test_report_text_says_what_ran():
                  "all from the compile cache", "max |compiled - eager| at 2x64x64: 1e-05", "recompiles after warmup: 0"):
         assert part in text, text
     assert "dynamic shapes on, the one warmup shape compiled for exactly it" in _report(dynamic_shapes=None).text()
+
+
+def test_a_warmup_in_which_nothing_ran_compiled_is_no_compiled_state():
+    rep = Report(backend_requested="auto", backend="inductor", regions={"resblock": 10})
+    assert warmup_facts(rep, "inductor", {}, (10, 10))["state"] == "compiled"
+    cast = warmup_facts(rep, "inductor", {}, (0, 10), cast_calls=40)
+    assert cast["state"] == "fallback" and cast["reason"].startswith("0 of 10 regions ran compiled code: ComfyUI casts")
+    assert "weight_dtype default" in cast["fix"]
+    other = warmup_facts(rep, "inductor", {}, (0, 10))
+    assert other["state"] == "fallback" and "masks, attention overrides or patches" in other["reason"]

@@ -301,14 +301,15 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
         assert _badge_pixels(page, node_id, BADGE_COLORS["compiled"]) > 100, (
             f"node {node_id}: no green badge drawn above the node (see {ARTIFACTS / '03_compiled.png'})")
     final = page.node(WARMUP)["progress"]
-    assert final.startswith(f"{backend}: compiled, 1 shape(s) in "), final
+    assert final.startswith(f"{backend}: compiled, ") and " regions ran compiled code, 1 shape(s) in " in final, final
     assert "compiling" in shots, "never saw Warmup Shapes in the compiling state"
 
     # headless users: the same facts in /history
     entry = _history(server, status[1]["prompt_id"])
     assert f"status: {backend}: compiled" in _ui_text(entry, COMPILE), _ui_text(entry, COMPILE)
     warm = _ui_text(entry, WARMUP)
-    assert f"warmed {SHAPE}" in warm and f"status: {backend}: compiled, 1 shape(s)" in warm, warm
+    assert f"warmed {SHAPE}" in warm and f"status: {backend}: compiled, " in warm, warm
+    assert " regions ran compiled code, 1 shape(s)" in warm, warm
     assert len(page.errors) == errors_before, "browser errors while running:\n" + "\n".join(page.errors)
 
     # ---- triton is not in this release: a visible fallback, with the fix

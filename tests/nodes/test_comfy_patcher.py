@@ -216,6 +216,30 @@ def test_lowvram_cast_weights_run_eager_and_correct(make_comfy_model):
     assert (ref - plain).abs().max() > 1e-4, "the weight_function must have mattered"
 
 
+def test_warmup_status_counts_regions_that_ran_compiled(make_comfy_model):
+    """Weights ComfyUI casts per call on every leaf (fp8-style storage): nothing ran compiled, so the
+    status is a fallback that says "0 of N" and why, never "compiled"; a plain model says N of N."""
+    mp = make_comfy_model("sd15")
+    cast = [m for m in mp.model.diffusion_model.modules() if hasattr(m, "comfy_cast_weights")]
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    try:
+        for m in cast:
+            m.comfy_cast_weights = True
+        text = patcher.warmup_model(cm, "1x64x64", 77)
+    finally:
+        for m in cast:
+            del m.comfy_cast_weights
+    total = sum(accel.report.regions.values())
+    assert accel.ran_compiled() == (0, total) and accel.stats["region_eager_cast"] > 0, text
+    assert "status: inductor: fallback" in text and f"0 of {total} regions ran compiled code" in text, text
+    assert "compiled code: 0 of" in text and "weight_dtype default" in text, text
+
+    plain, _ = patcher.compile_model(make_comfy_model("sd15"), CFG)
+    text = patcher.warmup_model(plain, "1x64x64", 77)
+    assert f"status: inductor: compiled, {total} of {total} regions ran compiled code" in text, text
+
+
 def test_zero_recompiles_after_warmup(make_comfy_model, kind):
     mp = make_comfy_model(kind)
     cm, _ = patcher.compile_model(mp, CFG)

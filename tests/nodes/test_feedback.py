@@ -53,7 +53,7 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
                            warmed=False, bypassed=False, on_fallback=None, background=None,
-                           recompiles=Recompiles())
+                           recompiles=Recompiles(), ran_compiled=lambda: (54, 54))
 
 
 def test_no_server_is_a_noop(monkeypatch, caplog):
@@ -143,7 +143,8 @@ def test_warmup_progress_and_ticker(server, monkeypatch):
     assert "shape 1/2, 1x64x64, 0.2 s" in texts or "shape 1/2, 1x64x64, 0.3 s" in texts
     assert any(t.startswith("priming 1/2, 2x64x64: compiling… ") and t.endswith(" s") for t in texts), texts
     assert done["state"] == "compiled" and texts[-1] == done["text"]
-    assert done["text"].startswith("inductor: compiled, 2 shape(s) in ") and "4 graph(s) compiled" in done["text"]
+    assert done["text"].startswith("inductor: compiled, 54 of 54 regions ran compiled code, 2 shape(s) in ")
+    assert "4 graph(s) compiled" in done["text"]
     assert not fb._thread.is_alive()
 
 
