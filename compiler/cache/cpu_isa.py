@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import settings
-from .files import atomic_write
+from . import files
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def _outcome_key(isa, code: str) -> str:
 def _read(folder: Path) -> dict:
     """{machine key: {outcome: True}} of ``folder``'s record ({} when absent or not the pack's)."""
     try:
-        data = json.loads((Path(folder) / FILE).read_text())
+        data = json.loads(files.read_text(Path(folder) / FILE))
         if data.get("format") != FORMAT:
             return {}
         return {str(m): {str(k): True for k, v in outs.items() if v is True}
@@ -169,7 +169,7 @@ def save(folder: Path) -> None:
             return
         new = dict(_new)
     folder = Path(folder)
-    if folder.is_dir() and not os.access(folder, os.W_OK):
+    if folder.is_dir() and not files.writable(folder):
         return
     machines = _read(folder)
     key = machine_key()
@@ -180,7 +180,7 @@ def save(folder: Path) -> None:
     path = folder / FILE
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data.encode())
+        files.atomic_write(path, data.encode())
     except OSError as e:
         log.debug("UNet Compiler: CPU ISA record not written to %s (%s)", path, e)
         return

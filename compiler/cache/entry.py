@@ -13,7 +13,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 
 from .. import settings, variants
 from . import cpu_isa, megacache, torch_dirs
-from .files import atomic_write
+from . import files
 from .key import FORMAT, key_facts, key_of
 
 log = logging.getLogger(__name__)
@@ -200,6 +199,11 @@ class CompileCache:
             return False
         t0 = time.perf_counter()
         data, why = self._read()
+        for wait in (0.05, 0.25):   # another process's save may have replaced one of the two files between reads
+            if not why or not bin_path.is_file():
+                break
+            time.sleep(wait)
+            data, why = self._read()
         if why:
             log.warning("UNet Compiler: compile cache entry %s discarded: %s; it is rebuilt", self.key, why)
             self._discard()
@@ -270,7 +274,7 @@ class CompileCache:
             self._atomic_write(bin_path, data)
             self._atomic_write(meta_path, json.dumps(meta, indent=1, default=str).encode())
         except OSError as e:
-            if self.folder.is_dir() and not os.access(self.folder, os.W_OK):
+            if self.folder.is_dir() and not files.writable(self.folder):
                 # a fleet's shared read-only mount: by design, not a fault
                 self.problem = (f"{self.folder} is read-only: its entries are read, code compiled here "
                                 f"stays in memory")
@@ -294,7 +298,7 @@ class CompileCache:
         bin_path, meta_path = self.paths
         self._meta = {}
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = json.loads(files.read_text(meta_path))
             data = bin_path.read_bytes()
         except (OSError, ValueError) as e:
             return None, f"unreadable ({type(e).__name__}: {e})"
@@ -305,7 +309,7 @@ class CompileCache:
 
     @staticmethod
     def _atomic_write(path: Path, data: bytes):
-        atomic_write(path, data)
+        files.atomic_write(path, data)
 
     def _discard(self):
         for p in self.paths:

@@ -1,9 +1,16 @@
-"""Writing the pack's files so that a reader never sees half of one."""
+"""The cache's file operations, safe against a concurrent reader or writer on any OS: a reader never
+sees half a file, a file another process holds open (Windows) is retried, not given up on, and
+"writable" is tried, not assumed (``os.access`` says yes for every folder on Windows)."""
 from __future__ import annotations
 
 import os
 import tempfile
+import time
 from pathlib import Path
+
+#: waits between attempts to replace a file another process has open (Windows raises PermissionError
+#: while a second ComfyUI reads the entry or an antivirus scans it; POSIX never does)
+RETRY_SECONDS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6)
 
 
 def atomic_write(path: Path, data: bytes) -> None:
@@ -13,7 +20,34 @@ def atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+        _replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _replace(src: str, dst: Path) -> None:
+    for wait in (*RETRY_SECONDS, None):
+        try:
+            os.replace(src, dst)
+            return
+        except PermissionError:
+            if wait is None:
+                raise
+            time.sleep(wait)
+
+
+def writable(folder: Path) -> bool:
+    """Whether a file can be created in ``folder`` (tried: a read-only share, a locked folder)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".unet-compiler-write-test.")
+    except OSError:
+        return False
+    os.close(fd)
+    Path(tmp).unlink(missing_ok=True)
+    return True
+
+
+def read_text(path: Path) -> str:
+    """A text file the pack wrote (UTF-8 on every OS, whatever the locale's encoding)."""
+    return Path(path).read_text(encoding="utf-8")

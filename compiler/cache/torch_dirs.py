@@ -11,6 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import files
+
 log = logging.getLogger(__name__)
 
 ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -33,7 +35,7 @@ def place(folder: Path) -> list[str]:
     try:
         if not target.is_dir():
             target.mkdir(parents=True, exist_ok=True)
-        writable = os.access(target, os.W_OK)
+        writable = files.writable(target)
     except OSError:
         writable = False
     if writable:

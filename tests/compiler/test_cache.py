@@ -197,8 +197,8 @@ def test_read_only_folder_is_read_and_said_plainly(tiny_unet, folder, monkeypatc
     def refuse(path, data):
         raise PermissionError(13, "Read-only file system")
     monkeypatch.setattr(C.CompileCache, "_atomic_write", staticmethod(refuse))
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    real_writable = C.files.writable
+    monkeypatch.setattr(C.files, "writable", lambda p: Path(p) != folder and real_writable(p))
     entry = _entry(tiny_unet(), folder)
     monkeypatch.setitem(C.cpu_isa._new, "avx2|-mavx2|0", True)   # an ISA check this process made
     entry.save()
@@ -264,9 +264,8 @@ def test_a_read_only_folder_lends_its_inductor_files_through_a_local_copy(tiny_u
     (folder / "inductor" / "locks").mkdir()
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "local_tmp"))
-    real_access = os.access
-    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder / "inductor"
-                        else real_access(p, mode))
+    real_writable = C.files.writable
+    monkeypatch.setattr(C.files, "writable", lambda p: Path(p) != folder / "inductor" and real_writable(p))
     entry = _entry(tiny_unet(), folder)
     entry.load()
     local = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -420,7 +419,57 @@ def test_a_read_only_folder_gets_no_isa_record(isa_probe, tmp_path, monkeypatch)
     cpu_isa, vec, calls = isa_probe
     cpu_isa.install(tmp_path)
     vec.VecAVX2().check_build("x")
-    real_access = os.access
-    monkeypatch.setattr(cpu_isa.os, "access", lambda p, mode: False if Path(p) == tmp_path else real_access(p, mode))
+    real_writable = cpu_isa.files.writable
+    monkeypatch.setattr(cpu_isa.files, "writable", lambda p: Path(p) != tmp_path and real_writable(p))
     cpu_isa.save(tmp_path)
     assert not any(tmp_path.iterdir())
+
+
+# ---- Windows file semantics, simulated ------------------------------------------------------
+def test_a_file_another_process_holds_open_is_retried_not_given_up(tmp_path, monkeypatch):
+    """Windows refuses to replace a file another process has open (PermissionError): the write waits
+    and tries again; a lock that never goes away still fails, after the retries."""
+    real, refused = os.replace, []
+
+    def locked_twice(src, dst):
+        if len(refused) < 2:
+            refused.append(dst)
+            raise PermissionError(13, "The process cannot access the file")
+        return real(src, dst)
+    monkeypatch.setattr(C.files, "RETRY_SECONDS", (0.01,) * 3)
+    monkeypatch.setattr(os, "replace", locked_twice)
+    C.files.atomic_write(tmp_path / "entry.bin", b"new")
+    assert (tmp_path / "entry.bin").read_bytes() == b"new" and len(refused) == 2
+    monkeypatch.setattr(os, "replace", lambda src, dst: (_ for _ in ()).throw(PermissionError(13, "locked")))
+    with pytest.raises(PermissionError):
+        C.files.atomic_write(tmp_path / "entry.bin", b"newer")
+    assert (tmp_path / "entry.bin").read_bytes() == b"new" and not list(tmp_path.glob("*.partial"))
+
+
+def test_writable_is_tried_not_assumed(tmp_path, monkeypatch):
+    """os.access says yes for every folder on Windows: writability is a real file created and removed."""
+    assert C.files.writable(tmp_path) and not list(tmp_path.iterdir())
+    assert not C.files.writable(tmp_path / "missing")
+
+    def refuse(**kw):
+        raise PermissionError(13, "Access is denied")
+    monkeypatch.setattr(os, "access", lambda p, mode: True)
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    assert not C.files.writable(tmp_path)
+
+
+def test_an_entry_read_while_another_process_saves_it_is_not_discarded(tiny_unet, folder, monkeypatch):
+    """A save replaces .bin then .json: a reader between the two sees a mismatch. It reads again
+    before it discards anything, so another worker's good entry survives."""
+    entry = _entry(tiny_unet(), folder)
+    data = C.pack_entry(b"mega", {})
+    _write(entry, data)
+    real_read, reads = C.CompileCache._read, []
+
+    def mid_save(self):
+        reads.append(1)
+        return (b"half", "sha256 mismatch (corrupt)") if len(reads) == 1 else real_read(self)
+    monkeypatch.setattr(C.CompileCache, "_read", mid_save)
+    monkeypatch.setattr(C.megacache, "load", lambda data: None)
+    assert entry.load() and len(reads) == 2, entry.state
+    assert all(p.is_file() for p in entry.paths), "the good entry is kept"
