@@ -115,7 +115,8 @@ class TritonBackend(Backend):
         except Exception as e:
             return False, Reason(f"triton {facts.triton_version} is installed but the kernels failed to load ({e})",
                                  "reinstall the triton that matches torch, or choose inductor")
-        return True, f"fused Triton kernels (triton {facts.triton_version})"
+        note = triton_compat.table_note(facts)
+        return True, f"fused Triton kernels (triton {facts.triton_version})" + (f"; {note}" if note else "")
 
     def compile_count(self) -> int:
         return triton_compat.kernel_compiles()

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import sys
+import sysconfig
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -18,8 +19,19 @@ import torch
 
 from ..report import Reason
 
-#: torch minor -> the triton-windows series built for it (woct0rdho/triton-windows)
-WINDOWS_SERIES = {(2, 6): "3.2", (2, 7): "3.3", (2, 8): "3.4", (2, 9): "3.5"}
+#: torch minor -> the triton-windows series built for it, and the release that says so
+#: (woct0rdho/triton-windows: each series pairs with the torch that upstream triton pairs with)
+WINDOWS_SERIES = {
+    (2, 6): "3.2",    # triton-windows 3.2.0.post11+: torch 2.6
+    (2, 7): "3.3",    # triton-windows 3.3: torch 2.7
+    (2, 8): "3.4",    # triton-windows 3.4: torch 2.8
+    (2, 9): "3.5",    # triton-windows 3.5: torch 2.9
+    (2, 10): "3.6",   # triton-windows 3.6: torch 2.10 and 2.11 ("triton-windows<3.7")
+    (2, 11): "3.6",
+    (2, 12): "3.7",   # triton-windows 3.7 (May 2026): torch 2.12 and 2.13
+    (2, 13): "3.7",
+    (2, 14): "3.8",   # triton-windows 3.8: torch 2.14 (September 2026)
+}
 
 
 @dataclass
@@ -32,9 +44,11 @@ class Facts:
     torch_requires_triton: str | None = None  # e.g. "3.4.0" from torch's own metadata
     base_prefix: str = ""
     python_version: tuple = (3, 12, 7)
-    has_include: bool = True               # <base_prefix>/include/Python.h
-    has_libs: bool = True                  # <base_prefix>/libs/pythonXY.lib (Windows)
+    has_include: bool = True               # Python.h under include/ where triton looks for it
+    has_libs: bool = True                  # libs/pythonXY.lib (Windows) where triton looks for it
     allocator_backend: str = "native"      # torch.cuda.memory.get_allocator_backend()
+    python_exe: str = "python"             # sys.executable: the interpreter every fix line names
+    triton_dists: dict = field(default_factory=dict)   # every triton distribution installed: {name: version}
     extra: dict = field(default_factory=dict)
 
 
@@ -43,13 +57,17 @@ def _mm(v: str) -> tuple[int, int]:
     return (nums + [0, 0])[0], (nums + [0, 0])[1]
 
 
-def _installed_triton() -> tuple[str | None, str | None]:
-    for dist in ("triton", "triton-windows", "pytorch-triton"):
+_DISTS = ("triton-windows", "triton", "pytorch-triton")
+
+
+def _installed_tritons() -> dict[str, str]:
+    out = {}
+    for dist in _DISTS:
         try:
-            return dist, metadata.version(dist)
+            out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             continue
-    return None, None
+    return out
 
 
 def _torch_requires_triton() -> str | None:
@@ -63,64 +81,120 @@ def _torch_requires_triton() -> str | None:
     return None
 
 
+def _python_dirs() -> list[Path]:
+    """Where triton looks for Python's include/ and libs/: the base prefix, the exec prefix and the
+    interpreter's own folder (a portable or embedded Python has only the last)."""
+    out = []
+    for p in (sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable)):
+        if p and Path(p) not in out:
+            out.append(Path(p))
+    return out
+
+
 def gather() -> Facts:
-    dist, ver = _installed_triton()
-    base = Path(sys.base_prefix)
+    dists = _installed_tritons()
+    dist = next(iter(dists), None)
     pyver = sys.version_info[:3]
+    # a free-threaded build links pythonXYt.lib
+    lib = f"python{pyver[0]}{pyver[1]}{'t' if sysconfig.get_config_var('Py_GIL_DISABLED') else ''}.lib"
     backend = "native"
     try:
         if torch.cuda.is_available():
             backend = torch.cuda.memory.get_allocator_backend()
     except Exception:
         pass
+    dirs = _python_dirs()
     return Facts(
         system=platform.system(), torch_version=torch.__version__, cuda_available=torch.cuda.is_available(),
-        triton_dist=dist, triton_version=ver, torch_requires_triton=_torch_requires_triton(),
-        base_prefix=str(base), python_version=pyver,
-        has_include=(base / "include" / "Python.h").is_file(),
-        has_libs=(base / "libs" / f"python{pyver[0]}{pyver[1]}.lib").is_file() if os.name == "nt" else True,
-        allocator_backend=backend)
+        triton_dist=dist, triton_version=dists.get(dist), torch_requires_triton=_torch_requires_triton(),
+        base_prefix=str(sys.base_prefix), python_version=pyver,
+        has_include=any((d / "include" / "Python.h").is_file() for d in dirs),
+        has_libs=any((d / "libs" / lib).is_file() for d in dirs) if os.name == "nt" else True,
+        allocator_backend=backend, python_exe=sys.executable, triton_dists=dists)
 
 
-def windows_pip_command(torch_version: str) -> str:
-    """The exact triton-windows install for this torch."""
+def pip(f: Facts, args: str) -> str:
+    """The exact pip command for the interpreter that runs ComfyUI (the portable build's
+    python_embeded\\python.exe, a venv's python): a bare ``pip`` on PATH may belong to another Python."""
+    return f'"{f.python_exe}" -m pip {args}'
+
+
+def windows_series(torch_version: str) -> tuple[str | None, bool]:
+    """(the triton-windows series for this torch, whether the table is older than this torch)."""
     mm = _mm(torch_version)
-    if mm >= (2, 10):
-        return 'pip install -U "triton-windows<3.7"'
-    series = WINDOWS_SERIES.get(mm)
+    if mm in WINDOWS_SERIES:
+        return WINDOWS_SERIES[mm], False
+    newest = max(WINDOWS_SERIES)
+    return (WINDOWS_SERIES[newest], True) if mm > newest else (None, False)
+
+
+def windows_pip_command(torch_version: str, python_exe: str = "python") -> str:
+    """The exact triton-windows install for this torch (never a torch install: on Windows
+    ``pip install -U torch`` replaces the CUDA build with a CPU wheel)."""
+    series, newer = windows_series(torch_version)
     if series is None:
-        return f"upgrade torch to 2.6 or newer, then install the matching triton-windows (torch {torch_version} has none)"
+        return (f"upgrade torch to 2.6 or newer (its CUDA build, from https://download.pytorch.org/whl/), then "
+                f"install the matching triton-windows (torch {torch_version} has none)")
     major, minor = series.split(".")
-    return f'pip install -U "triton-windows>={series},<{major}.{int(minor) + 1}"'
+    spec = f"triton-windows>={series}" if newer else f"triton-windows>={series},<{major}.{int(minor) + 1}"
+    return f'"{python_exe}" -m pip install -U "{spec}"'
 
 
 def problem(f: Facts) -> Reason | None:
-    """None when the triton backend can run, else why not, with the fix."""
+    """None when the triton backend can run, else why not, with the fix. On Windows every problem
+    found is named at once, in the order to fix them."""
     if not f.cuda_available:
         return Reason("no CUDA GPU: the triton backend needs one (CPU runs use inductor or ipex)")
-    pip_line = windows_pip_command(f.torch_version) if f.system == "Windows" else "pip install triton"
+    if f.system == "Windows":
+        return _windows_problem(f)
     if f.triton_version is None:
-        if f.system == "Windows":
-            return Reason("triton is not installed (Windows needs the triton-windows package)", pip_line)
         return Reason("triton is not installed (CUDA builds of torch on Linux ship it; a CPU build or a custom "
                       "install does not)",
-                      pip_line + (f"=={f.torch_requires_triton}" if f.torch_requires_triton else ""))
-    if f.system == "Windows":
-        want = windows_pip_command(f.torch_version)
-        series = WINDOWS_SERIES.get(_mm(f.torch_version))
-        ok = (_mm(f.triton_version) < (3, 7)) if _mm(f.torch_version) >= (2, 10) else (
-            series is not None and "%d.%d" % _mm(f.triton_version) == series)
-        if not ok:
-            return Reason(f"{f.triton_dist} {f.triton_version} does not match torch {f.torch_version}", want)
-        if not (f.has_include and f.has_libs):
-            missing = " and ".join(n for n, ok_ in (("include", f.has_include), ("libs", f.has_libs)) if not ok_)
-            v = ".".join(str(p) for p in f.python_version)
-            return Reason(f"this Python ({f.base_prefix}) has no {missing} folder, which triton needs to build "
-                          f"its launcher (ComfyUI's portable build ships an embedded Python without them)",
-                          f"copy the include and libs folders of a full Python {v} install into {f.base_prefix}")
-    elif f.torch_requires_triton and f.triton_version.split("+")[0] != f.torch_requires_triton.split("+")[0]:
+                      pip(f, "install triton" + (f"=={f.torch_requires_triton}" if f.torch_requires_triton else "")))
+    if f.torch_requires_triton and f.triton_version.split("+")[0] != f.torch_requires_triton.split("+")[0]:
         return Reason(f"triton {f.triton_version} does not match torch {f.torch_version}, which was built "
-                      f"against triton {f.torch_requires_triton}", f"pip install triton=={f.torch_requires_triton}")
+                      f"against triton {f.torch_requires_triton}", pip(f, f"install triton=={f.torch_requires_triton}"))
+    return None
+
+
+def _windows_problem(f: Facts) -> Reason | None:
+    want = windows_pip_command(f.torch_version, f.python_exe)
+    series, newer = windows_series(f.torch_version)
+    found: list[tuple[str, str]] = []   # (why, fix), in the order to fix them
+    dists = f.triton_dists or ({f.triton_dist: f.triton_version} if f.triton_dist else {})
+    windows = dists.get("triton-windows")
+    for other in ("triton", "pytorch-triton"):
+        if other in dists and windows is not None:
+            found.append((f"an old '{other}' {dists[other]} is installed beside triton-windows {windows} and hides "
+                          f"it", pip(f, f"uninstall -y {other}")))
+    version = windows or (f.triton_version if f.triton_dist == "triton-windows" else None)
+    if version is None and not found:
+        installed = f"{f.triton_dist} {f.triton_version} is not triton-windows; " if f.triton_dist else ""
+        fix = (pip(f, f"uninstall -y {f.triton_dist}") + " then " if f.triton_dist else "") + want
+        found.append((f"{installed}triton is not installed for Windows (it needs the triton-windows package)", fix))
+    elif version is not None:
+        v = _mm(version)
+        ok = series is not None and ("%d.%d" % v == series or (newer and v >= _mm(series)))
+        if not ok:
+            found.append((f"triton-windows {version} does not match torch {f.torch_version}", want))
+    if not (f.has_include and f.has_libs):
+        missing = " and ".join(n for n, ok_ in (("include", f.has_include), ("libs", f.has_libs)) if not ok_)
+        v = ".".join(str(p) for p in f.python_version)
+        found.append((f"this Python ({f.base_prefix}) has no {missing} folder, which triton needs to build its "
+                      f"launcher (ComfyUI's portable build ships an embedded Python without them)",
+                      f"copy the include and libs folders of a full Python {v} install into {f.base_prefix}"))
+    if not found:
+        return None
+    return Reason("; ".join(w for w, _ in found), "; then ".join(x for _, x in found))
+
+
+def table_note(f: Facts) -> str | None:
+    """A line for the report when this torch is newer than the triton-windows table (its triton is
+    accepted; the first compile proves it)."""
+    if f.system == "Windows" and windows_series(f.torch_version)[1]:
+        return (f"torch {f.torch_version} is newer than the pack's triton-windows table (last: torch "
+                f"{'.'.join(map(str, max(WINDOWS_SERIES)))}): triton-windows {f.triton_version} is accepted; "
+                f"a failed first compile falls back to inductor")
     return None
 
 

@@ -15,15 +15,21 @@ def facts(**kw):
     return T.Facts(**base)
 
 
-@pytest.mark.parametrize("torch_v, cmd", [
-    ("2.6.0+cu126", 'pip install -U "triton-windows>=3.2,<3.3"'),
-    ("2.7.1+cu128", 'pip install -U "triton-windows>=3.3,<3.4"'),
-    ("2.8.0+cu128", 'pip install -U "triton-windows>=3.4,<3.5"'),
-    ("2.10.0+cu130", 'pip install -U "triton-windows<3.7"'),
-    ("2.13.0", 'pip install -U "triton-windows<3.7"'),
+@pytest.mark.parametrize("torch_v, spec", [
+    ("2.6.0+cu126", "triton-windows>=3.2,<3.3"),
+    ("2.7.1+cu128", "triton-windows>=3.3,<3.4"),
+    ("2.8.0+cu128", "triton-windows>=3.4,<3.5"),
+    ("2.9.1+cu128", "triton-windows>=3.5,<3.6"),
+    ("2.10.0+cu130", "triton-windows>=3.6,<3.7"),
+    ("2.11.0+cu130", "triton-windows>=3.6,<3.7"),
+    ("2.12.0+cu130", "triton-windows>=3.7,<3.8"),
+    ("2.13.0", "triton-windows>=3.7,<3.8"),
+    ("2.14.1+cu130", "triton-windows>=3.8,<3.9"),
+    ("2.15.0+cu130", "triton-windows>=3.8"),          # newer than the table: at least its last series
 ])
-def test_windows_pip_command_matches_torch(torch_v, cmd):
-    assert T.windows_pip_command(torch_v) == cmd
+def test_windows_pip_command_matches_torch(torch_v, spec):
+    exe = r"C:\ComfyUI_windows_portable\python_embeded\python.exe"
+    assert T.windows_pip_command(torch_v, exe) == f'"{exe}" -m pip install -U "{spec}"'
 
 
 def test_windows_old_torch_is_told_to_upgrade():
@@ -35,20 +41,34 @@ def test_all_good_linux_and_windows():
     assert T.problem(facts(system="Windows", triton_dist="triton-windows", triton_version="3.4.0.post20")) is None
     assert T.problem(facts(system="Windows", torch_version="2.10.0", triton_dist="triton-windows",
                            triton_version="3.6.0")) is None
+    assert T.problem(facts(system="Windows", torch_version="2.13.0", triton_dist="triton-windows",
+                           triton_version="3.7.0")) is None, "today's torch with today's triton-windows"
+
+
+def test_a_torch_newer_than_the_table_keeps_its_triton_and_says_so():
+    new = facts(system="Windows", torch_version="2.15.0", triton_dist="triton-windows", triton_version="3.9.0")
+    assert T.problem(new) is None
+    assert "newer than the pack's triton-windows table" in T.table_note(new)
+    assert T.table_note(facts(system="Windows", torch_version="2.13.0")) is None
+    old = facts(system="Windows", torch_version="2.15.0", triton_dist="triton-windows", triton_version="3.5.0")
+    assert "does not match" in T.problem(old)
 
 
 def test_no_cuda():
     assert "no CUDA GPU" in T.problem(facts(cuda_available=False))
 
 
-def test_triton_missing_on_windows_gives_the_matching_pip_line():
-    msg = T.problem(facts(system="Windows", torch_version="2.7.0", triton_dist=None, triton_version=None))
-    assert "triton-windows" in msg and 'pip install -U "triton-windows>=3.3,<3.4"' in msg
+def test_triton_missing_on_windows_gives_the_matching_pip_line_for_this_python():
+    exe = r"C:\ComfyUI_windows_portable\python_embeded\python.exe"
+    msg = T.problem(facts(system="Windows", torch_version="2.7.0", triton_dist=None, triton_version=None,
+                          python_exe=exe))
+    assert "triton-windows" in msg and f'"{exe}" -m pip install -U "triton-windows>=3.3,<3.4"' in msg
+    assert " pip install" not in msg.replace(f'"{exe}" -m pip install', ""), "no bare pip: it may be another Python's"
 
 
 def test_triton_missing_on_linux():
-    msg = T.problem(facts(triton_dist=None, triton_version=None))
-    assert "pip install triton==3.4.0" in msg
+    msg = T.problem(facts(triton_dist=None, triton_version=None, python_exe="/venv/bin/python"))
+    assert '"/venv/bin/python" -m pip install triton==3.4.0' in msg
 
 
 def test_windows_version_mismatch():
@@ -57,12 +77,33 @@ def test_windows_version_mismatch():
     assert "does not match torch 2.8.0" in msg and '"triton-windows>=3.4,<3.5"' in msg
     msg = T.problem(facts(system="Windows", torch_version="2.11.0", triton_dist="triton-windows",
                           triton_version="3.7.1"))
-    assert '"triton-windows<3.7"' in msg
+    assert '"triton-windows>=3.6,<3.7"' in msg
+    msg = T.problem(facts(system="Windows", torch_version="2.13.0", triton_dist="triton-windows",
+                          triton_version="3.5.0"))
+    assert "does not match torch 2.13.0" in msg and '"triton-windows>=3.7,<3.8"' in msg, "old 3.5 beside 2.13"
+
+
+def test_a_leftover_triton_that_hides_triton_windows_is_named_with_its_uninstall():
+    both = {"triton": "3.0.0", "triton-windows": "3.7.0"}
+    msg = T.problem(facts(system="Windows", torch_version="2.13.0", triton_dist="triton", triton_version="3.0.0",
+                          triton_dists=both, python_exe="py.exe"))
+    assert "an old 'triton' 3.0.0 is installed beside triton-windows 3.7.0" in msg
+    assert '"py.exe" -m pip uninstall -y triton' in msg
+    alone = T.problem(facts(system="Windows", torch_version="2.13.0", triton_dist="triton", triton_version="3.0.0",
+                            triton_dists={"triton": "3.0.0"}, python_exe="py.exe"))
+    assert "is not triton-windows" in alone and "uninstall -y triton then" in alone and "triton-windows>=3.7" in alone
+
+
+def test_every_windows_problem_is_named_at_once_in_fix_order():
+    msg = T.problem(facts(system="Windows", torch_version="2.13.0", triton_dist="triton-windows",
+                          triton_version="3.5.0", has_include=False, has_libs=False))
+    assert msg.index("does not match") < msg.index("no include and libs folder"), msg
+    assert msg.fix.index("triton-windows>=3.7") < msg.fix.index("copy the include and libs"), msg.fix
 
 
 def test_linux_version_mismatch():
     msg = T.problem(facts(triton_version="3.3.1"))
-    assert "triton 3.3.1 does not match torch 2.8.0+cu128" in msg and "pip install triton==3.4.0" in msg
+    assert "triton 3.3.1 does not match torch 2.8.0+cu128" in msg and "-m pip install triton==3.4.0" in msg
 
 
 def test_windows_portable_python_without_include_and_libs():
