@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import platform
 import shutil
 
 import torch
@@ -60,15 +62,39 @@ def region_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool = F
     return precompiled.body(body, _backend(prepack, prepack_lin), dynamic, plain, (prepack, prepack_lin))
 
 
-def _cpp_compiler_missing() -> str | None:
+def _cpp_compiler_missing(system: str | None = None) -> Reason | None:
+    """Why inductor's CPU code cannot be built here (None: a C++ compiler it uses is found). On
+    Windows torch builds with MSVC's ``cl`` (or ``CXX``), which is installed but not on PATH
+    unless ComfyUI starts from a developer prompt; elsewhere with ``cpp.cxx`` (default g++)."""
+    if (system or platform.system()) == "Windows":
+        cxx = os.environ.get("CXX")
+        if (cxx and shutil.which(cxx)) or shutil.which("cl"):
+            return None
+        why = "no C++ compiler on PATH for inductor's CPU code (torch builds it with MSVC's cl.exe on Windows)"
+        fix = ("install Visual Studio Build Tools with the C++ workload, then start ComfyUI from the 'x64 Native "
+               "Tools Command Prompt for VS' (or run vcvars64.bat first), or choose eager")
+        return Reason(why, fix, text=f"{why}; {fix}")
     try:
         from torch._inductor import config as ic
         cxx = ic.cpp.cxx[-1] if isinstance(ic.cpp.cxx, tuple) else ic.cpp.cxx
         if cxx and shutil.which(cxx) is None and shutil.which("g++") is None and shutil.which("cl") is None:
-            return f"no C++ compiler ({cxx}) found for inductor's CPU code"
+            why = f"no C++ compiler ({cxx}) found for inductor's CPU code"
+            install = "install gcc (Linux) or MSVC Build Tools (Windows)"
+            return Reason(why, f"{install}, then restart ComfyUI", text=f"{why}; {install}")
     except Exception:
         return None
     return None
+
+
+def _triton_missing() -> Reason | None:
+    """Inductor compiles CUDA code with triton: without a working one every region's first compile
+    fails ("Cannot find a working triton installation"), so it is said up front, with the fix."""
+    from ..compat import triton as triton_compat
+    facts = triton_compat.gather()
+    why = triton_compat.problem(facts)
+    if why is None:
+        return None
+    return Reason(f"on CUDA it compiles through triton, and {why.why}", why.fix)
 
 
 @register_backend("inductor")
@@ -80,11 +106,10 @@ class InductorBackend(Backend):
         old = torch_too_old()
         if old:
             return False, old
-        if getattr(device, "type", "cpu") == "cpu":
-            missing = _cpp_compiler_missing()
-            if missing:
-                install = "install gcc (Linux) or MSVC Build Tools (Windows)"
-                return False, Reason(missing, f"{install}, then restart ComfyUI", text=f"{missing}; {install}")
+        kind = getattr(device, "type", "cpu")
+        missing = _cpp_compiler_missing() if kind == "cpu" else _triton_missing() if kind == "cuda" else None
+        if missing:
+            return False, missing
         return True, "regional torch.compile"
 
     def impls(self, config) -> dict:

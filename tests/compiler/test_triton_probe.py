@@ -127,13 +127,15 @@ def test_cuda_malloc_async_blocks_cuda_graphs():
     dict(triton_version="3.1.0"),
 ])
 def test_requested_triton_falls_back_visibly(monkeypatch, sim):
-    """On any simulated failure the registry falls back to inductor and the
-    story carries the probe's sentence (what the report and the node show)."""
+    """On any simulated failure the registry falls back visibly and the story carries the probe's
+    sentence (what the report and the node show). Inductor on CUDA compiles through triton too, so
+    the fallback is eager, and inductor's line says why."""
     monkeypatch.setattr(T, "gather", lambda: facts(**sim))
     backend, story = resolve("triton", torch.device("cuda"))
-    assert backend.name == "inductor"
+    assert backend.name == "eager"
     assert story[0].startswith("triton: ") and "Fix:" in story[0]
     assert T.problem(facts(**sim)) in story[0]
+    assert any(s.startswith("inductor: on CUDA it compiles through triton") for s in story), story
 
 
 def test_this_machine_probe_runs():
@@ -169,3 +171,30 @@ def test_triton_that_fails_to_import_falls_back_visibly(monkeypatch):
     assert backend.name == "inductor"
     assert story[0].startswith("triton: triton 3.4.0 is installed but the kernels failed to load")
     assert "libtriton.so: undefined symbol" in story[0] and "Fix: reinstall the triton that matches torch" in story[0]
+
+
+def test_auto_on_cuda_without_a_working_triton_picks_no_backend_that_would_fail(monkeypatch):
+    """Inductor compiles CUDA code through triton too: on the portable build's default (no
+    triton-windows) auto must not pick it and fail every region's first compile; it says why."""
+    monkeypatch.setattr(T, "gather", lambda: facts(system="Windows", torch_version="2.13.0", triton_dist=None,
+                                                   triton_version=None, python_exe="py.exe"))
+    backend, story = resolve("auto", torch.device("cuda"))
+    assert backend.name == "eager", story
+    inductor = next(s for s in story if s.startswith("inductor: "))
+    assert "on CUDA it compiles through triton" in inductor and '"py.exe" -m pip install -U "triton-windows' in inductor
+    monkeypatch.setattr(T, "gather", lambda: facts())
+    assert resolve("inductor", torch.device("cuda"))[0].name == "inductor", "a working triton: inductor runs"
+
+
+def test_windows_cpu_compiler_is_msvc_on_path(monkeypatch):
+    from unet_compiler.compiler.backends import inductor as I
+    monkeypatch.delenv("CXX", raising=False)
+    monkeypatch.setattr(I.shutil, "which", lambda name: "/usr/bin/g++" if name == "g++" else None)
+    why = I._cpp_compiler_missing("Windows")
+    assert why is not None and "cl.exe" in why and "x64 Native Tools Command Prompt" in why.fix, \
+        "g++ on PATH does not help: torch builds with cl on Windows"
+    monkeypatch.setattr(I.shutil, "which", lambda name: r"C:\VS\cl.exe" if name == "cl" else None)
+    assert I._cpp_compiler_missing("Windows") is None
+    monkeypatch.setenv("CXX", "clang-cl")
+    monkeypatch.setattr(I.shutil, "which", lambda name: r"C:\LLVM\clang-cl.exe" if name == "clang-cl" else None)
+    assert I._cpp_compiler_missing("Windows") is None
