@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import tempfile
 import time
@@ -19,10 +20,27 @@ ENV = "TORCHINDUCTOR_CACHE_DIR"
 _copied: dict = {}         # local copies of read-only folders' inductor files made in this process -> seconds
 
 
+#: inductor adds 120-150 characters under its cache folder; Windows paths stop at 260 (MAX_PATH)
+#: unless LongPathsEnabled is set, and cl.exe fails on longer ones even then
+WINDOWS_ROOM = 100
+
+
+def short_root(folder: Path, system: str | None = None) -> Path:
+    """Where inductor's files go for the cache ``folder``: ``folder/inductor``, except on Windows
+    when that path leaves inductor no room under MAX_PATH (a portable build in Downloads): then a
+    short folder under %LOCALAPPDATA% (one per cache folder)."""
+    target = folder / "inductor"
+    if (system or platform.system()) != "Windows" or len(str(target)) <= WINDOWS_ROOM:
+        return target
+    base = Path(os.environ.get("LOCALAPPDATA") or Path.home())
+    return base / "ucc" / hashlib.sha256(str(folder).encode()).hexdigest()[:8]
+
+
 def place(folder: Path) -> list[str]:
-    """Point inductor's cache into ``folder/inductor`` unless the user chose one (inductor writes
-    its default, /tmp/torchinductor_<user>, into the environment at first use: that value counts
-    as not chosen). Returns what was placed, in words for the report (empty: nothing moved)."""
+    """Point inductor's cache into ``folder/inductor`` (``short_root``) unless the user chose one
+    (inductor writes its default, /tmp/torchinductor_<user>, into the environment at first use:
+    that value counts as not chosen). Returns what was placed, in words for the report (empty:
+    nothing moved)."""
     current = os.environ.get(ENV)
     if current:
         try:
@@ -31,7 +49,7 @@ def place(folder: Path) -> list[str]:
                 return []
         except Exception:
             return []
-    target = folder / "inductor"
+    target = short_root(folder)
     try:
         if not target.is_dir():
             target.mkdir(parents=True, exist_ok=True)
@@ -40,7 +58,8 @@ def place(folder: Path) -> list[str]:
         writable = False
     if writable:
         os.environ[ENV] = str(target)
-        return ["torch's own inductor cache"]
+        return ["torch's own inductor cache" + ("" if target == folder / "inductor" else
+                                                 f" (in {target}: a shorter path, for Windows' 260-character limit)")]
     if not target.is_dir():
         return []   # unwritable and empty: torch keeps its default (/tmp)
     local = Path(tempfile.gettempdir()) / ("unet_compiler_inductor_"

@@ -473,3 +473,18 @@ def test_an_entry_read_while_another_process_saves_it_is_not_discarded(tiny_unet
     monkeypatch.setattr(C.megacache, "load", lambda data: None)
     assert entry.load() and len(reads) == 2, entry.state
     assert all(p.is_file() for p in entry.paths), "the good entry is kept"
+
+
+def test_a_long_cache_path_on_windows_gets_a_short_inductor_root(tmp_path, monkeypatch):
+    """Inductor adds 120-150 characters below its folder: a portable build in Downloads would pass
+    Windows' 260-character limit, so its files go to a short folder under %LOCALAPPDATA%."""
+    from unet_compiler.compiler.cache import torch_dirs
+    deep = Path(r"C:\Users\someone\Downloads\ComfyUI_windows_portable_nvidia\ComfyUI_windows_portable"
+                r"\ComfyUI\user\unet_compiler\compile_cache")
+    monkeypatch.setenv("LOCALAPPDATA", r"C:\Users\someone\AppData\Local")
+    short = torch_dirs.short_root(deep, system="Windows")
+    assert len(str(short)) <= 50 and str(short).startswith(r"C:\Users\someone\AppData\Local")
+    assert torch_dirs.short_root(deep, system="Windows") == short, "one folder per cache folder"
+    assert torch_dirs.short_root(deep, system="Linux") == deep / "inductor"
+    near = Path(r"C:\ComfyUI\user\unet_compiler\compile_cache")
+    assert torch_dirs.short_root(near, system="Windows") == near / "inductor", "short enough: beside the entries"
