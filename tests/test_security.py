@@ -317,6 +317,7 @@ class _Evil:
 
 
 FOREIGN = ["no-json", "json-of-another-format", "json-of-another-key", "json-with-wrong-sha", "truncated",
+           "json-naming-a-file-elsewhere",
            "other-name"]
 
 
@@ -353,6 +354,9 @@ def test_a_foreign_cache_file_reaches_no_deserializer(tiny_unet, cache_folder, d
             meta_path.write_text(meta(key="f" * 32))
         elif case == "json-with-wrong-sha":
             meta_path.write_text(meta(sha256="0" * 64))
+        elif case == "json-naming-a-file-elsewhere":   # its own sha, but not a .bin of this key in the folder
+            (cache_folder.parent / "elsewhere.bin").write_bytes(payload)
+            meta_path.write_text(meta(bin="../elsewhere.bin"))
 
     plant()
     assert entry.load() is False
@@ -360,7 +364,7 @@ def test_a_foreign_cache_file_reaches_no_deserializer(tiny_unet, cache_folder, d
     with mock.patch.object(torch.compiler, "save_cache_artifacts", lambda: (b"the pack's own bytes", None)):
         entry.save()
     assert deserializers == [], f"a foreign cache file reached {deserializers}"
-    assert C.unpack_entry(bin_path.read_bytes())[0] == b"the pack's own bytes", \
+    assert C.unpack_entry(entry.paths[0].read_bytes())[0] == b"the pack's own bytes", \
         "the pack wrote its own entry, merged with nothing"
 
 

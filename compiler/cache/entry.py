@@ -135,7 +135,23 @@ class CompileCache:
 
     @property
     def paths(self) -> tuple[Path, Path]:
-        return self.folder / f"{self.key}.bin", self.folder / f"{self.key}.json"
+        """(the .bin the entry's .json names now, the .json). The .json is the entry's commit
+        point: each save writes a new .bin named by its digest, then replaces the .json."""
+        meta_path = self.folder / f"{self.key}.json"
+        try:
+            meta = json.loads(files.read_text(meta_path))
+        except (OSError, ValueError):
+            meta = {}
+        return self._bin_of(meta), meta_path
+
+    def _bin_of(self, meta) -> Path:
+        """The .bin a .json names: a plain file name of this key in the folder (anything else, or a
+        .json from before named .bins, means ``<key>.bin``)."""
+        name = meta.get("bin") if isinstance(meta, dict) else None
+        if not (isinstance(name, str) and Path(name).name == name and name.startswith(self.key + ".")
+                and name.endswith(".bin")):
+            name = f"{self.key}.bin"
+        return self.folder / name
 
     # -- what warmup records in the entry --------------------------------------------
     def record_probe(self, label: str) -> None:
@@ -199,8 +215,8 @@ class CompileCache:
             return False
         t0 = time.perf_counter()
         data, why = self._read()
-        for wait in (0.05, 0.25):   # another process's save may have replaced one of the two files between reads
-            if not why or not bin_path.is_file():
+        for wait in (0.05, 0.25):   # another process's save replaced the entry between our two reads
+            if not why:
                 break
             time.sleep(wait)
             data, why = self._read()
@@ -257,22 +273,10 @@ class CompileCache:
         compiled = variants.VARIANTS.serialized()
         if (not got or not got[0]) and not compiled:
             return
-        # the entry keeps what it held (another process's graphs, this process's earlier saves)
-        try:
-            old_mega, old_variants = unpack_entry(self._current_entry())
-        except ValueError:   # what this process wrote is always readable; a foreign .bin is replaced
-            old_mega, old_variants = None, {}
-        mega = megacache.merge(old_mega, got[0]) if got and got[0] else old_mega
-        data = pack_entry(mega, merge_variants(old_variants, compiled))
-        bin_path, meta_path = self.paths
-        primed = self.primed | set(_labels(self._meta))
-        meta = {**self.facts, "key": self.key, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-                "primed": sorted(primed), "compares": {**_compares(self._meta), **self.compares},
-                "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self._atomic_write(bin_path, data)
-            self._atomic_write(meta_path, json.dumps(meta, indent=1, default=str).encode())
+            with files.lock(self.folder / f"{self.key}.lock"):
+                data = self._write(got[0] if got else None, compiled)
         except OSError as e:
             if self.folder.is_dir() and not files.writable(self.folder):
                 # a fleet's shared read-only mount: by design, not a fault
@@ -287,6 +291,34 @@ class CompileCache:
         self._entry = data
         self.saved_mib = len(data) / 2**20
 
+    def _write(self, new_mega: bytes | None, compiled: dict) -> bytes:
+        """Merge what is on disk now with what this process has, write it as a new .bin, then
+        commit it by replacing the .json (a reader sees the old entry or the new one, whole); the
+        old .bin goes last (where another process still reads it, it stays until the next save)."""
+        # the entry keeps what it held (another process's graphs, this process's earlier saves)
+        try:
+            old_mega, old_variants = unpack_entry(self._current_entry())
+        except ValueError:   # what this process wrote is always readable; a foreign .bin is replaced
+            old_mega, old_variants = None, {}
+        old_bin = self._bin_of(self._meta) if self._meta else None
+        mega = megacache.merge(old_mega, new_mega) if new_mega else old_mega
+        data = pack_entry(mega, merge_variants(old_variants, compiled))
+        digest = hashlib.sha256(data).hexdigest()
+        bin_path, meta_path = self.folder / f"{self.key}.{digest[:16]}.bin", self.folder / f"{self.key}.json"
+        meta = {**self.facts, "key": self.key, "bin": bin_path.name, "size": len(data), "sha256": digest,
+                "primed": sorted(self.primed | set(_labels(self._meta))),
+                "compares": {**_compares(self._meta), **self.compares},
+                "written": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self._atomic_write(bin_path, data)
+        self._atomic_write(meta_path, json.dumps(meta, indent=1, default=str).encode())
+        self._meta = meta
+        for stale in {old_bin, self.folder / f"{self.key}.bin"} - {None, bin_path}:
+            try:
+                stale.unlink(missing_ok=True)
+            except OSError:   # Windows: another process has it open; the next save removes it
+                pass
+        return data
+
     def _current_entry(self) -> bytes | None:
         """The entry on disk if it is intact (another worker may have added to it), else what this
         process loaded or wrote."""
@@ -295,11 +327,11 @@ class CompileCache:
 
     def _read(self) -> tuple[bytes | None, str]:
         """The entry's bytes and why they cannot be used ("" when they match the .json the pack wrote)."""
-        bin_path, meta_path = self.paths
+        meta_path = self.folder / f"{self.key}.json"
         self._meta = {}
         try:
             meta = json.loads(files.read_text(meta_path))
-            data = bin_path.read_bytes()
+            data = self._bin_of(meta).read_bytes()
         except (OSError, ValueError) as e:
             return None, f"unreadable ({type(e).__name__}: {e})"
         why = self._mismatch(meta, data)
@@ -312,7 +344,7 @@ class CompileCache:
         files.atomic_write(path, data)
 
     def _discard(self):
-        for p in self.paths:
+        for p in {*self.paths, self.folder / f"{self.key}.bin"}:
             try:
                 p.unlink(missing_ok=True)
             except OSError:  # a read-only mount: leave it, use nothing from it

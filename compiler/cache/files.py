@@ -3,6 +3,7 @@ sees half a file, a file another process holds open (Windows) is retried, not gi
 "writable" is tried, not assumed (``os.access`` says yes for every folder on Windows)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -51,3 +52,35 @@ def writable(folder: Path) -> bool:
 def read_text(path: Path) -> str:
     """A text file the pack wrote (UTF-8 on every OS, whatever the locale's encoding)."""
     return Path(path).read_text(encoding="utf-8")
+
+
+@contextlib.contextmanager
+def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
+    """Hold ``path`` as a lock file (created exclusively) inside the block: two processes saving one
+    entry take turns, so neither's merge misses what the other wrote. A lock older than ``stale``
+    seconds (a process killed while holding it) is broken; after ``timeout`` seconds, or where the
+    folder cannot hold one (read-only), the block runs without it rather than hang or fail."""
+    end, wait, held = time.monotonic() + timeout, 0.02, False
+    while True:
+        try:
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            held = True
+            break
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime > stale:
+                    path.unlink(missing_ok=True)
+                    continue
+            except OSError:
+                continue
+            if time.monotonic() >= end:
+                break
+            time.sleep(wait)
+            wait = min(wait * 2, 0.5)
+        except OSError:
+            break
+    try:
+        yield held
+    finally:
+        if held:
+            path.unlink(missing_ok=True)
