@@ -128,7 +128,8 @@ class Report:
                 f"{stats.get('recompiles_after_warmup', 0)}; region calls run eager for patches/lowvram: "
                 f"{stats.get('region_eager', 0)}"
                 + (f" ({stats['region_eager_cast']} for weights ComfyUI casts per call)"
-                   if stats.get("region_eager_cast") else ""))
+                   if stats.get("region_eager_cast") else "")
+                + (f"; oom calls run eager: {stats['oom_calls_eager']}" if stats.get("oom_calls_eager") else ""))
             if stats.get("compile_seconds"):
                 lines.append(f"  seconds in calls that compiled: {stats['compile_seconds']:.1f}")
         return "\n".join(lines)

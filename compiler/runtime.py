@@ -232,8 +232,24 @@ class Accelerator:
         # way), so it propagates untouched, nothing of the pack's chained to it, and the kind stays on.
         self.stats["region_eager"] += 1
         out = original(module, *args) if eager_kwargs is None else original(module, args[0], **eager_kwargs)
-        self._turn_off(kind, error)
+        if comfy_compat.is_oom(error):
+            self._out_of_memory(kind, args)
+        else:
+            self._turn_off(kind, error)
         return out
+
+    def _out_of_memory(self, kind, args) -> None:
+        """A transient out-of-memory (a hires pass, another model loaded): that call ran the model's
+        own code, the kind stays accelerated; counted, and said once per kind."""
+        self.stats["oom_calls_eager"] += 1
+        first = self.stats[f"oom_{kind}"] == 0
+        self.stats[f"oom_{kind}"] += 1
+        if first:
+            shape = "x".join(map(str, args[0].shape)) if isinstance(args[0], torch.Tensor) else "?"
+            msg = (f"out of memory in {kind} accelerated code (input {shape}): those calls ran the model's own "
+                   f"code, the regions stay accelerated (counted in the report's oom calls)")
+            log.warning("UNet Compiler: %s", msg)
+            self.report.notes.append(msg)
 
     def _turn_off(self, kind, error):
         """The backend failed where the model's own code runs: ``kind`` regions run eager from now on."""

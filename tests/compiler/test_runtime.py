@@ -111,8 +111,9 @@ def test_interrupt_is_not_a_fallback(tiny_unet, monkeypatch):
 
 def test_out_of_memory_in_a_region_falls_back_after_freeing_the_attempt(tiny_unet, monkeypatch):
     """The accelerated code runs out of memory: the model's own code runs instead (it may fit, and
-    ComfyUI's attention splits itself on OOM), the kind is turned off and said so, and what the
-    failed attempt allocated is let go before the model's code runs."""
+    ComfyUI's attention splits itself on OOM), what the failed attempt allocated is let go before
+    the model's code runs, and the kind stays accelerated: a transient OOM (a hires pass on a small
+    card) costs those calls, not the rest of the session. The report says what happened, once."""
     import weakref
 
     from diffusers.models.resnet import ResnetBlock2D
@@ -140,9 +141,15 @@ def test_out_of_memory_in_a_region_falls_back_after_freeing_the_attempt(tiny_une
     accel = api.accelerator_of(unet)
     with torch.no_grad():
         assert torch.equal(unet(x, t, ctx).sample, ref)
-    assert len(held) == 1 and alive_when_eager_ran and not any(alive_when_eager_ran), \
+    assert held and alive_when_eager_ran and not any(alive_when_eager_ran), \
         "the failed attempt's tensors must be freed before the model's own code runs"
-    assert set(accel.failed) == {"resblock"} and "OutOfMemoryError" in accel.failed["resblock"]
+    assert accel.failed == {} and accel.stats["oom_calls_eager"] == accel.stats["oom_resblock"] > 0
+    assert sum("out of memory in resblock" in n for n in accel.report.notes) == 1, accel.report.notes
+    calls = len(held)
+    with torch.no_grad():
+        assert torch.equal(unet(x, t, ctx).sample, ref)
+    assert len(held) > calls, "the next call tried the accelerated code again"
+    assert "oom calls run eager:" in accel.text()
 
 
 def test_out_of_memory_in_the_models_own_code_propagates(tiny_unet, failing_resblocks, monkeypatch):
