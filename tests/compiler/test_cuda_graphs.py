@@ -297,3 +297,26 @@ def test_probe_shapes_only_for_backends_that_specialise(monkeypatch, tiny_unet):
     accel.report.warmup.clear()
     warmup_runs(accel, as_shapes("2x64x64, 2x128x128"), lambda s: ran.append(s.label) or torch.zeros(1), compare=False)
     assert ran == ["2x64x64", "2x128x128"], ran
+
+
+def test_every_accelerator_shares_one_side_stream_per_device(monkeypatch):
+    """torch keeps a cuBLAS workspace per (handle, stream) and never frees it: a side stream per
+    accelerator grew memory with every Compile UNet run. Two graph layers, one stream."""
+    import contextlib
+
+    from unet_compiler.compiler import graphs as G
+    made = []
+
+    class FakeStream:
+        def __init__(self, device):
+            made.append(device)
+
+        def wait_stream(self, other):
+            pass
+    monkeypatch.setattr(G, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream("current"))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    a, b = G.CudaGraphs(), G.CudaGraphs()
+    assert a.first_call(lambda: 1, "cuda:0") == 1 and b.first_call(lambda: 2, "cuda:0") == 2
+    assert [d for d in made if d != "current"] == ["cuda:0"], made
