@@ -134,10 +134,13 @@ def activation_floor(shape: Shape, channels: int, itemsize: int) -> int:
 
 
 def device_free_bytes(device) -> int | None:
-    """Free memory of ``device`` (a GPU's, or the machine's for CPU), None when it cannot be read."""
+    """Free memory of ``device`` (a GPU's, or the machine's for CPU), None when it cannot be read.
+    On a GPU that is the driver's free memory plus what torch's allocator holds reserved but unused
+    (ComfyUI's ``get_free_memory`` counts it the same way): torch hands that out first."""
     try:
         if device.type == "cuda":
-            return int(torch.cuda.mem_get_info(device)[0])
+            free = int(torch.cuda.mem_get_info(device)[0])
+            return free + max(0, int(torch.cuda.memory_reserved(device)) - int(torch.cuda.memory_allocated(device)))
         import psutil
         return int(psutil.virtual_memory().available)
     except Exception:

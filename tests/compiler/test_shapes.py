@@ -167,3 +167,14 @@ def test_library_warmup_refuses_before_compiling(tiny_unet, monkeypatch):
     with pytest.raises(ShapeError, match=r"entry 1x512x512 needs at least 2 MiB .* this machine has 1 MiB for them"):
         warmup(unet, "1x64x64, 1x512x512")   # without the check: runs, no error
     assert api.accelerator_of(unet).report.warmup == []                      # nothing ran
+
+
+def test_free_gpu_memory_counts_what_torch_holds_reserved(monkeypatch):
+    """The library path's memory check: memory torch's allocator holds reserved but unused is free to
+    the next allocation (ComfyUI counts it so too); the driver's figure alone refused shapes that fit."""
+    from unet_compiler.compiler import shapes as S
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 * gib, 24 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 10 * gib)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 4 * gib)
+    assert S.device_free_bytes(torch.device("cuda", 0)) == 7 * gib
