@@ -225,3 +225,21 @@ def test_guards_in_plain_words():
                                         "its requires_grad changed since warmup (a weight patch such as a LoRA")
     shape = "0/0: tensor 'L['x']' size mismatch at index 0. expected 1, actual 4"
     assert sorted([shape, flag], key=rank) == [flag, shape]
+
+
+def test_the_cache_preloads_for_the_device_the_model_runs_on(tiny_unet, monkeypatch):
+    """ComfyUI compiles while the weights are still on the CPU and loads them on the GPU later: the
+    preloaded variants' dispatch state (autocast) must be the load device's, else every fp16/bf16
+    variant is deserialized twice."""
+    import functools
+
+    from unet_compiler.compiler import runtime, variants
+    from unet_compiler.compiler.cache import CompileCache
+    monkeypatch.setattr(lookup_backend("inductor"), "available", lambda self, device: (True, "test"))
+    monkeypatch.setattr(CompileCache, "load", lambda self: True)
+    seen = []
+    monkeypatch.setattr(variants.VARIANTS, "preload", lambda modes: seen.append(modes))
+    runtime.Accelerator(tiny_unet(), api.CompileConfig(backend="inductor", precision="bf16"),
+                        device=torch.device("cuda", 0))
+    (modes,) = seen
+    assert isinstance(modes, functools.partial) and modes.args == ("cuda", torch.bfloat16), modes
