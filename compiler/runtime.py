@@ -198,7 +198,11 @@ class Accelerator:
 
     def _no_impl_reason(self, region) -> str:
         if region.kind == P.PROJECTION:
-            return "free-standing convs: prepacking is off" if not self.config.prepack_conv else "no rewrite"
+            if not self.config.prepack_conv:
+                return "free-standing convs: prepacking is off"
+            if getattr(self.backend, "device_type", "cpu") != "cpu":
+                return "free-standing convs: prepacking is for CPU convs (cuDNN runs them here)"
+            return "no rewrite"
         return f"{self.backend.name} has no rewrite for this region"
 
     # ---- per-region shim ------------------------------------------------

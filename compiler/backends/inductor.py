@@ -102,6 +102,9 @@ class InductorBackend(Backend):
     auto_rank, fallback, uses_cuda_graphs = 2, True, True
     summary = "regional torch.compile (CUDA or CPU)"
     follows_dynamic_shapes = True
+    #: where the model runs (set by ``available``): free-standing conv regions are CPU-only
+    device_type = "cpu"
+
     def available(self, device):
         old = torch_too_old()
         if old:
@@ -110,6 +113,7 @@ class InductorBackend(Backend):
         missing = _cpp_compiler_missing() if kind == "cpu" else _triton_missing() if kind == "cuda" else None
         if missing:
             return False, missing
+        self.device_type = kind
         return True, "regional torch.compile"
 
     def impls(self, config) -> dict:
@@ -120,7 +124,7 @@ class InductorBackend(Backend):
         # loaded from the compile cache calls them with no compile (which imports them) in this process
         if lin:
             from ..passes import prepack_linear  # noqa: F401
-        if prepack:
+        if prepack and self.device_type == "cpu":   # oneDNN's packed weights: CPU convs only
             from ..passes import prepack_conv
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
         return out

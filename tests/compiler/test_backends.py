@@ -48,3 +48,20 @@ def test_a_backend_is_one_file(tmp_path, monkeypatch):
     finally:
         B._REGISTRY.pop("turbo", None)
         sys.modules.pop(B.__name__ + ".turbo", None)
+
+
+def test_free_standing_conv_regions_are_installed_only_where_they_fire(monkeypatch):
+    """Prepacked convs are oneDNN's (CPU): on CUDA every call would decline, so the regions are not
+    installed there (and not counted as accelerated in the report)."""
+    from unet_compiler.compiler.backends import inductor as I
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.compiler.plan import PROJECTION
+    monkeypatch.setattr(I, "_triton_missing", lambda: None)
+    cuda = lookup_backend("inductor")()
+    assert cuda.available(torch.device("cuda"))[0]
+    cpu = lookup_backend("inductor")()
+    monkeypatch.setattr(I, "_cpp_compiler_missing", lambda: None)
+    assert cpu.available(torch.device("cpu"))[0]
+    config = CompileConfig(backend="inductor")
+    assert not [k for k in cuda.impls(config) if k[1] == PROJECTION]
+    assert [k for k in cpu.impls(config) if k[1] == PROJECTION]
