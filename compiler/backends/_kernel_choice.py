@@ -23,8 +23,9 @@ from ..regions import Ops
 log = logging.getLogger(__name__)
 
 CHOICE_ENV = settings.env("KERNEL_CHOICE")
-#: (kernel, device, input signature) -> "triton" | "torch", measured once per process
+#: (kernel, device, input signature) -> "triton" | "torch" (measured once per process) | "declined"
 _CHOICE: dict = {}
+_DECLINED: dict = {}   # (kernel, device, input signature) -> why the kernel refused it
 
 
 def _measurable(device) -> bool:
@@ -76,10 +77,13 @@ class KernelChoice(Ops):
         return self._pick(name, tensors, dev, kernel, reference)
 
     def _pick(self, name, tensors, dev, kernel, reference):
-        choice = "triton"
+        sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+        key = (name, str(dev), sig)
+        choice = _CHOICE.get(key, "triton")
+        if choice == "declined":   # the kernel refused this signature before: no raise-and-catch per call
+            self.declined[_DECLINED[key]] += 1
+            return reference()
         if _measurable(dev):
-            sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
-            key = (name, str(dev), sig)
             choice = _CHOICE.get(key)
             if choice is None and dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 choice = "triton"  # no timing inside a capture (a graph captures on a signature's 2nd call)
@@ -87,7 +91,7 @@ class KernelChoice(Ops):
                 try:
                     t_kernel = _measure_ms(kernel)
                 except self.Unsupported as e:   # the kernel refuses these inputs: nothing to measure
-                    return self._declined(e, reference)
+                    return self._declined(e, reference, key)
                 t_torch = _measure_ms(reference)
                 choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
                 log.debug("%s %s: triton %.3f ms, torch %.3f ms -> %s", name, sig, t_kernel, t_torch, choice)
@@ -97,14 +101,17 @@ class KernelChoice(Ops):
         try:
             out = kernel()
         except self.Unsupported as e:
-            return self._declined(e, reference)
+            return self._declined(e, reference, key)
         self.fired[name] += 1
         self.fired_in[(name, self.where)] += 1
         return out
 
-    def _declined(self, e, reference):
+    def _declined(self, e, reference, key):
         """A kernel that cannot take these inputs (dtype, size, GPU): the torch ops it replaces run
-        on the same inputs, so the rest of the region stays on the kernels and nothing re-runs."""
-        self.declined[str(e).split(":")[0]] += 1
+        on the same inputs, so the rest of the region stays on the kernels and nothing re-runs; the
+        signature is remembered, so later calls go to the torch ops without trying the kernel."""
+        why = str(e).split(":")[0]
+        _CHOICE[key], _DECLINED[key] = "declined", why
+        self.declined[why] += 1
         log.debug("triton kernel declined: %s", e)
         return reference()

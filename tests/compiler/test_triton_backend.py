@@ -87,6 +87,8 @@ def test_kernel_refusal_runs_the_models_own_code(tiny_unet, triton_here, monkeyp
     def refuse(*a, **k):
         raise KernelUnsupported("attention: test refusal")
     monkeypatch.setattr(KA, "attention", refuse)
+    monkeypatch.setattr(KC, "_CHOICE", {})     # the refusal is remembered per signature: this test's only
+    monkeypatch.setattr(KC, "_DECLINED", {})
     u = _unet(tiny_unet)
     ref = _run(u)
     compile_unet(u, "triton")
@@ -314,3 +316,22 @@ def test_conv_residual_checks_dtype_and_layout_before_the_conv(monkeypatch):
     assert bodies.declined["bias_residual (conv output bfloat16, skip float32)"] == 1, bodies.declined
     assert TB._epilogue_mismatch(h, skip.to(memory_format=torch.channels_last)) == "skip in another memory layout"
     assert TB._epilogue_mismatch(h, skip) is None
+
+
+def test_a_declined_signature_is_remembered(monkeypatch):
+    """A kernel that refuses a signature (fp32 attention on CUDA) is not tried again on every call:
+    the torch ops serve that signature from then on, and the declines are still counted."""
+    monkeypatch.setattr(KC, "_CHOICE", {})
+    monkeypatch.setattr(KC, "_DECLINED", {})
+    ops = KC.KernelChoice()
+    tries = []
+
+    def kernel():
+        tries.append(1)
+        raise ops.Unsupported("attention: fp32 on CUDA is left to SDPA")
+    x = torch.zeros(2, 3)
+    for _ in range(3):
+        assert ops.pick("attention", [x], kernel, lambda: "torch") == "torch"
+    assert len(tries) == 1 and ops.declined["attention"] == 3 and ops.fired["attention"] == 0
+    assert ops.pick("attention", [torch.zeros(4, 3)], kernel, lambda: "torch") == "torch" and len(tries) == 2, \
+        "another signature is tried"
