@@ -153,7 +153,8 @@ class Accelerator:
             impl = impls.get((region.family, region.kind))
             if impl is None:
                 if first and self.backend.name != "eager":
-                    self.plan.skipped.append((region.kind, region.path, self._no_impl_reason(region)))
+                    self.plan.skipped.append((region.kind, region.path,
+                                              self.backend.no_impl_reason(region.kind, self.config)))
                 continue
             counts[region.kind] += 1
             self._shims.append((region.module, self._make_shim(region, impl)))
@@ -195,15 +196,6 @@ class Accelerator:
     def _compiled(self) -> int:
         """Dynamo graphs plus the backend's own compiles (Triton kernel variants)."""
         return _graph_count() + self.backend.compile_count()
-
-    def _no_impl_reason(self, region) -> str:
-        if region.kind == P.PROJECTION:
-            if not self.config.prepack_conv:
-                return "free-standing convs: prepacking is off"
-            if getattr(self.backend, "device_type", "cpu") != "cpu":
-                return "free-standing convs: prepacking is for CPU convs (cuDNN runs them here)"
-            return "no rewrite"
-        return f"{self.backend.name} has no rewrite for this region"
 
     # ---- per-region shim ------------------------------------------------
     def _make_shim(self, region, impl):

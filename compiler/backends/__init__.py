@@ -96,6 +96,12 @@ class Backend:
     def impls(self, config) -> dict:
         return {}
 
+    def no_impl_reason(self, kind: str, config) -> str:
+        """Why a region of ``kind`` has no implementation here (the report's "left eager" line)."""
+        if kind == "projection":
+            return "free-standing convs: prepacking is off" if not config.prepack_conv else "no rewrite"
+        return f"{self.name} has no rewrite for this region"
+
     def status_lines(self) -> list[str]:
         """Extra report lines about what the backend did so far."""
         return []

@@ -129,6 +129,11 @@ class InductorBackend(Backend):
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
         return out
 
+    def no_impl_reason(self, kind: str, config) -> str:
+        if kind == PROJECTION and config.prepack_conv and self.device_type != "cpu":
+            return "free-standing convs: prepacking is for CPU convs (cuDNN runs them here)"
+        return super().no_impl_reason(kind, config)
+
     def background_problem(self) -> str | None:
         if not variants.enabled():
             return (f"precompiled regions are off ({settings.env('PRECOMPILE')}=off, or torch has no aot_compile: "

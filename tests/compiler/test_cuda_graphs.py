@@ -188,10 +188,8 @@ def test_cuda_graphs_refused_with_the_reason(monkeypatch, tiny_unet):
     assert a.graphs is None and "the eager backend does not use them" in a.text()
     # ComfyUI's default allocator: the exact fix in the report
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
-    from unet_compiler.compiler import backends
-    monkeypatch.setattr(backends, "resolve", lambda req, dev: (backends.lookup_backend("inductor")(), []))
-    from unet_compiler.compiler import runtime
-    monkeypatch.setattr(runtime, "resolve", backends.resolve)
+    from unet_compiler.compiler import backends, runtime
+    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None: (backends.lookup_backend("inductor")(), []))
     a = Accelerator(u, CompileConfig(backend="inductor", cuda_graphs=True),
                     device=torch.device("cuda"))
     assert a.graphs is None and "--disable-cuda-malloc" in a.text()
