@@ -329,11 +329,18 @@ class CompileCache:
         """The entry's bytes and why they cannot be used ("" when they match the .json the pack wrote)."""
         meta_path = self.folder / f"{self.key}.json"
         self._meta = {}
-        try:
-            meta = json.loads(files.read_text(meta_path))
-            data = self._bin_of(meta).read_bytes()
-        except (OSError, ValueError) as e:
-            return None, f"unreadable ({type(e).__name__}: {e})"
+        for attempt in range(5):
+            try:
+                meta = json.loads(files.read_text(meta_path))
+                data = self._bin_of(meta).read_bytes()
+                break
+            except FileNotFoundError as e:
+                # a save replaced the .json and removed the .bin it named between our two reads:
+                # the new .json names a .bin that is whole (written before it)
+                if attempt == 4 or not meta_path.is_file():
+                    return None, f"unreadable ({type(e).__name__}: {e})"
+            except (OSError, ValueError) as e:
+                return None, f"unreadable ({type(e).__name__}: {e})"
         why = self._mismatch(meta, data)
         if not why:
             self._meta = meta   # (the .json the pack wrote for these bytes)
