@@ -77,7 +77,8 @@ class KernelChoice(Ops):
         return self._pick(name, tensors, dev, kernel, reference)
 
     def _pick(self, name, tensors, dev, kernel, reference):
-        sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors)
+        # grad mode too: a kernel refuses inputs that need grad under autograd, not the same inputs later
+        sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors) + (torch.is_grad_enabled(),)
         key = (name, str(dev), sig)
         choice = _CHOICE.get(key, "triton")
         if choice == "declined":   # the kernel refused this signature before: no raise-and-catch per call
