@@ -168,7 +168,7 @@ def _cache_fault(fault: str, folder: str) -> None:
             vouched = hashlib.sha256(garbage).hexdigest() if fault == "cache_vouched_garbage" else "0" * 64
             meta_path.write_text(json.dumps({**self.facts, "key": self.key, "size": len(garbage), "sha256": vouched}))
             # as a fresh process would: the entry is read from disk, not taken as loaded already
-            cache._loaded.discard(self.key)
+            pack("compiler.cache.entry")._loaded.discard(self.key)
         return original(self)
     _patch(cache.CompileCache, "load", load)
 
