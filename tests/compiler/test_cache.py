@@ -529,9 +529,11 @@ def test_two_processes_saving_one_entry_lose_nothing(folder):
                               stderr=subprocess.PIPE, text=True) for name in ("a", "b")]
     outs = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), outs
-    entry = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu")
-    data, why = entry._read()
-    assert not why, why
+    # the entry the two wrote (its key is theirs: this process may know another ComfyUI version)
+    (meta_path,) = folder.glob("*.json")
+    meta = json.loads(meta_path.read_text())
+    data = (folder / meta["bin"]).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == meta["sha256"]
     _, found = C.unpack_entry(data)
     assert {k: len(v) for k, v in found.items()} == {"key-a": 12, "key-b": 12}
     assert len(list(folder.glob("*.bin"))) == 1 and not list(folder.glob("*.lock")), list(folder.iterdir())
