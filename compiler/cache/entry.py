@@ -209,8 +209,8 @@ class CompileCache:
         if self.key in _loaded:
             self.state = "hit (loaded earlier in this process)"
             return True
-        bin_path, meta_path = self.paths
-        if not meta_path.is_file() and not bin_path.is_file():
+        # (not ``self.paths``: that parses the .json, which ``_read`` does next)
+        if not (self.folder / f"{self.key}.json").is_file() and not (self.folder / f"{self.key}.bin").is_file():
             self.state = "miss (compiles, then saves)"
             return False
         t0 = time.perf_counter()
