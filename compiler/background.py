@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from . import variants
+from . import cast, variants
 from .variants import guard_marks
 from .report import error_summary
 
@@ -248,6 +248,13 @@ class Background:
             others = [m for m in (r() for r in self._instances.pop(sig, [])) if m is not None]
         with _modes(modes):
             args = _stand_ins(specs, struct_inputs)
+            if cast.needs_cast(module):
+                # its leaves show ComfyUI's per-call cast only inside the sampling thread's call: this
+                # thread traces a copy that shows it (the variant serves the real module then)
+                dtype, device = cast.compute_of(args)
+                with torch.inference_mode(next(a for a in args if isinstance(a, torch.Tensor)).is_inference()):
+                    module = cast.stand_in(module, dtype, device)
+                others = []
             serving = next((fn for fn in variants.VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
             if serving is not None:      # an earlier job's (dynamic) variant serves it: prime its modules
                 first_calls(serving, [module, *others], args)
@@ -275,6 +282,9 @@ def first_calls(fn, modules, args) -> None:
     """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming)."""
     with torch.no_grad():
         for m in modules:
+            # a module whose weights are cast per call: the sampling thread may be showing them now
+            if cast.busy(m) or cast.needs_cast(m):
+                continue
             if fn.guard_check(m, *args):
                 fn.fn(m, *args)
 

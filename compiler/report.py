@@ -195,11 +195,12 @@ def status_line(facts: dict) -> str:
 
 
 def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] | None = None,
-                 cast_calls: int = 0) -> dict:
+                 cast_eager: dict | None = None) -> dict:
     """A warmup's state (``compiled`` / ``fallback`` / ``eager``), reason and fix: region kinds
     that failed at run time (``failed``: {kind: error}) make it a fallback, and so does a warmup in
     which no region's accelerated code ran (``ran``: (regions that ran it, regions that have it);
-    ``cast_calls``: region calls that ran the model's code because ComfyUI casts their weights)."""
+    ``cast_eager``: {kind: Reason} for region calls that ran the model's code because ComfyUI casts
+    their weights in a way compiled code cannot serve)."""
     if failed:
         return {"state": "fallback", "fix": "none needed for correctness; see the log for the error",
                 "reason": "; ".join(f"{k} regions failed ({why}) and run eager" for k, why in failed.items())}
@@ -207,12 +208,12 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
         facts = compile_facts(rep)
         return {k: facts[k] for k in ("state", "reason", "fix")}
     if ran is not None and ran[1] and not ran[0]:
-        if cast_calls:
-            return {"state": "fallback", "reason": f"0 of {ran[1]} regions ran compiled code: ComfyUI casts or "
-                    f"patches their weights on every call (fp8 or another storage dtype, a partial load, hook "
-                    f"LoRA), and those regions run the model's own code",
-                    "fix": "load the model in its compute dtype (Load Diffusion Model: weight_dtype default) "
-                           "with the memory to load it whole, and apply LoRAs with a LoRA loader, not hooks"}
+        if cast_eager:
+            whys = list(dict.fromkeys(getattr(r, "why", str(r)) for r in cast_eager.values()))
+            fixes = list(dict.fromkeys(getattr(r, "fix", "") for r in cast_eager.values()))
+            return {"state": "fallback", "reason": f"0 of {ran[1]} regions ran compiled code: ComfyUI casts their "
+                    f"weights on every call, and " + "; ".join(whys),
+                    "fix": "; ".join(f for f in fixes if f) or "none needed for correctness"}
         return {"state": "fallback", "reason": f"0 of {ran[1]} regions ran compiled code: every call needed the "
                 f"model's own code (masks, attention overrides or patches on the regions)",
                 "fix": "none needed for correctness; the patches named in the report decide it"}
@@ -274,6 +275,12 @@ def accelerator_text(accel) -> str:
     extra = accel.backend.status_lines() + (accel.graphs.status_lines() if accel.graphs is not None else [])
     ran, total = accel.ran_compiled()
     extra += [f"  regions that ran compiled code: {ran} of {total}"] if total and accel.stats.get("calls") else []
+    if accel.stats.get("region_cast_compiled"):
+        extra.append(f"  weights ComfyUI casts or patches per call (fp8 or other storage dtypes, partial loads, "
+                     f"weight functions): {accel.stats['region_cast_compiled']} region call(s) compiled with "
+                     f"ComfyUI's cast outside the graph, without CUDA graphs")
+    extra += [f"  left eager per call: {kind} regions whose weights ComfyUI casts per call: {why}"
+              for kind, why in accel.cast_eager.items()]
     extra += accel.cache.lines() if accel.cache is not None else []
     extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(accel.patches_seen.items())]
     extra += [f"  recompile: {e['text']}" for e in accel.recompiles.events[-5:]]

@@ -22,7 +22,7 @@ from collections import Counter
 
 import torch
 
-from . import background, settings, variants, weights
+from . import background, cast, settings, variants, weights
 from . import plan as P
 from .backends import choose, graphs_problem
 from .cache import CompileCache
@@ -106,6 +106,8 @@ class Accelerator:
         #: what the caller's patches did to the regions ("<patch>: <effect>" -> UNet calls), for the report
         self.patches_seen: Counter = Counter()
         self.failed: dict = {}
+        #: region kind -> why calls whose weights ComfyUI casts per call ran the model's own code
+        self.cast_eager: dict = {}
         #: ids of the region modules whose accelerated code ran at least once
         self.regions_ran: set[int] = set()
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
@@ -202,13 +204,20 @@ class Accelerator:
         """The callable installed as ``module.<region.hook>`` for one UNet call (its ``hook``
         attribute names where ``active`` installs it); the accelerator holds its shims, which
         call it back through a weak method (no cycle)."""
-        shim = make_shim(region, impl, weakref.WeakMethod(self._run), self.stats, self.failed)
+        shim = make_shim(region, impl, weakref.WeakMethod(self._run), self.stats, self.failed, self.cast_eager,
+                         self.backend.cast_problem())
         shim.hook = region.hook
         return shim
 
-    def _run(self, kind, impl, module, original, args, eager_kwargs):
+    def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
         try:
-            out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
+            if casts:
+                # ComfyUI's per-call cast outside the graph; no CUDA graph (its weights are new each call)
+                with cast.applied(module, casts, args):
+                    out = impl(module, *args)
+                self.stats["region_cast_compiled"] += 1
+            else:
+                out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
             if comfy_compat.is_cancel(e):
                 raise

@@ -1,29 +1,31 @@
 """The per-call gate of each region kind: which calls may run the region's compiled code."""
 from __future__ import annotations
 
+from . import cast
 from . import plan as P
-from .compat import comfy as comfy_compat
 
 
-def make_shim(region, impl, run, stats, failed):
+def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
     """The callable installed as ``module.<region.hook>`` for one UNet call: a call the region's
-    compiled code can serve goes to ``run()(kind, impl, module, original, args, eager_kwargs)``
-    (``run``: a weak method, so the shim holds no accelerator); a call with a mask, extra
-    arguments, an attention override, weights ComfyUI casts or patches per call, or a kind in
-    ``failed`` runs the model's own code (counted in ``stats["region_eager"]``; those for cast
-    weights in ``stats["region_eager_cast"]`` too)."""
+    compiled code can serve goes to ``run()(kind, impl, module, original, args, eager_kwargs,
+    casts)`` (``run``: a weak method, so the shim holds no accelerator; ``casts``: the leaves whose
+    weights ComfyUI casts or patches this call, :mod:`cast`). A call with a mask, extra arguments,
+    an attention override, per-call weights that cannot be cast outside the graph (or any, with
+    ``cast_refused``: the backend's reason), or a kind in ``failed`` runs the model's own code
+    (counted in ``stats["region_eager"]``; those for cast weights in ``stats["region_eager_cast"]``
+    too, their reason in ``cast_eager[kind]``)."""
     module, kind, leaves = region.module, region.kind, region.leaves
     original = getattr(type(module), region.hook)
 
     if kind == P.ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
-                    or _cast_per_call(leaves, stats)):
+                    or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None):
                 stats["region_eager"] += 1
                 return original(module, x, context=context, value=value, mask=mask,
                                 transformer_options=transformer_options)
             return run()(kind, impl, module, original, (x, context, value),
-                             dict(context=context, value=value, mask=mask, transformer_options=transformer_options))
+                         dict(context=context, value=value, mask=mask, transformer_options=transformer_options), casts)
         return shim
     if kind == P.ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
@@ -38,17 +40,22 @@ def make_shim(region, impl, run, stats, failed):
         if kwargs.get("scale", 0) in (None, 1.0):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
-        if kwargs or kind in failed or _cast_per_call(leaves, stats):
+        if kwargs or kind in failed or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
-        return run()(kind, impl, module, original, args, None)
+        return run()(kind, impl, module, original, args, None, casts)
     return shim
 
 
-def _cast_per_call(leaves, stats) -> bool:
-    """Whether ComfyUI casts or patches a leaf's weights per call (fp8 or another storage dtype, a
-    partial load, hook patches): counted, so the report can name why the region ran eager."""
-    if any(comfy_compat.has_cast_weights(m) for m in leaves):
-        stats["region_eager_cast"] += 1
-        return True
-    return False
+def _casts(kind, leaves, stats, cast_eager, refused):
+    """The leaves whose weights ComfyUI casts or patches this call (fp8 or another storage dtype, a
+    partial load, hook patches), or None when the region must run the model's own code for them:
+    counted, with the reason kept per kind for the report."""
+    todo, why = cast.plan(leaves)
+    if todo and refused:
+        why = refused
+    if why is None:
+        return todo
+    stats["region_eager_cast"] += 1
+    cast_eager.setdefault(kind, why)
+    return None

@@ -37,6 +37,11 @@ _STD = frozenset({"training", "_parameters", "_buffers", "_non_persistent_buffer
                   "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
                   "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                   "_load_state_dict_post_hooks", "_modules"})
+#: what ComfyUI's model patcher sets on its ops per load (partial loads, patches), read by no compiled
+#: code: inside a compiled call a leaf's cast flag is off and its weight functions are empty, because
+#: ``cast.applied`` shows leaves that cast per call as plain ones, so a load's split is not a key
+_COMFY_LOAD_STATE = frozenset({"comfy_cast_weights", "prev_comfy_cast_weights", "comfy_patched_weights",
+                               "weight_function", "bias_function"})
 
 
 
@@ -89,7 +94,7 @@ def structure(module: torch.nn.Module, args, widths: bool = True) -> tuple | Non
         if d["_forward_hooks"] or d["_forward_pre_hooks"] or (m is not module and "forward" in d):
             return None
         shapes = tuple(tuple(p.shape) for p in d["_parameters"].values() if p is not None) if widths else ()
-        parts.append((name, type(m), tuple(k for k in d if k not in _STD), shapes))
+        parts.append((name, type(m), tuple(k for k in d if k not in _STD and k not in _COMFY_LOAD_STATE), shapes))
     # which inputs are the same tensor: dynamo passes an aliased input to the graph once (and only
     # an identity guard, not kept, would tell a later call with two different tensors apart)
     ids = [id(a) for a in args]

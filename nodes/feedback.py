@@ -241,7 +241,7 @@ class WarmupFeedback:
         secs = time.perf_counter() - self._t0
         graphs = accel.stats["graphs_compiled"] - self._graphs0
         facts = warmup_facts(accel.report, accel.backend.name, accel.failed, accel.ran_compiled(),
-                             accel.stats["region_eager_cast"])
+                             accel.cast_eager)
         state, reason, fix = facts["state"], facts["reason"], facts["fix"]
         diff = accel.report.max_abs_diff
         if state == "eager":

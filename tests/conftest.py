@@ -66,10 +66,11 @@ def make_comfy_model(comfy):
     wrapped in a real ModelPatcher (``patch_compat.build_tiny``: its ``TINY`` configs)."""
     from unet_compiler.bench.patch_compat import build_tiny
 
-    def make(kind="sd15", seed=0, device="cpu"):
+    def make(kind="sd15", seed=0, device="cpu", weight_dtype=None):
         """``device``: where ComfyUI loads the model ("cpu", or ComfyUI's own choice with
-        ``comfy.mm.get_torch_device()``: the GPU on a GPU machine); it is offloaded to the CPU."""
-        return build_tiny(kind, seed, device)
+        ``comfy.mm.get_torch_device()``: the GPU on a GPU machine); it is offloaded to the CPU.
+        ``weight_dtype``: a storage dtype ComfyUI casts to fp32 on every call."""
+        return build_tiny(kind, seed, device, weight_dtype)
     return make
 
 

@@ -96,6 +96,12 @@ class Backend:
     def impls(self, config) -> dict:
         return {}
 
+    def cast_problem(self):
+        """Why (a ``report.Reason``) regions whose weights ComfyUI casts or patches per call cannot run
+        this backend's code with ComfyUI's cast done outside it (None: they can; the cast weights
+        are new tensors each call)."""
+        return None
+
     def no_impl_reason(self, kind: str, config) -> str:
         """Why a region of ``kind`` has no implementation here (the report's "left eager" line)."""
         if kind == "projection":

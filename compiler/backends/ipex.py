@@ -69,6 +69,10 @@ class IpexBackend(Backend):
             return False, Reason("not an Intel CPU (auto picks IPEX only on Intel; choose ipex to force it)")
         return True, ""
 
+    def cast_problem(self) -> Reason:
+        return Reason("IPEX optimizes a copy of each region's weights once, and weights ComfyUI casts per call "
+                      "would be optimized again on every call", "choose inductor in Select Backend to compile them")
+
     # ---- the copies -----------------------------------------------------
     def _dtype_for(self, config, ipex):
         if config.precision == "bf16":

@@ -319,3 +319,28 @@ def test_a_foreground_warmup_ends_background_mode(tiny_unet, fresh, monkeypatch)
     _check(unet, _inputs(batch=1, latent=12))
     assert _traced() > before and not fresh.queue
     fresh.gate.set()
+
+
+@pytest.mark.comfy
+def test_weights_cast_per_call_compile_in_the_background(make_comfy_model, fresh, monkeypatch):
+    """An fp8-stored model (ComfyUI casts its weights per call): the thread traces a copy that shows
+    the cast weights, never the model the sampling thread runs; afterwards every region runs the
+    compiled code with the cast, matching eager, with nothing traced in the caller."""
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.nodes import patcher
+    monkeypatch.setenv("UNET_COMPILER_CACHE", "off")
+    mp = make_comfy_model("sd15", weight_dtype=torch.float8_e4m3fn)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    patcher.warmup_model(cm, "2x64x64", 77, background=True)
+    accel = patcher.accelerator_of(cm)
+    fresh.gate.set()
+    assert fresh.wait(300) and fresh.compiled > 0 and not fresh.failures, fresh.failures
+    assert all(p.dtype == torch.float8_e4m3fn for p in mp.model.diffusion_model.parameters())
+    traced, eager = _traced(), accel.stats["region_eager"]
+    out = _apply(cm, seed=2)
+    with accel.bypass():
+        ref = _apply(cm, seed=2)
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+    assert _traced() == traced and accel.stats["region_eager"] == eager, accel.text()
+    n = sum(accel.report.regions.values())
+    assert accel.ran_compiled() == (n, n) and accel.stats["region_cast_compiled"] >= n, accel.text()

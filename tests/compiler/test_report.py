@@ -80,8 +80,11 @@ def test_report_text_says_what_ran():
 def test_a_warmup_in_which_nothing_ran_compiled_is_no_compiled_state():
     rep = Report(backend_requested="auto", backend="inductor", regions={"resblock": 10})
     assert warmup_facts(rep, "inductor", {}, (10, 10))["state"] == "compiled"
-    cast = warmup_facts(rep, "inductor", {}, (0, 10), cast_calls=40)
-    assert cast["state"] == "fallback" and cast["reason"].startswith("0 of 10 regions ran compiled code: ComfyUI casts")
-    assert "weight_dtype default" in cast["fix"]
+    why = Reason("fp8 matmul (weight_dtype fp8_e4m3fn_fast): ComfyUI's scaled fp8 matmul runs it",
+                 "load with weight_dtype fp8_e4m3fn")
+    cast = warmup_facts(rep, "inductor", {}, (0, 10), cast_eager={"resblock": why, "attention": why})
+    assert cast["state"] == "fallback" and cast["reason"] == (
+        "0 of 10 regions ran compiled code: ComfyUI casts their weights on every call, and " + why.why)
+    assert cast["fix"] == "load with weight_dtype fp8_e4m3fn"
     other = warmup_facts(rep, "inductor", {}, (0, 10))
     assert other["state"] == "fallback" and "masks, attention overrides or patches" in other["reason"]

@@ -1,0 +1,217 @@
+"""Weights ComfyUI casts or patches per call, served by compiled regions.
+
+ComfyUI's ops (``comfy.ops``) cast a leaf's weight on every call when its storage dtype or device
+is not the compute one (fp8 or fp16/bf16 storage, a partial load) or a hook patches it
+(``weight_function`` / ``bias_function``: hook LoRA, keyframes). A region whose leaves do that runs
+its compiled code this way: ComfyUI's own ``cast_bias_weight`` runs for each such leaf outside the
+graph (its arithmetic, its functions, its offload stream), and the leaf shows the result as a plain
+weight for the call (:func:`applied`). The compiled graph is then the one a plain model runs: no
+variant per storage dtype, LoRA strength, keyframe or partial-load split.
+
+A leaf whose per-call weights are not the stock cast (fp8 matmul ops, quantized matmuls, another
+pack's ops) is :func:`plan`'s reason: its region runs the model's own code and the report names it.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+import threading
+
+import torch
+
+from .compat import comfy as comfy_compat
+from .report import Reason
+
+#: the leaf attributes that make ComfyUI's forward take its cast path, and the values that don't
+_PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout_type", None))
+_MISSING = object()
+_BUSY: set[int] = set()          # region modules whose leaves show cast weights now (the sampling thread)
+_BUSY_LOCK = threading.Lock()
+
+
+def _ops():
+    return sys.modules.get("comfy.ops")
+
+
+def _stock(fn, ops) -> bool:
+    """``fn`` (a leaf class's ``forward_comfy_cast_weights``) is ComfyUI's: cast, then the plain op."""
+    qual = getattr(fn, "__qualname__", "")
+    return (getattr(fn, "__module__", None) == ops.__name__
+            and (qual.startswith("disable_weight_init.") or qual.startswith("mixed_precision_ops.")))
+
+
+def quantized(leaf) -> bool:
+    """A ComfyUI mixed-precision leaf that multiplies in its quantized format (no cast)."""
+    return (getattr(leaf, "layout_type", None) is not None and not getattr(leaf, "_full_precision_mm", True)
+            and not comfy_compat.has_cast_weights(leaf))
+
+
+def _other_ops(name: str) -> Reason:
+    return Reason(f"weights made per call by another pack's ops ({name}), whose arithmetic is its own",
+                  "none needed for correctness; to compile them, load the model with ComfyUI's own loaders")
+
+
+def why_not(leaf) -> Reason | None:
+    """Why ``leaf``'s per-call weights cannot be served by casting outside the graph (None: they can)."""
+    ops = _ops()
+    cls = type(leaf)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    if ops is None or not isinstance(leaf, getattr(ops, "CastWeightBiasOp", ())):
+        return _other_ops(name)
+    if quantized(leaf):
+        return Reason(f"quantized matmul ({getattr(leaf, 'quant_format', None) or leaf.layout_type}): ComfyUI's "
+                      f"own kernel runs it", "none needed: that matmul is ComfyUI's fast path")
+    fn = getattr(cls, "forward_comfy_cast_weights", None)
+    if getattr(ops, "fp8_ops", None) is not None and fn is getattr(ops.fp8_ops.Linear, "forward_comfy_cast_weights", 0):
+        return Reason("fp8 matmul (weight_dtype fp8_e4m3fn_fast): ComfyUI's scaled fp8 matmul runs it",
+                      "to compile these regions, load with weight_dtype fp8_e4m3fn (same storage, cast per call)")
+    if fn is None or not _stock(fn, ops) or getattr(cls.forward, "__module__", None) != ops.__name__:
+        return _other_ops(name)
+    return None
+
+
+def plan(leaves) -> tuple[tuple, Reason | None]:
+    """The leaves of a region whose weights ComfyUI casts or patches this call, and the reason the
+    region must run the model's own code instead (None: casting them outside serves it)."""
+    todo = []
+    for m in leaves:
+        if comfy_compat.has_cast_weights(m):
+            why = why_not(m)
+            if why:
+                return (), why
+            todo.append(m)
+        elif getattr(m, "layout_type", None) is not None and quantized(m):
+            return (), why_not(m)
+    return tuple(todo), None
+
+
+def compute_of(args) -> tuple[torch.dtype, torch.device] | None:
+    """The dtype and device a region's weights are cast to: its first tensor input's (ComfyUI casts
+    to each op's input, which in the plain UNet blocks is the block input's dtype and device)."""
+    t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return None if t is None else (t.dtype, t.device)
+
+
+def _cast(leaf, dtype, device, offload: bool = True):
+    """ComfyUI's cast of ``leaf``'s weight and bias: (weight, bias, offload handle or None); with
+    ``offload``, on ComfyUI's offload stream where it has one (the handle then goes to
+    ``uncast_bias_weight`` after the region's work is queued)."""
+    ops = _ops()
+    if offload and _takes_offloadable(ops.cast_bias_weight):
+        return ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
+    w, b = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype)
+    return w, b, None
+
+
+_OFFLOADABLE: dict = {}
+
+
+def _takes_offloadable(fn) -> bool:
+    hit = _OFFLOADABLE.get(fn)
+    if hit is None:
+        try:
+            hit = _OFFLOADABLE[fn] = "offloadable" in inspect.signature(fn).parameters
+        except (TypeError, ValueError):
+            hit = _OFFLOADABLE[fn] = False
+    return hit
+
+
+def _param(t, like):
+    if t is None:
+        return None
+    grad = bool(getattr(like, "requires_grad", False)) and t.is_floating_point()
+    try:
+        return torch.nn.Parameter(t, requires_grad=grad)
+    except RuntimeError:   # an inference tensor outside inference mode cannot require grad
+        return torch.nn.Parameter(t, requires_grad=False)
+
+
+def _show(leaf, weight, bias) -> list:
+    """Make ``leaf`` show ``weight``/``bias`` as plain parameters and take its plain forward; returns
+    what to put back."""
+    saved = []
+    d = leaf.__dict__
+    for name, plain in _PLAIN:
+        if hasattr(leaf, name) and getattr(leaf, name) != plain:
+            saved.append((d, name, d.get(name, _MISSING)))
+            d[name] = plain
+    for name in ("weight_function", "bias_function"):
+        if getattr(leaf, name, None):
+            saved.append((d, name, d.get(name, _MISSING)))
+            d[name] = []
+    params = leaf._parameters
+    for name, value in (("weight", weight), ("bias", bias)):
+        if params.get(name) is not None:
+            saved.append((params, name, params[name]))
+            params[name] = _param(value, params[name])
+    return saved
+
+
+def _restore(saved) -> None:
+    for d, name, value in reversed(saved):
+        if value is _MISSING:
+            d.pop(name, None)
+        else:
+            d[name] = value
+
+
+@contextlib.contextmanager
+def applied(module, leaves, args):
+    """Inside: each of ``leaves`` (the region ``module``'s, from :func:`plan`) shows ComfyUI's cast of
+    its weights for this call (to the dtype and device of ``args``' first tensor) and takes its plain
+    forward; everything is put back after, also on an error. For the thread that runs the model (the
+    compile thread builds a :func:`stand_in` instead)."""
+    dtype, device = compute_of(args)
+    casts, saved = [], []
+    with _BUSY_LOCK:
+        _BUSY.add(id(module))
+    try:
+        for leaf in leaves:
+            w, b, handle = _cast(leaf, dtype, device)
+            casts.append((leaf, w, b, handle))
+            saved += _show(leaf, w, b)
+        yield
+    finally:
+        _restore(saved)
+        with _BUSY_LOCK:
+            _BUSY.discard(id(module))
+        ops = _ops()
+        for leaf, w, b, handle in casts:
+            if handle is not None:
+                ops.uncast_bias_weight(leaf, w, b, handle)
+
+
+def busy(module) -> bool:
+    """Whether ``module``'s leaves show per-call cast weights right now (another thread must not run it)."""
+    return id(module) in _BUSY
+
+
+def needs_cast(module) -> bool:
+    """Whether any leaf under ``module`` has weights ComfyUI casts or patches per call."""
+    return any(comfy_compat.has_cast_weights(m) for m in module.modules())
+
+
+def stand_in(module, dtype, device):
+    """A copy of ``module`` whose cast leaves show their cast weights (shallow: untouched submodules
+    and tensors are shared), for a thread that must not change the model another thread runs."""
+    todo = {id(m) for m in module.modules() if comfy_compat.has_cast_weights(m)}
+    if not todo:
+        return module
+    keep = set()
+    for name, m in module.named_modules():
+        if id(m) in todo:
+            parts = name.split(".") if name else []
+            keep.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+
+    def copy(m, name):
+        new = object.__new__(type(m))
+        new.__dict__.update(m.__dict__)
+        new._parameters = dict(m._parameters)
+        new._modules = {k: (copy(c, f"{name}.{k}" if name else k) if (f"{name}.{k}" if name else k) in keep else c)
+                        for k, c in m._modules.items()}
+        if id(m) in todo:
+            w, b, _ = _cast(m, dtype, device, offload=False)
+            _show(new, w, b)
+        return new
+    return copy(module, "")

@@ -1,0 +1,152 @@
+"""Weights ComfyUI casts or patches per call (fp8 / fp16 / bf16 storage, a partial load with a
+LoRA, ops that keep their own arithmetic), through Compile UNet on ComfyUI's own UNetModel (CPU).
+
+Compiled == eager at 1e-4 (fp32 compute: only the graphs' fp32 rounding differs; measured ~1e-5),
+every region ran compiled code with ComfyUI's cast done outside the graph, and nothing compiles
+again when the storage dtype, the LoRA strength or the partial-load split changes."""
+import pytest
+import torch
+
+from unet_compiler.compiler import cast
+from unet_compiler.compiler.config import CompileConfig
+from unet_compiler.nodes import patcher
+
+from .test_comfy_patcher import _apply, _close, _lora
+
+pytestmark = pytest.mark.comfy
+CFG = CompileConfig(backend="inductor")
+STORAGE = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16]
+
+
+def _regions(accel) -> int:
+    return sum(accel.report.regions.values())
+
+
+def _eager_of(cm, **shape):
+    accel = patcher.accelerator_of(cm)
+    with accel.bypass():
+        return _apply(cm, "sd15", load=False, **shape)
+
+
+@pytest.mark.parametrize("dtype", STORAGE, ids=lambda d: str(d).replace("torch.", ""))
+def test_stored_dtype_runs_compiled_with_comfys_cast(make_comfy_model, dtype):
+    """fp8 / fp16 / bf16 storage, fp32 compute (ComfyUI's manual_cast ops): the warmup status says
+    N of N regions compiled, no region call ran the model's code, compiled == eager; a second
+    storage dtype after it compiles nothing (the graphs do not see the storage dtype)."""
+    mp = make_comfy_model("sd15", weight_dtype=dtype)
+    assert next(mp.model.diffusion_model.parameters()).dtype == dtype
+    ref = _apply(mp, "sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    n = _regions(accel)
+    assert f"status: inductor: compiled, {n} of {n} regions ran compiled code" in text, text
+    out = _apply(cm, "sd15")
+    _close(out, ref)
+    assert accel.stats["region_eager"] == 0 and accel.stats["region_cast_compiled"] > 0, accel.text()
+    assert accel.stats["recompiles_after_warmup"] == 0
+    assert "compiled with ComfyUI's cast outside the graph" in accel.text()
+
+
+def test_partial_load_with_lora_and_a_changing_split(comfy, make_comfy_model):
+    """ComfyUI's own partial load (``ModelPatcher.load`` with a memory budget): the modules past
+    the budget cast per call and apply the LoRA per call (LowVramPatch weight functions). Compiled ==
+    eager for three prompts that change the split and the LoRA strength; nothing recompiles."""
+    base = make_comfy_model("sd15", weight_dtype=torch.float16)
+    cm, _ = patcher.compile_model(base, CFG)
+    patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    size = base.model_size()
+    seen = []
+    for fraction, strength in ((0.5, 1.0), (0.2, 0.5), (0.8, 0.8)):
+        lora = cm.clone()
+        lora.add_patches(_lora(comfy, base, 0.05), strength)
+        lora.unpatch_model(lora.offload_device)
+        lora.load(torch.device("cpu"), lowvram_model_memory=int(size * fraction), full_load=False)
+        unet = lora.model.diffusion_model
+        offloaded = [m for m in unet.modules() if hasattr(m, "prev_comfy_cast_weights")]   # ComfyUI's mark
+        functions = sum(len(getattr(m, "weight_function", ())) for m in offloaded)
+        assert offloaded and functions, "the budget must offload some modules that carry the LoRA"
+        seen.append(len(offloaded))
+        before = accel.stats.copy()
+        out = _apply(lora, "sd15", load=False)
+        ref = _eager_of(lora)
+        _close(out, ref)
+        assert accel.stats["region_eager"] == before["region_eager"], accel.text()
+        assert accel.stats["region_cast_compiled"] > before["region_cast_compiled"]
+        lora.unpatch_model(lora.offload_device)
+    assert len(set(seen)) == 3, f"the split did not change: {seen}"
+    assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+def test_ops_with_their_own_arithmetic_stay_eager_and_are_named(comfy, make_comfy_model):
+    """A leaf whose per-call weights are not ComfyUI's stock cast (another pack's dequantising ops,
+    GGUF-style) keeps the model's own code, and the report names the ops and the region kind; the
+    same model with stock ops compiles."""
+    mp = make_comfy_model("sd15", weight_dtype=torch.float16)
+    unet = mp.model.diffusion_model
+    base = comfy.ops.manual_cast.Linear
+
+    class DequantLinear(base):   # another pack's ops: its own per-call weights
+        def forward_comfy_cast_weights(self, input):
+            w, b = comfy.ops.cast_bias_weight(self, input)
+            return torch.nn.functional.linear(input, w * 1.0, b)
+    DequantLinear.__module__ = "other_pack.ops"
+    leaf = unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
+    leaf.__class__ = DequantLinear
+    assert cast.why_not(leaf) and "other_pack.ops" in cast.why_not(leaf)
+    ref = _apply(mp, "sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    _close(_apply(cm, "sd15"), ref)
+    assert accel.cast_eager == {"attention": cast.why_not(leaf)}, accel.cast_eager
+    assert accel.stats["region_eager_cast"] > 0 and accel.stats["region_cast_compiled"] > 0
+    assert "other_pack.ops" in accel.text() and "attention" in accel.text()
+    n = _regions(accel)
+    assert f"{n - 1} of {n} regions ran compiled code" in text, text
+
+
+def test_fp8_matmul_ops_are_named(comfy, make_comfy_model):
+    """ComfyUI's fp8 matmul ops (fp8_e4m3fn_fast on fp8 GPUs) keep their scaled fp8 matmul: named."""
+    mp = make_comfy_model("sd15", weight_dtype=torch.float8_e4m3fn)
+    leaf = mp.model.diffusion_model.input_blocks[1][1].transformer_blocks[0].ff.net[2]
+    leaf.__class__ = comfy.ops.fp8_ops.Linear
+    assert "fp8 matmul" in cast.why_not(leaf)
+    todo, why = cast.plan([leaf])
+    assert todo == () and "fp8_e4m3fn_fast" in why
+
+
+def test_a_failed_call_puts_the_weights_back(comfy, make_comfy_model):
+    """An error inside the compiled call (here: in the body) leaves every leaf as it was: its stored
+    weight, its cast flag and its functions."""
+    mp = make_comfy_model("sd15", weight_dtype=torch.float8_e4m3fn)
+    attn = mp.model.diffusion_model.input_blocks[1][1].transformer_blocks[0].attn1
+    leaves = [attn.to_q, attn.to_k]
+    attn.to_q.weight_function = [lambda w: w * 2]
+    before = [(m.weight, m.bias, dict(m.__dict__)) for m in leaves]
+    todo, why = cast.plan(leaves)
+    assert why is None and len(todo) == 2
+    x = torch.zeros(1, 4, 32)
+    with pytest.raises(RuntimeError, match="boom"):
+        with cast.applied(attn, todo, (x,)):
+            assert attn.to_q.weight.dtype == torch.float32 and not attn.to_q.comfy_cast_weights
+            assert attn.to_q.weight_function == [] and cast.busy(attn)
+            torch.testing.assert_close(attn.to_q.weight, before[0][0].float() * 2)
+            raise RuntimeError("boom")
+    for m, (w, b, d) in zip(leaves, before):
+        assert m.weight is w and m.bias is b and m.__dict__ == d
+    assert not cast.busy(attn)
+
+
+def test_a_stand_in_shows_the_cast_and_leaves_the_model_alone(make_comfy_model):
+    """The compile thread's copy: its leaves show the cast weights; the model's own are untouched."""
+    mp = make_comfy_model("sd15", weight_dtype=torch.float8_e4m3fn)
+    block = mp.model.diffusion_model.input_blocks[1][0]
+    stored = {n: p for n, p in block.named_parameters()}
+    copy = cast.stand_in(block, torch.float32, torch.device("cpu"))
+    assert copy is not block and not cast.needs_cast(copy) and cast.needs_cast(block)
+    for n, p in copy.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p, stored[n].float()), n
+    assert {n: p for n, p in block.named_parameters()} == stored
+    assert all(p.dtype == torch.float8_e4m3fn for p in block.parameters())
