@@ -255,9 +255,21 @@ def recompile_sentence(e: dict, warmed_shapes: list[str]) -> str:
     why = "; ".join(e.get("guards") or []) or "dynamo recorded no failed guard (a new code path)"
     fix = ("none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
            "with this line" if inside or not e.get("shape") else
-           f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG)")
+           f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG"
+           + ("; this call is half a warmed batch: ComfyUI calls cond and uncond apart when their hooks differ "
+              "(hook LoRA), at cfg 1 and with some area conditioning" if _half_batch(e["shape"], warmed_shapes)
+              else "") + ")")
     return (f"{where}{e['graphs']} graph(s) compiled after warmup{shape}{where_shape}, {e['seconds']:.1f} s; "
             f"warmed shapes: {warmed}; why: {why}. Fix: {fix}")
+
+
+def _half_batch(label: str, warmed_shapes: list[str]) -> bool:
+    """Whether ``label`` is a warmed shape with half its batch (cond and uncond called apart)."""
+    try:
+        s, box = parse_shapes(label)[0], parse_shapes(", ".join(warmed_shapes))
+    except Exception:
+        return False
+    return any(b.batch == 2 * s.batch and (b.width, b.height) == (s.width, s.height) for b in box)
 
 
 def _inside(label: str, warmed_shapes: list[str]) -> bool:

@@ -88,3 +88,14 @@ def test_a_warmup_in_which_nothing_ran_compiled_is_no_compiled_state():
     assert cast["fix"] == "load with weight_dtype fp8_e4m3fn"
     other = warmup_facts(rep, "inductor", {}, (0, 10))
     assert other["state"] == "fallback" and "masks, attention overrides or patches" in other["reason"]
+
+
+def test_a_recompile_at_half_a_warmed_batch_names_the_cond_uncond_split():
+    """Hook LoRA (or cfg 1) makes ComfyUI call cond and uncond apart: half the warmed batch. The fix
+    says so; another shape outside the range does not get that sentence."""
+    from unet_compiler.compiler.report import recompile_sentence
+    e = dict(prompt="p1", shape="1x64x64", graphs=3, seconds=2.0, guards=["batch"])
+    text = recompile_sentence(e, ["2x64x64"])
+    assert "Fix: add 1x64x64 to Warmup Shapes" in text and "cond and uncond apart" in text and "hook LoRA" in text
+    other = recompile_sentence(dict(e, shape="1x128x128"), ["2x64x64"])
+    assert "Fix: add 1x128x128 to Warmup Shapes" in other and "cond and uncond" not in other
