@@ -41,10 +41,15 @@ def _stock(fn, ops) -> bool:
             and (qual.startswith("disable_weight_init.") or qual.startswith("mixed_precision_ops.")))
 
 
+def per_call(leaf) -> bool:
+    """Whether ComfyUI makes ``leaf``'s weights per call: cast or patched (``has_cast_weights``), or a
+    mixed-precision leaf that dequantizes them (``_full_precision_mm``: no quantized matmul here)."""
+    return comfy_compat.has_cast_weights(leaf) or bool(getattr(leaf, "_full_precision_mm", False))
+
+
 def quantized(leaf) -> bool:
     """A ComfyUI mixed-precision leaf that multiplies in its quantized format (no cast)."""
-    return (getattr(leaf, "layout_type", None) is not None and not getattr(leaf, "_full_precision_mm", True)
-            and not comfy_compat.has_cast_weights(leaf))
+    return getattr(leaf, "layout_type", None) is not None and not per_call(leaf)
 
 
 def _other_ops(name: str) -> Reason:
@@ -76,12 +81,12 @@ def plan(leaves) -> tuple[tuple, Reason | None]:
     region must run the model's own code instead (None: casting them outside serves it)."""
     todo = []
     for m in leaves:
-        if comfy_compat.has_cast_weights(m):
+        if per_call(m):
             why = why_not(m)
             if why:
                 return (), why
             todo.append(m)
-        elif getattr(m, "layout_type", None) is not None and quantized(m):
+        elif quantized(m):
             return (), why_not(m)
     return tuple(todo), None
 
@@ -189,13 +194,13 @@ def busy(module) -> bool:
 
 def needs_cast(module) -> bool:
     """Whether any leaf under ``module`` has weights ComfyUI casts or patches per call."""
-    return any(comfy_compat.has_cast_weights(m) for m in module.modules())
+    return any(per_call(m) for m in module.modules())
 
 
 def stand_in(module, dtype, device):
     """A copy of ``module`` whose cast leaves show their cast weights (shallow: untouched submodules
     and tensors are shared), for a thread that must not change the model another thread runs."""
-    todo = {id(m) for m in module.modules() if comfy_compat.has_cast_weights(m)}
+    todo = {id(m) for m in module.modules() if per_call(m)}
     if not todo:
         return module
     keep = set()

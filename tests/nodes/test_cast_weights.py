@@ -150,3 +150,48 @@ def test_a_stand_in_shows_the_cast_and_leaves_the_model_alone(make_comfy_model):
         assert p.dtype == torch.float32 and torch.equal(p, stored[n].float()), n
     assert {n: p for n, p in block.named_parameters()} == stored
     assert all(p.dtype == torch.float8_e4m3fn for p in block.parameters())
+
+
+def _mixed_precision_sd15(comfy, make_comfy_model):
+    """A ComfyUI mixed-precision ("scaled fp8") tiny SD1.5: every transformer-block linear stored as
+    fp8 with a per-tensor scale and its ``comfy_quant`` metadata, loaded by ComfyUI's
+    mixed_precision_ops (no fp8 matmul on a CPU: each dequantizes per call), the rest fp32."""
+    import json
+    from unet_compiler.bench.patch_compat import TINY
+    sd = make_comfy_model("sd15").model.diffusion_model.state_dict()
+    spec = TINY["sd15"]
+    cfg = getattr(comfy.sm, spec["cls"])(dict(spec["unet"]))
+    cfg.unet_config = dict(spec["unet"])
+    cfg.quant_config, cfg.manual_cast_dtype = {"mixed_ops": True}, torch.float32
+    base = cfg.get_model({})
+    quant = {}
+    for k, v in sd.items():
+        if k.endswith(".weight") and v.dim() == 2 and "transformer_blocks" in k:
+            layer, scale = k[:-len(".weight")], v.abs().max() / 448
+            quant[k] = (v / scale).to(torch.float8_e4m3fn)
+            quant[f"{layer}.weight_scale"] = scale.float()
+            quant[f"{layer}.comfy_quant"] = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()),
+                                                         dtype=torch.uint8)
+        else:
+            quant[k] = v
+    missing, unexpected = base.diffusion_model.load_state_dict(quant, strict=False)
+    assert not missing and not unexpected
+    base.eval()
+    return comfy.mp.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+
+
+def test_mixed_precision_checkpoint_runs_compiled(comfy, make_comfy_model):
+    """ComfyUI's scaled-fp8 / mixed-precision checkpoints: the quantized linears dequantize per call
+    (ComfyUI's own code, outside the graph), every region compiled, compiled == eager."""
+    mp = _mixed_precision_sd15(comfy, make_comfy_model)
+    leaf = mp.model.diffusion_model.input_blocks[1][1].transformer_blocks[0].attn1.to_q
+    assert type(leaf.weight).__name__ == "QuantizedTensor" and cast.per_call(leaf) and cast.why_not(leaf) is None
+    ref = _apply(mp, "sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    n = _regions(accel)
+    assert f"status: inductor: compiled, {n} of {n} regions ran compiled code" in text, text
+    _close(_apply(cm, "sd15"), ref)
+    assert accel.stats["region_eager"] == 0 and accel.stats["region_cast_compiled"] > 0, accel.text()
+    assert type(leaf.weight).__name__ == "QuantizedTensor"   # put back after each call
