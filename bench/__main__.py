@@ -4,6 +4,8 @@
     compat    the compatibility tables: every ComfyUI UNet family, then the core patch nodes
     starts    cold and warm starts through a real ComfyUI server
     soak      prompts with random batch / resolution / LoRA strength through a real ComfyUI server
+    storage   what fp8 / fp16 / bf16 weight storage costs and saves (a ComfyUI SD1.5 UNet, eager vs
+              Compile UNet vs TorchCompileModel)
     kernels   the per-kernel table: each Triton kernel vs the torch ops it replaces vs inductor
     targets   every kernel compiled for each GPU target, on a machine without a GPU (a CI lane)
 
@@ -78,6 +80,16 @@ def parser() -> argparse.ArgumentParser:
                    help="no inductor column")
     k.set_defaults(kernels_only=True, row="", row_progress="", backend="", peak_tflops=0.0)
 
+    st = sub.add_parser("storage", help="weight storage dtypes (fp8 ...) on a ComfyUI SD1.5 UNet: eager vs "
+                        "Compile UNet vs TorchCompileModel, step time and memory (needs a ComfyUI tree)")
+    st.add_argument("--dtypes", default="default,fp8_e4m3fn,fp8_e5m2",
+                    help="comma list of UNETLoader weight_dtype values, plus fp16 and bf16 (default %(default)s)")
+    st.add_argument("--latent", type=int, default=16, help="latent side (pixels / 8)")
+    st.add_argument("--batch", type=int, default=2)
+    st.add_argument("--iters", type=int, default=5)
+    st.add_argument("--row", default="", help=argparse.SUPPRESS)          # internal: one dtype, in a fresh process
+    st.add_argument("--checkpoint", default="", help=argparse.SUPPRESS)
+
     sub.add_parser("starts", add_help=False, help="cold and warm starts through a real ComfyUI server "
                    "(starts --help)")
     sub.add_parser("soak", add_help=False, help="prompts with random batch / resolution / LoRA strength through a "
@@ -100,6 +112,9 @@ def main(argv=None):
         from .targets import main as targets
         return targets(argv[1:])
     args = parser().parse_args(argv)
+    if args.cmd == "storage":
+        from .storage import main as storage
+        return storage(args)
     if args.cmd == "compat":
         from .run import compat
         return compat(args)

@@ -240,8 +240,8 @@ class WarmupFeedback:
         accel = self.accel
         secs = time.perf_counter() - self._t0
         graphs = accel.stats["graphs_compiled"] - self._graphs0
-        facts = warmup_facts(accel.report, accel.backend.name, accel.failed, accel.ran_compiled(),
-                             accel.cast_eager)
+        ran, regions = accel.ran_compiled()
+        facts = warmup_facts(accel.report, accel.backend.name, accel.failed, (ran, regions), accel.cast_eager)
         state, reason, fix = facts["state"], facts["reason"], facts["fix"]
         diff = accel.report.max_abs_diff
         if state == "eager":
@@ -253,7 +253,6 @@ class WarmupFeedback:
             accel.background.on_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
                                                         total=self.total, t0=self._t0)
         else:
-            ran, regions = accel.ran_compiled()
             text = (f"{accel.backend.name}: {state}, {ran} of {regions} regions ran compiled code, {self.total} "
                     f"shape(s) in {secs:.1f} s, {graphs} graph(s) compiled"
                     + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
@@ -264,7 +263,7 @@ class WarmupFeedback:
         if problem:
             text += f"; {problem}"
         self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, max_abs_diff=diff,
-                   reason=reason, fix=fix)
+                   reason=reason, fix=fix, **({"ran": ran, "regions": regions} if state != "compiling" else {}))
         level = logging.WARNING if state == "fallback" else logging.INFO
         log.log(level, "UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
         return {"state": state, "text": text, "reason": reason, "fix": fix}

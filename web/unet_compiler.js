@@ -38,8 +38,9 @@ class StateBadge {
   get text() {
     const s = this.node.unetCompiler;
     if (!s?.state) return "";
-    // "eager" is both a backend and a state: say it once
-    return s.backend === s.state || !s.backend ? s.state : `${s.backend} · ${s.state}`;
+    // "eager" is both a backend and a state: say it once; after a warmup, the regions that ran compiled code
+    const ran = s.regions && s.state !== "eager" ? ` ${s.ran}/${s.regions}` : "";
+    return (s.backend === s.state || !s.backend ? s.state : `${s.backend} · ${s.state}`) + ran;
   }
   get bgColor() {
     return COLORS[this.node.unetCompiler?.state] ?? COLORS.eager;
@@ -151,6 +152,9 @@ function onWarmup({ detail }) {
     state: detail.state,
     progress: detail.text,
     phase: detail.phase,
+    // "ran of regions" comes with a warmup's end; any other event clears the count it showed
+    ran: detail.ran,
+    regions: detail.regions,
   });
   // no toast here: a failing region already sent unet_compiler.fallback, a
   // backend that could not load already toasted at Compile UNet

@@ -297,9 +297,11 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
 
     for node_id in (COMPILE, WARMUP):
         state = page.node(node_id)
-        assert f"{backend} · compiled" in state["badges"], f"node {node_id}: {state}"
+        assert any(b.startswith(f"{backend} · compiled") for b in state["badges"]), f"node {node_id}: {state}"
         assert _badge_pixels(page, node_id, BADGE_COLORS["compiled"]) > 100, (
             f"node {node_id}: no green badge drawn above the node (see {ARTIFACTS / '03_compiled.png'})")
+    # Warmup Shapes' badge counts the regions that ran compiled code, as its status line does
+    assert re.search(rf"{backend} · compiled (\d+)/\1$", page.node(WARMUP)["badges"][0]), page.node(WARMUP)
     final = page.node(WARMUP)["progress"]
     assert final.startswith(f"{backend}: compiled, ") and " regions ran compiled code, 1 shape(s) in " in final, final
     assert "compiling" in shots, "never saw Warmup Shapes in the compiling state"
@@ -341,7 +343,7 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
     assert (ev["requested"], ev["state"], ev["backend"]) == ("triton", "fallback", backend), ev
     assert ev["reason"] and ev["fix"], ev
     state = page.node(COMPILE)
-    assert f"{backend} · fallback" in state["badges"], state
+    assert any(b.startswith(f"{backend} · fallback") for b in state["badges"]), state
     assert _badge_pixels(page, COMPILE, BADGE_COLORS["fallback"]) > 100, "no red fallback badge drawn"
     entry = _history(server, status[1]["prompt_id"])
     assert "Fix:" in _ui_text(entry, COMPILE), _ui_text(entry, COMPILE)
