@@ -178,6 +178,8 @@ PROCESSES = {
                                                 "that checkpoint the same way",
     ("bench/comfy_server.py", "start_server"): "tests/bench: starts a headless ComfyUI server (main.py) on a local "
                                                 "port",
+    ("bench/storage.py", "main"): "the storage bench runs each weight_dtype in a fresh python process (`-m "
+                                  "unet_compiler.bench storage --row`, cwd = the ComfyUI tree) so its compile is cold",
     ("bench/starts.py", "_read_only"): "the fleet-start bench: `mount --bind` / `remount,ro` / `umount` of a temp "
                                        "folder to simulate a read-only shared cache (root only)",
     ("bench/targets.py", "sass_of"): "runs triton's bundled cuobjdump to read a compiled kernel's SASS",
