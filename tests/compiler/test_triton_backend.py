@@ -125,6 +125,31 @@ def test_comfy_unet_parity(triton_here, make_comfy_model):
     assert bodies.fired["groupnorm_silu"] > 0 and bodies.fired["geglu"] > 0 and _attention_as_expected(bodies)
 
 
+def test_fp8_stored_comfy_unet_runs_the_kernels_on_comfys_cast(triton_here, make_comfy_model):
+    """fp8 storage (ComfyUI casts each weight per call): the fused kernels read the cast weights
+    (ComfyUI's cast, outside them) and every region ran them; compiled == eager."""
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.nodes import patcher
+    import comfy.model_management as mm
+    mp = make_comfy_model("sd15", device=mm.get_torch_device(), weight_dtype=torch.float8_e4m3fn)
+    g = torch.Generator().manual_seed(3)
+    x, ctx = (t.to(DEV) for t in (torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 64, generator=g)))
+
+    def apply(m):
+        mm.load_models_gpu([m])
+        with torch.inference_mode():
+            return m.model.apply_model(x, torch.full((2,), 2.0, device=DEV), c_crossattn=ctx,
+                                       transformer_options=patcher.sampling_transformer_options(m))
+    ref = apply(mp)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="triton"))
+    torch.testing.assert_close(apply(cm), ref, rtol=2e-4, atol=2e-4)
+    accel = patcher.accelerator_of(cm)
+    bodies = accel.backend.ops
+    assert bodies.fired["groupnorm_silu"] > 0 and bodies.fired["bias_residual"] > 0 and bodies.fired["geglu"] > 0
+    assert accel.stats["region_eager"] == 0 and accel.stats["region_cast_compiled"] > 0, accel.text()
+    assert all(p.dtype == torch.float8_e4m3fn for p in mp.model.diffusion_model.parameters())
+
+
 def test_measured_choice_runs_torch_where_it_is_faster(tiny_unet, triton_here, monkeypatch):
     """The per-signature kernel-vs-torch choice, with timings handed in (on a GPU
     they come from CUDA events): torch wins GEGLU, the kernels win the rest;
