@@ -277,6 +277,32 @@ def patch_assets(ckpt: Path, log=print) -> dict:
 # --------------------------------------------------------------------------
 
 
+def link(at: Path, target: Path) -> Path:
+    """Make ``at`` show ``target`` (a folder or a file) without copying it: a symlink; where the OS
+    refuses one (Windows without Developer Mode or admin rights), a directory junction for a folder
+    and a hard link for a file (same volume), else a copy of the file. Returns ``at``."""
+    at, target = Path(at), Path(target)
+    try:
+        at.symlink_to(target, target_is_directory=target.is_dir())
+        return at
+    except OSError:
+        if os.name != "nt" and not _SIMULATE_WINDOWS:
+            raise
+    if target.is_dir():
+        import _winapi   # Windows' CPython: junctions need no privilege
+        _winapi.CreateJunction(str(target.resolve()), str(at))
+        return at
+    try:
+        os.link(target, at)
+    except OSError:
+        import shutil
+        shutil.copy2(target, at)
+    return at
+
+
+_SIMULATE_WINDOWS = False   # tests: take the Windows fallbacks on this OS
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -564,9 +590,9 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
     custom_nodes = root / "custom_nodes"
     custom_nodes.mkdir(parents=True)
     # The folder name is the module name ComfyUI derives; any name works.
-    (custom_nodes / PACK_ROOT.name).symlink_to(PACK_ROOT, target_is_directory=True)
+    link(custom_nodes / PACK_ROOT.name, PACK_ROOT)
     for name, folder in (extra_nodes or {}).items():
-        (custom_nodes / name).symlink_to(folder, target_is_directory=True)
+        link(custom_nodes / name, folder)
     dirs = {name: root / name for name in ("output", "input", "temp", "user", "loras", "controlnet",
                                            "diffusion_models")}
     for d in dirs.values():

@@ -213,7 +213,7 @@ def soak(root: Path, ckpt: Path, prompts: int, shapes: str = "1x64x64, 4x128x128
     lora = S.patch_assets(ckpt, log=log)["lora"]
     server = S.start_server(root, ckpt.parent, env=env, log=log, cpu=not torch.cuda.is_available())
     try:
-        (server.model_dirs["loras"] / lora.name).symlink_to(lora)
+        S.link(server.model_dirs["loras"] / lora.name, lora)
         result = run(server, ckpt.name, lora.name, prompts, shapes, check_every, seed, log)
     finally:
         server.stop()

@@ -48,7 +48,7 @@ def mismatch(ipex_v: str, torch_v: str | None = None) -> str | None:
 
 def is_intel_cpu() -> bool:
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
                 if line.startswith("vendor_id"):
                     return "GenuineIntel" in line

@@ -157,3 +157,35 @@ def test_the_root_alias_forwards_to_the_bench_cli():
                                 (["targets", "--help"], "usage: python -m unet_compiler.bench targets", "--cap")):
         r = subprocess.run([sys.executable, "-m", "unet_compiler", *argv], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout.startswith(usage) and option in r.stdout, r.stdout + r.stderr
+
+
+def test_the_harness_links_without_symlink_rights(tmp_path, monkeypatch):
+    """Windows without Developer Mode refuses symlinks: the server harness then links a folder as a
+    directory junction and a file as a hard link (here Windows is simulated: the refusal, and a
+    ``_winapi`` whose CreateJunction records the call and makes the link)."""
+    import os
+    import pathlib
+    import sys
+    import types
+    from unet_compiler.bench import comfy_server as S
+    junctions = []
+    monkeypatch.setitem(sys.modules, "_winapi", types.SimpleNamespace(
+        CreateJunction=lambda src, dst: (junctions.append((src, dst)), os.symlink(src, dst))))
+    monkeypatch.setattr(S, "_SIMULATE_WINDOWS", True)
+
+    def refuse(self, target, target_is_directory=False):
+        raise OSError(1314, "A required privilege is not held by the client")
+    monkeypatch.setattr(pathlib.Path, "symlink_to", refuse)
+    folder, file = tmp_path / "pack", tmp_path / "model.safetensors"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("x = 1\n", encoding="utf-8")
+    file.write_bytes(b"weights")
+    S.link(tmp_path / "custom_nodes_pack", folder)
+    S.link(tmp_path / "linked.safetensors", file)
+    assert junctions == [(str(folder.resolve()), str(tmp_path / "custom_nodes_pack"))]
+    assert (tmp_path / "custom_nodes_pack" / "__init__.py").read_text(encoding="utf-8") == "x = 1\n"
+    linked = tmp_path / "linked.safetensors"
+    assert not linked.is_symlink() and os.path.samefile(linked, file)   # a hard link: the same file
+    monkeypatch.setattr(S, "_SIMULATE_WINDOWS", False)
+    with pytest.raises(OSError):          # elsewhere a refused symlink is an error, not a silent copy
+        S.link(tmp_path / "again", folder)

@@ -129,7 +129,7 @@ def link_patch_assets(server, paths: dict) -> dict:
     for kind, path in paths.items():
         link = server.model_dirs["loras" if kind == "lora" else "controlnet"] / path.name
         if not link.exists():
-            link.symlink_to(path)
+            S.link(link, path)
     return {k: p.name for k, p in paths.items()}
 
 

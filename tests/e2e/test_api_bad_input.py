@@ -115,7 +115,7 @@ def tiny_models(comfyui_path, sd15_checkpoint, comfy_server):
     links = [comfy_server.model_dirs["diffusion_models"] / n for n in names]
     for link, n in zip(links, names, strict=True):
         if not link.exists():
-            link.symlink_to(folder / n)
+            S.link(link, folder / n)
     yield {"sd3": SD3_NAME, "one_level": ONE_LEVEL_NAME}
     for link in links:
         link.unlink(missing_ok=True)

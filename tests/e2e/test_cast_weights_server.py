@@ -7,8 +7,9 @@ and a hook LoRA with keyframes. Each compiled prompt is compared with the same p
 pack: the latent's relative L2 error within 1e-3 (the e2e gate; fp32 compute), every region ran
 compiled code during warmup and sampling, no region call ran the model's code, and nothing
 compiled again over three prompts that change the LoRA strength, the keyframes and the split.
-fp8_e5m2 and fp8_e4m3fn_fast run with UNET_COMPILER_FULL_MATRIX=1 (fp8_e5m2 storage is in the
-default run in-process: tests/nodes/test_cast_weights.py).
+fp8_e5m2, fp8_e4m3fn_fast and the hook LoRA run with UNET_COMPILER_FULL_MATRIX=1 (each costs
+minutes of eager CPU time here; fp8_e5m2 storage is in the default run in-process,
+tests/nodes/test_cast_weights.py, and the hook LoRA in the default stack test).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import re
 import numpy as np
 import pytest
 
-from unet_compiler.bench.comfy_server import relative_l2
+from unet_compiler.bench.comfy_server import link as link_to, relative_l2
 
 from .test_comfyui_server import FULL_ENV, MAX_LATENT_REL_L2, _hook_lora, the_latent, txt2img_prompt, ui_text
 
@@ -32,7 +33,7 @@ def unet_name(comfy_server, sd15_checkpoint):
     UNet by its key prefix)."""
     link = comfy_server.model_dirs["diffusion_models"] / UNET_LINK
     if not link.exists():
-        link.symlink_to(sd15_checkpoint)
+        link_to(link, sd15_checkpoint)
     yield UNET_LINK
     link.unlink(missing_ok=True)
 
@@ -112,15 +113,19 @@ def test_fp8_storage_runs_compiled(comfy_server, sd15_checkpoint, unet_name, wei
     _check(weight_dtype, rel, warm, after, messages)
 
 
-def test_partial_load_lora_and_hook_keyframes_over_three_prompts(comfy_server, sd15_checkpoint, unet_name,
-                                                                 patch_assets):
-    """fp8 storage, a LoRA, a hook LoRA with keyframes on the positive prompt (ComfyUI then calls
-    cond and uncond apart: the warmed 1x64x64 serves them) and a partial load: three prompts that
-    change the LoRA strength, the second keyframe's strength and the budget, each == eager, with
-    every region compiled and nothing compiled after warmup."""
+@pytest.mark.parametrize("hook", [False, pytest.param(True, marks=pytest.mark.skipif(
+    os.environ.get(FULL_ENV) != "1", reason=f"the hook LoRA with keyframes on top runs with {FULL_ENV}=1"))],
+    ids=["lora", "lora+hook-keyframes"])
+def test_partial_load_and_lora_over_three_prompts(comfy_server, sd15_checkpoint, unet_name, patch_assets, hook):
+    """fp8 storage, a LoRA and a partial load (the offloaded modules apply the LoRA per call), and with
+    ``hook`` a hook LoRA with keyframes on the positive prompt too (ComfyUI patches those weights in
+    place per hook group and calls cond and uncond apart: the warmed 1x64x64 serves them): three
+    prompts that change the LoRA strength, the budget (and the second keyframe's strength), each ==
+    eager, with every region compiled and nothing compiled after warmup."""
     for i, (fraction, strength, keyframe) in enumerate(((0.5, 1.0, 0.25), (0.3, 0.5, 0.5), (0.7, 0.8, 0.75))):
         rel, warm, after, messages = _run_pair(
-            comfy_server, sd15_checkpoint.name, unet_name, f"partial{i}", weight_dtype="fp8_e4m3fn",
-            fraction=fraction, lora=patch_assets["lora"], strength=strength, hook=patch_assets["lora"],
-            keyframe=keyframe)
-        _check(f"partial load {fraction}, LoRA {strength}, keyframe {keyframe}", rel, warm, after, messages)
+            comfy_server, sd15_checkpoint.name, unet_name, f"partial{i}{'_hook' if hook else ''}",
+            weight_dtype="fp8_e4m3fn", fraction=fraction, lora=patch_assets["lora"], strength=strength,
+            hook=patch_assets["lora"] if hook else None, keyframe=keyframe)
+        _check(f"partial load {fraction}, LoRA {strength}" + (f", hook keyframe {keyframe}" if hook else ""),
+               rel, warm, after, messages)

@@ -175,7 +175,7 @@ def fault_server(comfyui_path, sd15_checkpoint, patch_asset_files, inductor_cach
                             log=lambda m: print("\n[faults] " + m))
     try:
         for path in patch_asset_files.values():
-            (server.model_dirs["loras"] / path.name).symlink_to(path)
+            S.link(server.model_dirs["loras"] / path.name, path)
         server.assets = {k: p.name for k, p in patch_asset_files.items()}
         yield server
     finally:

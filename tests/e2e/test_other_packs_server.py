@@ -51,7 +51,7 @@ def shadow_tree(real: Path, at: Path) -> Path:
         if entry.is_file() and entry.suffix == ".py":
             shutil.copy2(entry, at / entry.name)
         else:
-            (at / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+            S.link(at / entry.name, entry)
     (at / "custom_nodes").mkdir()
     return at
 
@@ -65,7 +65,7 @@ def test_packs_already_in_comfyui_are_not_loaded(comfyui_path, tmp_path):
     (intruder / "prestartup_script.py").write_text(PRESTARTUP)
     (intruder / "web" / "intruder.js").write_text("// another pack's web extension\n")
     for name in ("ComfyUI-UNet-Compiler", S.PACK_ROOT.name):   # the Manager's install, and one named as ours
-        (installed / name).symlink_to(S.PACK_ROOT, target_is_directory=True)
+        S.link(installed / name, S.PACK_ROOT)
     marks = tmp_path / "marks"
     marks.mkdir()
     (tmp_path / "checkpoints").mkdir()

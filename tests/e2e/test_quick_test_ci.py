@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from unet_compiler.bench.comfy_server import only_these_custom_nodes
+from unet_compiler.bench.comfy_server import link, only_these_custom_nodes
 
 pytestmark = pytest.mark.e2e
 
@@ -24,7 +24,7 @@ def test_quick_test_for_ci_imports_the_pack(comfyui_path, tmp_path):
     custom_nodes = tmp_path / "custom_nodes"
     custom_nodes.mkdir()
     pack = custom_nodes / "unet-compiler"
-    pack.symlink_to(PACK_ROOT, target_is_directory=True)
+    link(pack, PACK_ROOT)
     dirs = {name: tmp_path / name for name in ("output", "input", "temp", "user")}
     for d in dirs.values():
         d.mkdir()
