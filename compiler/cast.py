@@ -1,8 +1,9 @@
 """Weights ComfyUI casts or patches per call, served by compiled regions.
 
 ComfyUI's ops (``comfy.ops``) cast a leaf's weight on every call when its storage dtype or device
-is not the compute one (fp8 or fp16/bf16 storage, a partial load) or a hook patches it
-(``weight_function`` / ``bias_function``: hook LoRA, keyframes). A region whose leaves do that runs
+is not the compute one (fp8 or fp16/bf16 storage, a partial load, a mixed-precision linear that
+dequantizes) and patch it per call through ``weight_function`` / ``bias_function`` (a LoRA on the
+weights a partial load left offloaded, weight wrappers). A region whose leaves do that runs
 its compiled code this way: ComfyUI's own ``cast_bias_weight`` runs for each such leaf outside the
 graph (its arithmetic, its functions, its offload stream), and the leaf shows the result as a plain
 weight for the call (:func:`applied`). The compiled graph is then the one a plain model runs: no

@@ -290,7 +290,7 @@ def accelerator_text(accel) -> str:
     if accel.stats.get("region_cast_compiled"):
         extra.append(f"  weights ComfyUI casts or patches per call (fp8 or other storage dtypes, partial loads, "
                      f"weight functions): {accel.stats['region_cast_compiled']} region call(s) compiled with "
-                     f"ComfyUI's cast outside the graph, without CUDA graphs")
+                     f"ComfyUI's cast outside the graph" + (", without CUDA graphs" if accel.graphs is not None else ""))
     extra += [f"  left eager per call: {kind} regions whose weights ComfyUI casts per call: {why}"
               for kind, why in accel.cast_eager.items()]
     extra += accel.cache.lines() if accel.cache is not None else []
