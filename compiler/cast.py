@@ -45,12 +45,13 @@ def _stock(fn, ops) -> bool:
 def per_call(leaf) -> bool:
     """Whether ComfyUI makes ``leaf``'s weights per call: cast or patched (``has_cast_weights``), or a
     mixed-precision leaf that dequantizes them (``_full_precision_mm``: no quantized matmul here)."""
-    return comfy_compat.has_cast_weights(leaf) or bool(getattr(leaf, "_full_precision_mm", False))
+    # instance attributes (MixedPrecisionOps sets them per leaf): read from __dict__, no __getattr__ miss
+    return comfy_compat.has_cast_weights(leaf) or bool(leaf.__dict__.get("_full_precision_mm", False))
 
 
 def quantized(leaf) -> bool:
     """A ComfyUI mixed-precision leaf that multiplies in its quantized format (no cast)."""
-    return getattr(leaf, "layout_type", None) is not None and not per_call(leaf)
+    return leaf.__dict__.get("layout_type") is not None and not per_call(leaf)
 
 
 def _other_ops(name: str) -> Reason:

@@ -49,7 +49,7 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
 
 def _casts(kind, leaves, stats, cast_eager, refused):
     """The leaves whose weights ComfyUI casts or patches this call (fp8 or another storage dtype, a
-    partial load, hook patches), or None when the region must run the model's own code for them:
+    partial load, weight functions), or None when the region must run the model's own code for them:
     counted, with the reason kept per kind for the report."""
     todo, why = cast.plan(leaves)
     if todo and refused:
