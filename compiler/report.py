@@ -202,8 +202,13 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
     ``cast_eager``: {kind: Reason} for region calls that ran the model's code because ComfyUI casts
     their weights in a way compiled code cannot serve)."""
     if failed:
-        return {"state": "fallback", "fix": "none needed for correctness; see the log for the error",
-                "reason": "; ".join(f"{k} regions failed ({why}) and run eager" for k, why in failed.items())}
+        by_why: dict = {}
+        for k, why in failed.items():
+            by_why.setdefault(why, []).append(k)
+        fixes = [w.fix for w in by_why if getattr(w, "fix", "")]
+        return {"state": "fallback", "fix": "; ".join(fixes) or "none needed for correctness; see the log for the error",
+                "reason": "; ".join(f"{', '.join(ks)} regions failed ({getattr(why, 'why', why)}) and run eager"
+                                    for why, ks in by_why.items())}
     if backend == "eager":
         facts = compile_facts(rep)
         return {k: facts[k] for k in ("state", "reason", "fix")}
@@ -221,11 +226,54 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
 
 
 def runtime_fallback(backend: str, kind: str, error: str) -> Reason:
-    """A region kind failed at run time (``error``) and runs eager from now on."""
-    fix = (f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
-           f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
-    why = f"{kind} regions failed ({error}) and run eager now"
+    """A region kind failed at run time (``error``; a ``Reason`` with its own fix, such as
+    :func:`build_failure`'s, keeps that fix) and runs eager from now on."""
+    fix = getattr(error, "fix", "") or (
+        f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
+        f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
+    why = f"{kind} regions failed ({getattr(error, 'why', error)}) and run eager now"
     return Reason(why, fix, backend, text=f"fallback: {why}. Fix: {fix}.")
+
+
+def _chain(error: BaseException):
+    """``error`` and what it wraps: its cause, context and dynamo's ``inner_exception``."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = (getattr(error, "inner_exception", None) or error.__cause__ or error.__context__)
+
+
+#: how a compiler's output says a build failed; the line that says it is what the user reads
+_BUILD_ERROR = re.compile(r"(fatal error|error [A-Z]+\d+|error:|cannot open include file|python\.h)", re.I)
+
+
+def build_failure(error: BaseException, system: str | None = None) -> Reason | None:
+    """Why a compile failed when this machine cannot build compiled code at all (a C/C++ compiler
+    that is missing or broken, no Python headers): every region kind would fail the same way. The
+    reason is the compiler's own error line, not its command line; the fix is the platform's
+    (``system``: ``platform.system()``). None: not a build failure."""
+    import platform
+    import subprocess
+    for e in _chain(error):
+        build = isinstance(e, subprocess.CalledProcessError) or type(e).__name__ in ("CppCompileError",
+                                                                                    "InvalidCxxCompiler")
+        text = "\n".join(str(x) for x in (e, getattr(e, "output", None), getattr(e, "stderr", None)) if x)
+        if not build and not re.search(r"python\.h|cl\.exe", text, re.I):
+            continue
+        line = next((ln.strip() for ln in text.splitlines() if _BUILD_ERROR.search(ln)), "")
+        if not line and isinstance(e, subprocess.CalledProcessError):
+            line = f"the compiler exited with status {e.returncode}"
+        line = line[:200] or "the C/C++ compiler failed"
+        why = f"this machine cannot build the compiled code ({line})"
+        if (system or platform.system()) == "Windows":
+            fix = ("install Visual Studio Build Tools with the C++ workload and start ComfyUI from the 'x64 Native "
+                   "Tools Command Prompt for VS'; for triton-windows on the portable build also copy Python's "
+                   "'include' and 'libs' folders into python_embeded (its install guide); or choose eager")
+        else:
+            fix = "install a C/C++ compiler and Python's headers (Debian/Ubuntu: apt install build-essential python3-dev)"
+        return Reason(why, fix)
+    return None
 
 
 def error_summary(error: BaseException) -> str:

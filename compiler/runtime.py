@@ -30,7 +30,7 @@ from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
 from .config import CompileConfig
 from .recompiles import Recompiles
-from .report import NOTHING_TO_COMPILE, Reason, Report, accelerator_text, error_summary
+from .report import NOTHING_TO_COMPILE, Reason, Report, accelerator_text, build_failure, error_summary
 from .shims import make_shim
 
 log = logging.getLogger(__name__)
@@ -257,15 +257,21 @@ class Accelerator:
             self.report.notes.append(msg)
 
     def _turn_off(self, kind, error):
-        """The backend failed where the model's own code runs: ``kind`` regions run eager from now on."""
-        self.failed[kind] = error_summary(error)
-        msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({self.failed[kind]}); "
+        """The backend failed where the model's own code runs: ``kind`` regions run eager from now on;
+        every kind when this machine cannot build compiled code at all (one failed compile, not one
+        per kind, and the compiler's error line with the fix instead of its command line)."""
+        build = build_failure(error)
+        why = build or error_summary(error)
+        for k in (list(self.report.regions) or [kind]) if build is not None else [kind]:
+            self.failed[k] = why
+        kind = "all" if build is not None else kind
+        msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({why}); "
                f"they run eager from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)
         self.report.notes.append(msg)
         if self.on_fallback is not None:
             try:
-                self.on_fallback(kind, self.failed[kind])
+                self.on_fallback(kind, why)
             except Exception:  # a listener must not turn a soft fallback into a crash
                 log.debug("on_fallback listener failed", exc_info=True)
 

@@ -243,3 +243,45 @@ def test_the_cache_preloads_for_the_device_the_model_runs_on(tiny_unet, monkeypa
                         device=torch.device("cuda", 0))
     (modes,) = seen
     assert isinstance(modes, functools.partial) and modes.args == ("cuda", torch.bfloat16), modes
+
+
+def test_a_machine_that_cannot_build_turns_every_kind_off_at_once(tiny_unet, monkeypatch):
+    """triton-windows / inductor without a working C compiler (no MSVC, no Python.h): the first
+    failed compile turns every region kind off at once (not one failed compile per kind), and what
+    the user reads is the compiler's error line and the Windows fix, not the 300-character command."""
+    import platform
+    import subprocess
+    from unet_compiler.compiler.report import runtime_fallback
+    cmd = ["cl", "/nologo", "/O2", "/LD", "C:\\Users\\someone\\AppData\\Local\\Temp\\tmpabc\\cuda_utils.c",
+           *[f"/IC:\\ComfyUI_windows_portable\\python_embeded\\Lib\\site-packages\\triton\\include{i}"
+             for i in range(8)]]
+    calls = []
+
+    def impl(block, *args):
+        calls.append(1)
+        try:
+            raise subprocess.CalledProcessError(2, cmd, output="cuda_utils.c\nC:\\...\\cuda_utils.c(1): fatal error "
+                                                               "C1083: Cannot open include file: 'Python.h': No such "
+                                                               "file or directory\n")
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError("backend='inductor' raised:") from e
+    monkeypatch.setattr(lookup_backend("inductor"), "impls",
+                        lambda self, config: {("diffusers", "resblock"): impl, ("diffusers", "attention"): impl})
+    unet = api.compile_unet(tiny_unet(), "inductor")
+    accel = api.accelerator_of(unet)
+    told = []
+    accel.on_fallback = lambda kind, why: told.append((kind, why))
+    monkeypatch.setattr(platform, "system", lambda: "Windows")   # after the backend was chosen here
+    with torch.no_grad():
+        unet(*_inputs())
+        unet(*_inputs())
+    assert len(calls) == 1, "one failed compile turns every kind off"
+    assert set(accel.failed) == set(accel.report.regions) and len(told) == 1 and told[0][0] == "all", told
+    why = told[0][1]
+    assert "fatal error C1083: Cannot open include file: 'Python.h'" in why.why and "/nologo" not in why, why
+    assert "Visual Studio Build Tools" in why.fix and "python_embeded" in why.fix, why.fix
+    said = runtime_fallback("inductor", "all", why)
+    assert said.fix == why.fix and "Fix:" not in said.why, said
+    from unet_compiler.compiler.report import warmup_facts
+    facts = warmup_facts(accel.report, "inductor", accel.failed, (0, 3))
+    assert facts["reason"].count("Python.h") == 1 and facts["fix"] == why.fix, facts
