@@ -3,7 +3,7 @@
 The session's random SD1.5 checkpoint loaded with ComfyUI's own "Load Diffusion Model"
 (UNETLoader) at each fp8 ``weight_dtype``, then partially loaded under a memory budget
 (ComfyUI's own partial load, forced by the test node ``UNetCompilerTest_PartialLoad``) with a LoRA
-and a hook LoRA with keyframes. Each compiled prompt is compared with the same prompt without the
+and a hook LoRA with keyframes; warmed at 2x64x64 (with the hook also 1x64x64). Each compiled prompt is compared with the same prompt without the
 pack: the latent's relative L2 error within 1e-3 (the e2e gate; fp32 compute), every region ran
 compiled code during warmup and sampling, no region call ran the model's code, and nothing
 compiled again over three prompts that change the LoRA strength, the keyframes and the split.
@@ -43,7 +43,8 @@ def cast_prompt(ckpt, unet, prefix, weight_dtype, compiled, fraction=None, lora=
     """txt2img with the model from UNETLoader(``weight_dtype``) [-> LoraLoaderModelOnly(``lora``,
     ``strength``)] [-> PartialLoad(``fraction``)] [-> Compile UNet -> Warmup Shapes -> KSampler ->
     the accelerator's report after sampling]; ``hook``: the LoRA as a hook on the positive prompt,
-    its second keyframe at strength ``keyframe``."""
+    its second keyframe at strength ``keyframe`` (ComfyUI then calls cond and uncond apart: Warmup
+    Shapes lists the half batch too)."""
     p = txt2img_prompt(ckpt, prefix)
     del p["6"], p["7"]               # the latent is the result
     p["5"]["inputs"]["steps"] = 1    # every weight cast per call costs eager and compiled alike: 1 step
@@ -62,7 +63,8 @@ def cast_prompt(ckpt, unet, prefix, weight_dtype, compiled, fraction=None, lora=
     if compiled:
         p["60"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": model}}
         p["61"] = {"class_type": "UNetCompiler_WarmupShapes",
-                   "inputs": {"model": ["60", 0], "shapes": "1x64x64, 2x64x64", "context_tokens": 77}}
+                   "inputs": {"model": ["60", 0], "shapes": "1x64x64, 2x64x64" if hook else "2x64x64",
+                              "context_tokens": 77}}
         model = ["61", 0]
         p["62"] = {"class_type": "UNetCompilerTest_Report", "inputs": {"model": model, "samples": ["5", 0]}}
     p["5"]["inputs"]["model"] = model
