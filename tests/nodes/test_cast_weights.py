@@ -28,24 +28,33 @@ def _eager_of(cm, **shape):
         return _apply(cm, "sd15", load=False, **shape)
 
 
-@pytest.mark.parametrize("dtype", STORAGE, ids=lambda d: str(d).replace("torch.", ""))
-def test_stored_dtype_runs_compiled_with_comfys_cast(make_comfy_model, dtype):
-    """fp8 / fp16 / bf16 storage, fp32 compute (ComfyUI's manual_cast ops): the warmup status says
-    N of N regions compiled, no region call ran the model's code, compiled == eager; a second
-    storage dtype after it compiles nothing (the graphs do not see the storage dtype)."""
-    mp = make_comfy_model("sd15", weight_dtype=dtype)
-    assert next(mp.model.diffusion_model.parameters()).dtype == dtype
+def _compiled_matches_eager(mp):
+    """Compile UNet + Warmup Shapes on ``mp``: the status says N of N regions ran compiled code, a
+    sampling-style call == eager, no region call ran the model's code, some ran with ComfyUI's cast
+    outside the graph. Returns the accelerator."""
     ref = _apply(mp, "sd15")
     cm, _ = patcher.compile_model(mp, CFG)
     text = patcher.warmup_model(cm, "2x64x64", 77)
     accel = patcher.accelerator_of(cm)
     n = _regions(accel)
     assert f"status: inductor: compiled, {n} of {n} regions ran compiled code" in text, text
-    out = _apply(cm, "sd15")
-    _close(out, ref)
+    _close(_apply(cm, "sd15"), ref)
     assert accel.stats["region_eager"] == 0 and accel.stats["region_cast_compiled"] > 0, accel.text()
     assert accel.stats["recompiles_after_warmup"] == 0
     assert "compiled with ComfyUI's cast outside the graph" in accel.text()
+    return accel
+
+
+def test_each_stored_dtype_runs_compiled_with_comfys_cast(make_comfy_model):
+    """fp8_e4m3fn / fp8_e5m2 / fp16 / bf16 storage, fp32 compute (ComfyUI's manual_cast ops): every
+    region compiled, compiled == eager; after the first storage dtype the others compile nothing
+    (the graphs do not see the storage dtype)."""
+    for i, dtype in enumerate(STORAGE):
+        mp = make_comfy_model("sd15", weight_dtype=dtype)
+        assert next(mp.model.diffusion_model.parameters()).dtype == dtype
+        accel = _compiled_matches_eager(mp)
+        if i:
+            assert accel.stats["graphs_compiled"] == 0, f"{dtype}: {accel.text()}"
 
 
 def test_partial_load_with_lora_and_a_changing_split(comfy, make_comfy_model):
@@ -186,12 +195,5 @@ def test_mixed_precision_checkpoint_runs_compiled(comfy, make_comfy_model):
     mp = _mixed_precision_sd15(comfy, make_comfy_model)
     leaf = mp.model.diffusion_model.input_blocks[1][1].transformer_blocks[0].attn1.to_q
     assert type(leaf.weight).__name__ == "QuantizedTensor" and cast.per_call(leaf) and cast.why_not(leaf) is None
-    ref = _apply(mp, "sd15")
-    cm, _ = patcher.compile_model(mp, CFG)
-    text = patcher.warmup_model(cm, "2x64x64", 77)
-    accel = patcher.accelerator_of(cm)
-    n = _regions(accel)
-    assert f"status: inductor: compiled, {n} of {n} regions ran compiled code" in text, text
-    _close(_apply(cm, "sd15"), ref)
-    assert accel.stats["region_eager"] == 0 and accel.stats["region_cast_compiled"] > 0, accel.text()
+    _compiled_matches_eager(mp)
     assert type(leaf.weight).__name__ == "QuantizedTensor"   # put back after each call
