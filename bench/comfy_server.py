@@ -577,8 +577,9 @@ def only_these_custom_nodes(comfyui_path: Path, base: Path, names) -> list[str]:
 
 
 def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = None, env: dict | None = None,
-                 comfyui_path: Path | None = None, log=print, cpu: bool = True) -> ComfyServer:
-    """Start ComfyUI (``main.py``, with ``--cpu`` unless ``cpu`` is False, on loopback, a free port, its user / output / temp folders
+                 comfyui_path: Path | None = None, log=print, cpu: bool = True,
+                 extra_args: tuple = ()) -> ComfyServer:
+    """Start ComfyUI (``main.py``, with ``--cpu`` unless ``cpu`` is False, and ``extra_args``, on loopback, a free port, its user / output / temp folders
     under ``root``) with this checkout in its custom_nodes, ``extra_nodes`` (name -> folder) beside
     it and no other custom node (``only_these_custom_nodes``), and ``checkpoint_dir`` as a
     checkpoints folder; wait until it answers. ``env`` overrides the
@@ -628,6 +629,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         "--user-directory", str(dirs["user"]),
         "--disable-api-nodes",
         "--disable-auto-launch",
+        *extra_args,
         "--log-stdout",
     ]
     full_env = subprocess_env()

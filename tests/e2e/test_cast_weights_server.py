@@ -131,3 +131,28 @@ def test_partial_load_and_lora_over_three_prompts(comfy_server, sd15_checkpoint,
             hook=patch_assets["lora"] if hook else None, keyframe=keyframe)
         _check(f"partial load {fraction}, LoRA {strength}" + (f", hook keyframe {keyframe}" if hook else ""),
                rel, warm, after, messages)
+
+
+@pytest.fixture(scope="module")
+def bf16_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
+    """A second server started with ``--bf16-unet``: the UNet stored in bf16, computed in fp32 on a
+    CPU (ComfyUI's manual_cast), as ``--fp16-unet`` / ``--bf16-unet`` users run it."""
+    from unet_compiler.bench import comfy_server as S
+    from .conftest import TEST_NODE
+    server = S.start_server(tmp_path_factory.mktemp("comfy_server_bf16"), sd15_checkpoint.parent,
+                            extra_nodes={"unet_compiler_test_node": TEST_NODE}, comfyui_path=comfyui_path,
+                            log=lambda m: print("\n[e2e] " + m), extra_args=("--bf16-unet",))
+    link_to(server.model_dirs["diffusion_models"] / UNET_LINK, sd15_checkpoint)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(os.environ.get(FULL_ENV) != "1", reason=f"bf16 storage through /prompt runs with {FULL_ENV}=1 "
+                    "(a server of its own; in-process in the default run)")
+def test_bf16_storage_runs_compiled(bf16_server, sd15_checkpoint):
+    """``--bf16-unet``: every weight stored in bf16 and cast to fp32 per call."""
+    rel, warm, after, messages = _run_pair(bf16_server, sd15_checkpoint.name, UNET_LINK, "bf16",
+                                           weight_dtype="default")
+    _check("--bf16-unet", rel, warm, after, messages)
