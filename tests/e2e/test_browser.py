@@ -301,7 +301,8 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
         assert _badge_pixels(page, node_id, BADGE_COLORS["compiled"]) > 100, (
             f"node {node_id}: no green badge drawn above the node (see {ARTIFACTS / '03_compiled.png'})")
     # Warmup Shapes' badge counts the regions that ran compiled code, as its status line does
-    assert re.search(rf"{backend} · compiled (\d+)/\1$", page.node(WARMUP)["badges"][0]), page.node(WARMUP)
+    assert any(re.fullmatch(rf"{backend} · compiled (\d+)/\1", b) for b in page.node(WARMUP)["badges"]), \
+        page.node(WARMUP)
     final = page.node(WARMUP)["progress"]
     assert final.startswith(f"{backend}: compiled, ") and " regions ran compiled code, 1 shape(s) in " in final, final
     assert "compiling" in shots, "never saw Warmup Shapes in the compiling state"
