@@ -110,7 +110,8 @@ def gather() -> Facts:
         base_prefix=str(sys.base_prefix), python_version=pyver,
         has_include=any((d / "include" / "Python.h").is_file() for d in dirs),
         has_libs=any((d / "libs" / lib).is_file() for d in dirs) if os.name == "nt" else True,
-        allocator_backend=backend, python_exe=sys.executable, triton_dists=dists)
+        allocator_backend=backend, python_exe=sys.executable, triton_dists=dists,
+        extra={"compile_probe": _tiny_kernel})
 
 
 def pip(f: Facts, args: str) -> str:
@@ -183,18 +184,60 @@ def _windows_problem(f: Facts) -> Reason | None:
         found.append((f"this Python ({f.base_prefix}) has no {missing} folder, which triton needs to build its "
                       f"launcher (ComfyUI's portable build ships an embedded Python without them)",
                       f"copy the include and libs folders of a full Python {v} install into {f.base_prefix}"))
+    if not found and newer and f.extra.get("compile_probe") is not None:
+        # the table is older than this torch: its triton is accepted if a kernel builds with it here
+        failed = probe_compile(f)
+        if failed:
+            found.append((f"triton-windows {version} could not build a test kernel beside torch "
+                          f"{f.torch_version}, which is newer than the pack's table ({failed})", want))
     if not found:
         return None
     return Reason("; ".join(w for w, _ in found), "; then ".join(x for _, x in found))
 
 
+_PROBED: dict = {}
+
+
+def probe_compile(f: Facts) -> str | None:
+    """Build and run one tiny Triton kernel with this torch and triton (``f.extra["compile_probe"]``,
+    :func:`_tiny_kernel` in :func:`gather`'s facts): None when it works, else the error's summary.
+    Once per process per (torch, triton) pair; triton keeps the built kernel in its own cache."""
+    key = (f.torch_version, f.triton_version)
+    if key not in _PROBED:
+        try:
+            f.extra["compile_probe"]()
+            _PROBED[key] = None
+        except Exception as e:
+            from ..report import build_failure, error_summary
+            build = build_failure(e, f.system)
+            _PROBED[key] = build.why if build is not None else error_summary(e)
+    return _PROBED[key]
+
+
+def _tiny_kernel() -> None:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_one(x_ptr):
+        tl.store(x_ptr, tl.load(x_ptr) + 1)
+    x = torch.zeros(1, device="cuda")
+    _add_one[(1,)](x)
+    torch.cuda.synchronize()
+    if x.item() != 1:
+        raise RuntimeError(f"the test kernel computed {x.item()}, not 1")
+
+
 def table_note(f: Facts) -> str | None:
     """A line for the report when this torch is newer than the triton-windows table (its triton is
-    accepted; the first compile proves it)."""
+    accepted where a test kernel built with it)."""
     if f.system == "Windows" and windows_series(f.torch_version)[1]:
+        proved = f.extra.get("compile_probe") is not None and _PROBED.get((f.torch_version, f.triton_version),
+                                                                           "") is None
         return (f"torch {f.torch_version} is newer than the pack's triton-windows table (last: torch "
-                f"{'.'.join(map(str, max(WINDOWS_SERIES)))}): triton-windows {f.triton_version} is accepted; "
-                f"a failed first compile falls back to inductor")
+                f"{'.'.join(map(str, max(WINDOWS_SERIES)))}): triton-windows {f.triton_version} is accepted"
+                + (" (a test kernel built and ran with it)" if proved else "; a failed first compile turns the "
+                   "regions to the model's own code"))
     return None
 
 

@@ -198,3 +198,31 @@ def test_windows_cpu_compiler_is_msvc_on_path(monkeypatch):
     monkeypatch.setenv("CXX", "clang-cl")
     monkeypatch.setattr(I.shutil, "which", lambda name: r"C:\LLVM\clang-cl.exe" if name == "clang-cl" else None)
     assert I._cpp_compiler_missing("Windows") is None
+
+
+def test_a_torch_newer_than_the_table_is_accepted_where_a_test_kernel_builds(monkeypatch):
+    """Windows, torch newer than the table: its triton-windows is accepted when one tiny kernel builds
+    and runs with it (once per process per torch/triton pair), and refused with the build's own
+    error line and the install command when it does not."""
+    monkeypatch.setattr(T, "_PROBED", {})
+    built = []
+    ok = facts(system="Windows", torch_version="2.15.0", triton_dist="triton-windows", triton_version="3.9.0",
+               extra={"compile_probe": lambda: built.append(1)})
+    assert T.problem(ok) is None and T.problem(ok) is None and built == [1]
+    assert "(a test kernel built and ran with it)" in T.table_note(ok)
+
+    import subprocess
+
+    def broken():
+        raise subprocess.CalledProcessError(2, ["cl", "/nologo"], output="main.c(1): fatal error C1083: Cannot open "
+                                                                        "include file: 'Python.h'")
+    bad = facts(system="Windows", torch_version="2.15.0", triton_dist="triton-windows", triton_version="3.9.1",
+                python_exe=r"C:\p\python.exe", extra={"compile_probe": broken})
+    why = T.problem(bad)
+    assert why is not None and "could not build a test kernel beside torch 2.15.0" in why.why
+    assert "fatal error C1083" in why.why and "/nologo" not in why.why, why
+    assert why.fix == r'"C:\p\python.exe" -m pip install -U "triton-windows>=3.8"', why.fix
+    # inside the table no kernel is built: the table's pairing decides
+    T.problem(facts(system="Windows", torch_version="2.13.0", triton_dist="triton-windows", triton_version="3.7.0",
+                    extra={"compile_probe": broken}))
+    assert ("2.13.0", "3.7.0") not in T._PROBED
