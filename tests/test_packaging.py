@@ -295,3 +295,33 @@ def test_the_pack_never_imports_bench():
                    "from unet_compiler.bench import families"):   # what the check catches, from nodes/v3.py
         assert _imports_bench(ROOT / "nodes" / "v3.py", ast.parse(source)), source
     assert not _imports_bench(ROOT / "nodes" / "v3.py", ast.parse("from ..compiler import bench_helpers\nfrom . import bench"))
+
+
+def _text_io_without_encoding(path, tree) -> list[str]:
+    """Text reads and writes in ``tree`` that leave the encoding to the locale: ``open(..)`` in a text
+    mode, ``.read_text()`` / ``.write_text(..)`` without ``encoding=``."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or any(k.arg == "encoding" for k in node.keywords):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        if (name, len(node.args)) in (("read_text", 0), ("write_text", 1)):   # Path's (files.read_text(p) is UTF-8)
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{name}() without encoding")
+        elif name == "open" and isinstance(f, ast.Name):
+            mode = node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "mode"), None)
+            text = mode is None or (isinstance(mode, ast.Constant) and "b" not in str(mode.value))
+            if text:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: open() in text mode without encoding")
+    return found
+
+
+def test_the_packs_text_files_are_read_and_written_as_utf8():
+    """Windows' locale encoding (cp1252 and others) is not UTF-8: every text read and write of the
+    pack names its encoding (a path or an error text with other characters must round-trip)."""
+    files = [p for p in py_files() if p == ROOT / "__init__.py" or p.relative_to(ROOT).parts[0] in
+             ("nodes", "compiler", "kernels")]
+    found = [hit for p in files for hit in _text_io_without_encoding(p, ast.parse(p.read_text(encoding="utf-8")))]
+    assert not found, "\n".join(found)
+    bad = ast.parse('open("/proc/cpuinfo")\nPath("x").read_text()\nopen(p, "rb")\nopen(p, "w", encoding="utf-8")')
+    assert len(_text_io_without_encoding(ROOT / "x.py", bad)) == 2   # what the check catches
