@@ -165,7 +165,9 @@ const toasted = new Set();
 function onFallback({ detail }) {
   const nodes = (detail.node_ids ?? []).map((id) => [id, nodeFor(id)]);
   for (const [, node] of nodes) {
-    update(node, { backend: detail.backend, state: "fallback", reason: detail.reason, fix: detail.fix });
+    // a kind fell back after the warmup's count: that count no longer holds
+    update(node, { backend: detail.backend, state: "fallback", reason: detail.reason, fix: detail.fix,
+                   ran: undefined, regions: undefined });
   }
   // one toast per failing region kind and node set, not one per step
   const key = `${detail.kind}|${detail.node_ids?.join(",")}|${detail.reason}`;
