@@ -281,18 +281,22 @@ def bench_row(args):
     print(ROW_TAG + json.dumps(row), flush=True)
 
 
+def cold_cache_env() -> dict:
+    """This process's environment with fresh, empty inductor, Triton and pack caches: a process
+    started with it compiles cold."""
+    fresh = tempfile.mkdtemp(prefix="unet_compiler_bench_row_")
+    return dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(fresh, "inductor"),
+                TRITON_CACHE_DIR=os.path.join(fresh, "triton"),
+                UNET_COMPILER_CACHE_DIR=os.path.join(fresh, "unet_compiler"))   # the pack's own cache: cold too
+
+
 def _run_row(args, spec, where="") -> dict:
     """``bench_row`` for ``spec`` in a fresh process with fresh inductor and Triton caches
     (unless --reuse-cache): nothing an earlier row or the kernel table compiled is reused,
     so 'cold' is cold. ``where`` ("row 2/5") prefixes its progress lines."""
     import json
     import subprocess
-    env = dict(os.environ)
-    if not args.reuse_cache:
-        fresh = tempfile.mkdtemp(prefix="unet_compiler_bench_row_")
-        env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(fresh, "inductor")
-        env["TRITON_CACHE_DIR"] = os.path.join(fresh, "triton")
-        env["UNET_COMPILER_CACHE_DIR"] = os.path.join(fresh, "unet_compiler")  # the pack's own cache: cold too
+    env = dict(os.environ) if args.reuse_cache else cold_cache_env()
     cmd = [sys.executable, "-m", __package__ or "unet_compiler.bench", "run", *args.argv, "--row", spec,
            "--row-progress", where]
     proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)

@@ -21,6 +21,7 @@ import time
 import torch
 
 from .comfy_server import checkpoint_path, comfyui_or_fail
+from .run import cold_cache_env
 
 DTYPES = {"default": None, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
           "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -161,9 +162,7 @@ def main(args) -> None:
         name = name.strip()
         if name not in DTYPES:
             raise SystemExit(f"--dtypes: {name!r} is not one of {', '.join(DTYPES)}")
-        fresh = tempfile.mkdtemp(prefix="unet_compiler_storage_row_")
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(fresh, "inductor"),
-                   UNET_COMPILER_CACHE_DIR=os.path.join(fresh, "pack"))
+        env = cold_cache_env()
         cmd = [sys.executable, "-m", __package__ or "unet_compiler.bench", "storage", "--row", name,
                "--checkpoint", str(ckpt), "--latent", str(args.latent), "--batch", str(args.batch),
                "--iters", str(args.iters)]
