@@ -143,7 +143,7 @@ def test_a_failed_call_puts_the_weights_back(comfy, make_comfy_model):
             assert attn.to_q.weight_function == [] and cast.busy(attn)
             torch.testing.assert_close(attn.to_q.weight, before[0][0].float() * 2)
             raise RuntimeError("boom")
-    for m, (w, b, d) in zip(leaves, before):
+    for m, (w, b, d) in zip(leaves, before, strict=True):
         assert m.weight is w and m.bias is b and m.__dict__ == d
     assert not cast.busy(attn)
 
