@@ -251,10 +251,7 @@ class Background:
             if cast.needs_cast(module):
                 # its leaves show ComfyUI's per-call cast only inside the sampling thread's call: this
                 # thread traces a copy that shows it (the variant serves the real module then)
-                dtype, device = cast.compute_of(args)
-                with torch.inference_mode(next(a for a in args if isinstance(a, torch.Tensor)).is_inference()):
-                    module = cast.stand_in(module, dtype, device)
-                others = []
+                module, others = cast.stand_in(module, args), []
             serving = next((fn for fn in variants.VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
             if serving is not None:      # an earlier job's (dynamic) variant serves it: prime its modules
                 first_calls(serving, [module, *others], args)

@@ -15,6 +15,7 @@ pack's ops) is :func:`plan`'s reason: its region runs the model's own code and t
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import sys
 import threading
@@ -111,17 +112,13 @@ def _cast(leaf, dtype, device, offload: bool = True):
     return w, b, None
 
 
-_OFFLOADABLE: dict = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _takes_offloadable(fn) -> bool:
-    hit = _OFFLOADABLE.get(fn)
-    if hit is None:
-        try:
-            hit = _OFFLOADABLE[fn] = "offloadable" in inspect.signature(fn).parameters
-        except (TypeError, ValueError):
-            hit = _OFFLOADABLE[fn] = False
-    return hit
+    """Whether this ComfyUI's ``cast_bias_weight`` takes ``offloadable`` (newer ones do)."""
+    try:
+        return "offloadable" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _param(t, like):
@@ -199,12 +196,15 @@ def needs_cast(module) -> bool:
     return any(per_call(m) for m in module.modules())
 
 
-def stand_in(module, dtype, device):
-    """A copy of ``module`` whose cast leaves show their cast weights (shallow: untouched submodules
-    and tensors are shared), for a thread that must not change the model another thread runs."""
+def stand_in(module, args):
+    """A copy of ``module`` whose cast leaves show their cast weights for a call on ``args`` (cast as
+    :func:`applied` casts them, in ``args``' inference mode; shallow: untouched submodules and
+    tensors are shared), for a thread that must not change the model another thread runs."""
     todo = {id(m) for m in module.modules() if per_call(m)}
     if not todo:
         return module
+    dtype, device = compute_of(args)
+    inference = next(a for a in args if isinstance(a, torch.Tensor)).is_inference()
     keep = set()
     for name, m in module.named_modules():
         if id(m) in todo:
@@ -221,4 +221,5 @@ def stand_in(module, dtype, device):
             w, b, _ = _cast(m, dtype, device, offload=False)
             _show(new, w, b)
         return new
-    return copy(module, "")
+    with torch.inference_mode(inference):
+        return copy(module, "")

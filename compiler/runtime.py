@@ -262,9 +262,11 @@ class Accelerator:
         per kind, and the compiler's error line with the fix instead of its command line)."""
         build = build_failure(error)
         why = build or error_summary(error)
-        for k in (list(self.report.regions) or [kind]) if build is not None else [kind]:
+        kinds = [kind] if build is None else list(self.report.regions) or [kind]
+        for k in kinds:
             self.failed[k] = why
-        kind = "all" if build is not None else kind
+        if build is not None:
+            kind = "all"
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({why}); "
                f"they run eager from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)

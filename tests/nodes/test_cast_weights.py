@@ -153,7 +153,7 @@ def test_a_stand_in_shows_the_cast_and_leaves_the_model_alone(make_comfy_model):
     mp = make_comfy_model("sd15", weight_dtype=torch.float8_e4m3fn)
     block = mp.model.diffusion_model.input_blocks[1][0]
     stored = {n: p for n, p in block.named_parameters()}
-    copy = cast.stand_in(block, torch.float32, torch.device("cpu"))
+    copy = cast.stand_in(block, (torch.zeros(1, 32, 8, 8), torch.zeros(1, 128)))
     assert copy is not block and not cast.needs_cast(copy) and cast.needs_cast(block)
     for n, p in copy.named_parameters():
         assert p.dtype == torch.float32 and torch.equal(p, stored[n].float()), n
