@@ -566,10 +566,10 @@ PASS_THROUGH = {"patcher.py:unet_compiler_apply_model", "runtime.py:active", "sh
 
 def is_pack_file(filename) -> bool:
     """``filename`` (a traceback frame's) is the pack's: a .py file in the checkout, not under bench/,
-    tests/ or docs/ nor in a hidden or virtual-env folder (tests/_pack.py has the same rule)."""
+    bin/, tests/ or docs/ nor in a hidden or virtual-env folder (tests/_pack.py has the same rule)."""
     path = Path(filename).resolve()
     return (path.suffix == ".py" and path.is_relative_to(PACK_ROOT)
-            and (parts := path.relative_to(PACK_ROOT).parts)[0] not in ("bench", "tests", "docs")
+            and (parts := path.relative_to(PACK_ROOT).parts)[0] not in ("bench", "bin", "tests", "docs")
             and not any(p.startswith(".") or p == "site-packages" for p in parts))
 
 

@@ -1,6 +1,6 @@
 """Which .py files are the pack's, for the tests that read them (test_packaging's import checks,
-test_security's scan): every one in the checkout but those under bench/ (development tools),
-tests/ and docs/, and none in a hidden, virtual-env or build folder. bench/patch_compat.py's
+test_security's scan): every one in the checkout but those under bench/ and bin/ (development
+tools), tests/ and docs/, and none in a hidden, virtual-env or build folder. bench/patch_compat.py's
 "the pack's own frames" applies the same rule to a traceback's files."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-NOT_THE_PACK = ("bench", "tests", "docs")
+NOT_THE_PACK = ("bench", "bin", "tests", "docs")
 
 
 def py_files(leave_out=NOT_THE_PACK) -> list[Path]:

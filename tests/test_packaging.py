@@ -75,12 +75,13 @@ def test_readme_commands_are_what_ci_runs():
     block = readme.split("## Two commands", 1)[1].split("\n## ", 1)[0]
     commands = [ln.strip() for ln in block.splitlines() if ln.startswith("    ") and not ln.strip().startswith("#")]
     assert commands == ["bin/bench", "bin/test"], commands
-    bench, test, setup = (ROOT / "bin" / "bench").read_text(), (ROOT / "bin" / "test").read_text(), \
-        (ROOT / "bin" / "setup").read_text()
-    for script in (bench, test):
-        assert "${UNET_COMPILER_ENV:-.venv}" in script and "bin/setup" in script and "--if-missing" in script, script
-    assert '-m unet_compiler.bench run "$@"' in bench and '-m pytest -q "$@"' in test
-    assert "-c constraints.txt" in setup and "--if-missing" in setup
+    bench, test, setup = ((ROOT / "bin" / name).read_text(encoding="utf-8") for name in ("bench", "test", "setup"))
+    for script, cmd in ((bench, "bench"), (test, "test"), (setup, "setup")):
+        assert script.rstrip().endswith(f'exec python3 "$(dirname "$0")/dev.py" {cmd} "$@"'), script
+    src = (ROOT / "bin" / "dev.py").read_text(encoding="utf-8")
+    assert 'run_in_env(["-m", "pytest", "-q", *rest])' in src
+    assert 'run_in_env(["-m", "unet_compiler.bench", "run", *rest])' in src
+    assert 'os.environ.get("UNET_COMPILER_ENV") or ".venv"' in src and "setup(env, if_missing=True)" in src
     assert all((ROOT / "bin" / name).stat().st_mode & 0o111 for name in ("bench", "setup", "test"))
     ci = (ROOT / ".ci" / "run").read_text()
     assert "ENV=${UNET_COMPILER_CI_ENV:-.venv}" in ci and 'rm -rf "$ENV"' in ci
@@ -89,15 +90,62 @@ def test_readme_commands_are_what_ci_runs():
     assert (ROOT / "constraints.txt").read_text().split() == ["torch==2.13.0"]
     tracked = subprocess.run(["git", "ls-files", "constraints.txt", "bin"], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode == 0:  # a git checkout (not an sdist): the files the README needs are committed
-        assert tracked.stdout.split() == ["bin/bench", "bin/setup", "bin/test", "constraints.txt"], tracked.stdout
+        assert tracked.stdout.split() == ["bin/bench", "bin/dev.py", "bin/setup", "bin/test", "constraints.txt"], \
+            tracked.stdout
 
 
-def test_an_env_that_is_there_is_reused():
-    """``bin/setup --if-missing ENV`` (what bin/bench and bin/test run first) leaves a complete env of
-    this checkout alone: no venv, no pip, at once."""
-    r = subprocess.run([str(ROOT / "bin" / "setup"), "--if-missing", sys.prefix], capture_output=True, text=True,
-                       timeout=60)
+def _dev():
+    """bin/dev.py as a module (it is a script, not part of the pack)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("unet_compiler_dev", ROOT / "bin" / "dev.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("how", ["bin/setup", "python bin/dev.py"])
+def test_an_env_that_is_there_is_reused(how):
+    """``bin/setup --if-missing ENV`` (what bin/bench and bin/test run first), and the same through
+    ``python bin/dev.py`` (no shell, as on Windows), leave a complete env of this checkout alone: no
+    venv, no pip, at once."""
+    cmd = [str(ROOT / "bin" / "setup")] if how == "bin/setup" else [sys.executable, str(ROOT / "bin" / "dev.py"), "setup"]
+    r = subprocess.run(cmd + ["--if-missing", sys.prefix], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and not r.stdout and not r.stderr, r.stdout + r.stderr
+
+
+def test_dev_test_runs_pytest_in_the_env_without_a_shell():
+    """``python bin/dev.py test ARGS`` (the Windows way to run bin/test) runs pytest in the env named by
+    UNET_COMPILER_ENV, in the checkout, with the caller's arguments."""
+    import os
+    env = dict(os.environ, UNET_COMPILER_ENV=sys.prefix)
+    r = subprocess.run([sys.executable, str(ROOT / "bin" / "dev.py"), "test", "--collect-only",
+                        "tests/test_packaging.py::test_requirements_install_nothing_heavy"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=str(ROOT.parent))
+    assert r.returncode == 0 and "1 test collected" in r.stdout, r.stdout + r.stderr
+    bad = subprocess.run([sys.executable, str(ROOT / "bin" / "dev.py"), "setup", "--nope"], capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "--nope" in bad.stderr and "usage" in bad.stderr, bad.stderr
+
+
+def test_dev_setup_on_windows_runs_the_envs_own_python():
+    """Windows simulated: the env's interpreter is ``Scripts\\python.exe``; every install runs as that
+    interpreter's ``-m pip`` (never a bare pip, which on the portable build belongs to another Python)
+    pinned by constraints.txt; ComfyUI's requirements go in less their torch lines."""
+    from pathlib import PureWindowsPath
+    dev = _dev()
+    env = ROOT / ".venv-win"
+    py = str(env / "Scripts" / "python.exe")
+    plan = dev.setup_plan(env, comfy=ROOT, windows=True, python=r"C:\\Python311\\python.exe")
+    assert plan[0] == [r"C:\\Python311\\python.exe", "-m", "venv", str(env)]
+    installs = plan[1:4]
+    for cmd in installs:
+        assert cmd[:4] == [py, "-m", "pip", "install"] and cmd[cmd.index("-c") + 1] == str(ROOT / "constraints.txt"), cmd
+    assert "torch==2.13.0" in installs[0] and f"{ROOT}[test]" in installs[1]
+    assert not any(c[0] == "pip" or c[0].endswith(("pip", "pip.exe")) for c in plan)
+    assert PureWindowsPath(py).name == "python.exe" and dev.env_python(env, windows=False) == env / "bin" / "python"
+    assert dev.comfy_requirements("torch\ntorchvision>=0.20\n# x\ntorchaudio ; sys_platform != 'x'\ntorchsde\n"
+                                  "numpy>=1.25.0\nTorch==2.1\n") == ["torchsde", "numpy>=1.25.0"]
+    assert len(dev.setup_plan(env, comfy=None, windows=True)) == 3
 
 
 def test_comfyui_without_its_requirements_skips_with_one_line(tmp_path, monkeypatch):

@@ -183,6 +183,11 @@ PROCESSES = {
     ("bench/starts.py", "_read_only"): "the fleet-start bench: `mount --bind` / `remount,ro` / `umount` of a temp "
                                        "folder to simulate a read-only shared cache (root only)",
     ("bench/targets.py", "sass_of"): "runs triton's bundled cuobjdump to read a compiled kernel's SASS",
+    ("bin/dev.py", "is_complete"): "the developers' env tool (bin/setup, bin/test, bin/bench; never imported by the "
+                                   "pack): asks the env's python whether it finds torch, pytest and this checkout",
+    ("bin/dev.py", "setup"): "the same tool: makes the developers' venv (python -m venv, the env's own python -m pip "
+                             "pinned by constraints.txt), prints that plan for --dry-run (list2cmdline)",
+    ("bin/dev.py", "run_in_env"): "the same tool: runs pytest / the bench in that env (exec on POSIX)",
     ("bench/targets.py", "main"): "one python process per GPU target (`-m unet_compiler.bench.targets --cap N`): "
                                   "triton keeps its target per process",
 }
