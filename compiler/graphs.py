@@ -4,8 +4,12 @@ Graphs are per leaf region, never the whole UNet call: ComfyUI's dispatch betwee
 regions stays eager Python. Weights are live: a graph's key holds the addresses of
 its region's parameters and buffers, so an in-place update is seen by the next
 replay and a replaced parameter drops the region's graphs. At most ``max_shapes``
-graphs per region; a failed capture turns graphs off for the model, and its calls
-run without them. The serving rules and limits: docs/internals.md.
+graphs per region and, on CUDA, static buffers within a budget of the card's memory (so the
+number of shapes follows the latent size); an out-of-memory capture leaves that shape without a
+graph, any other failed capture turns graphs off for the model, and its calls run without them.
+``release()`` frees every graph (ComfyUI's unload and end-of-prompt callbacks call it). No capture
+while the background compile thread runs: a call then may run a region's own code in place of a
+variant still compiling, and a graph would keep that. The serving rules: docs/internals.md.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from collections import Counter
 
 import torch
 
-from .compat.comfy import is_interrupt
+from . import background
+from .compat.comfy import is_interrupt, is_oom
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +28,10 @@ log = logging.getLogger(__name__)
 #: one side stream per device for the whole process: torch keeps a cuBLAS workspace per (handle,
 #: stream) and never frees it, so a stream per accelerator cost ~32 MiB each time a model compiled
 _SIDE_STREAMS: dict = {}
+
+#: the share of a card's memory one model's static graph buffers may hold (SDXL at 2x1024x1024 holds
+#: roughly 3 GB per shape: one shape on a 24 GB card, none at that size on an 8 GB one)
+BUDGET_SHARE = 1 / 8
 
 
 class CudaGraphs:
@@ -58,6 +67,18 @@ class CudaGraphs:
 
     def first_call(self, fn, device):
         return self._on_side_stream(device, fn)
+
+    def budget(self, device) -> int | None:
+        """Bytes of static buffers one model's graphs may hold on ``device``: BUDGET_SHARE of the card."""
+        return int(torch.cuda.get_device_properties(device).total_memory * BUDGET_SHARE)
+
+    def trim(self, new_pool: bool = False) -> None:
+        """Cached blocks that freed graphs or a failed capture left go back to the driver (where
+        ComfyUI's memory accounting sees them); ``new_pool``: every graph is gone, the next capture
+        starts a new pool."""
+        if new_pool:
+            self.pool = None
+        torch.cuda.empty_cache()
 
     def capture(self, fn, device):
         g = torch.cuda.CUDAGraph()
@@ -102,6 +123,10 @@ def _sig(args) -> tuple | None:
     return tuple(sig)
 
 
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def _entry_bytes(entry) -> int:
     _, static_in, static_out = entry
     return sum(t.numel() * t.element_size() for t in static_in if t is not None) + \
@@ -109,7 +134,7 @@ def _entry_bytes(entry) -> int:
 
 
 class _Region:
-    __slots__ = ("slots", "ptrs", "graphs", "seen")
+    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused")
 
     def __init__(self, module):
         # (owner module, attribute name) for every parameter/buffer: read live each call,
@@ -120,6 +145,7 @@ class _Region:
         self.ptrs = None
         self.graphs: dict = {}   # signature -> (graph, static inputs, static output)
         self.seen: set = set()
+        self.refused: dict = {}  # signature -> why it gets no graph (an out-of-memory capture)
 
     def weight_ptrs(self) -> tuple:
         out = []
@@ -131,7 +157,7 @@ class _Region:
 
 
 class RegionGraphs:
-    def __init__(self, max_shapes: int = 4, graphs=None):
+    def __init__(self, max_shapes: int = 4, graphs=None, budget: int | None = None):
         self.max_shapes = max_shapes
         self.graphs = graphs if graphs is not None else CudaGraphs()
         #: region module -> its graphs; weak keys: a region module that dies (its model dropped, or
@@ -141,6 +167,11 @@ class RegionGraphs:
         self.stats: Counter = Counter()
         self.skipped: Counter = Counter()
         self.off: str | None = None
+        #: static buffer bytes the graphs may hold (None: no limit; set from the card at the first capture)
+        self.budget = budget
+        self._budget_known = False
+        #: why the graphs were last freed, for the report
+        self.released: str | None = None
 
     @property
     def bytes(self) -> int:
@@ -186,13 +217,47 @@ class RegionGraphs:
                 return impl(module, *args)
             self.stats["replays"] += 1
             return static_out.clone()
+        why = reg.refused.get(key)
+        if why is None and background.BACKGROUND.active:
+            why = "a background compile was running"
+        if why is not None:
+            self.skipped[why] += 1
+            return impl(module, *args)
         if key not in reg.seen:
             reg.seen.add(key)
             return self.graphs.first_call(lambda: impl(module, *args), device)
         if len(reg.graphs) >= self.max_shapes:
             self.skipped[f"more than {self.max_shapes} shapes for one region"] += 1
             return impl(module, *args)
+        budget = self._budget(device)
+        if budget is not None and self.bytes + _bytes(args) + _bytes(args[:1]) > budget:
+            self.skipped[f"static buffers at their budget ({budget / 2**20:.0f} MiB)"] += 1
+            return impl(module, *args)
         return self._capture(reg, key, impl, module, args, device)
+
+    def _budget(self, device) -> int | None:
+        if self.budget is None and not self._budget_known:
+            of_card = getattr(self.graphs, "budget", None)   # a stand-in without one: no limit
+            self.budget = of_card(device) if of_card is not None else None
+        self._budget_known = True
+        return self.budget
+
+    def release(self, why: str) -> int:
+        """Free every graph and its static buffers (``why``: for the report); a region's next call at
+        a shape it ran before captures again. Returns how many graphs were freed."""
+        n = sum(len(r.graphs) for r in self.regions.values())
+        for r in self.regions.values():
+            r.graphs.clear()
+        if n:
+            self.stats["released"] += n
+            self.released = why
+            self._trim(new_pool=True)
+        return n
+
+    def _trim(self, new_pool: bool = False) -> None:
+        trim = getattr(self.graphs, "trim", None)   # a stand-in holds no device memory
+        if trim is not None:
+            trim(new_pool)
 
     def _turn_off(self, what, e):
         self.off = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
@@ -212,8 +277,19 @@ class RegionGraphs:
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
         except Exception as e:
+            if is_oom(e):
+                # this shape's buffers do not fit beside the model: no graph for it from now on (the
+                # kind and the other shapes keep theirs); the call runs without one, and an
+                # out-of-memory there too is the accelerated code's (Accelerator._run handles it)
+                shape = "x".join(map(str, args[0].shape)) if isinstance(args[0], torch.Tensor) else "?"
+                reg.refused[key] = f"out of memory at capture ({shape})"
+                self.skipped[reg.refused[key]] += 1
+                del static_in, call_args
+                e.__traceback__ = None
+                self._trim()
+                return impl(module, *args)
             if is_interrupt(e):
-                raise  # OOM (ComfyUI frees memory and retries) or a cancel: graphs are not the problem
+                raise  # a cancel: graphs are not the problem
             self._turn_off("capture", e)
             return impl(module, *args)
         reg.graphs[key] = (graph, static_in, static_out)
@@ -230,10 +306,13 @@ class RegionGraphs:
         if not (s or self.skipped):
             return ["  cuda graphs: on, nothing captured yet (a region is captured on its 2nd call at a shape)"]
         regions = sum(1 for r in self.regions.values() if r.graphs)
+        budget = f" (budget {self.budget / 2**20:.0f} MiB)" if self.budget is not None else ""
         line = (f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays, "
-                f"{self.bytes / 2**20:.0f} MiB of static buffers")
+                f"{self.bytes / 2**20:.0f} MiB of static buffers held{budget}")
         if s["dropped for new weights"]:
             line += f", {s['dropped for new weights']} dropped when weights were replaced"
+        if s["released"]:
+            line += f", {s['released']} freed ({self.released})"
         lines = [line]
         if self.skipped:
             lines.append("  cuda graphs not used for: " + ", ".join(f"{k} x{n}" for k, n in sorted(self.skipped.items())))

@@ -1,13 +1,14 @@
 """ComfyUI ModelPatcher glue behind the V3 nodes (nodes/v3.py).
 
 The shared model is never mutated: Compile UNet clones the patcher and
-adds one keyed APPLY_MODEL wrapper (plus an ON_APPLY_HOOKS callback); the
+adds one keyed APPLY_MODEL wrapper (plus ON_APPLY_HOOKS, ON_DETACH and ON_CLEANUP callbacks); the
 wrapper swaps region forwards in for one apply_model call and restores them
 in ``finally`` (runtime.Accelerator.active).
 """
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 
@@ -90,11 +91,31 @@ def compile_model(model, config: CompileConfig | None, node_id=None):
         hooks_epoch[0] += 1
 
     m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
-    m.remove_callbacks_with_key(CallbacksMP.ON_APPLY_HOOKS, KEY)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _apply_model_wrapper(accel, hooks_epoch))
-    m.add_callback_with_key(CallbacksMP.ON_APPLY_HOOKS, KEY, on_apply_hooks)
+    for event, callback in ((CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), *_graph_release(accel)):
+        m.remove_callbacks_with_key(event, KEY)
+        m.add_callback_with_key(event, KEY, callback)
     facts = feedback.compiled(accel, node_id)
     return m, accel.text() + f"\n  status: {facts['text']}"
+
+
+def _graph_release(accel) -> list:
+    """ComfyUI's callbacks that free the regions' CUDA graph buffers, which its memory accounting
+    does not see: when it unloads the model (ON_DETACH) and when a prompt's sampling ends
+    (ON_CLEANUP, before the VAE decode needs the memory). The accelerator is held weakly."""
+    from comfy.patcher_extension import CallbacksMP
+    ref = weakref.ref(accel)
+
+    def on_detach(patcher, unpatch_all=True):
+        a = ref()
+        if a is not None:
+            a.release_graphs("ComfyUI unloaded the model")
+
+    def on_cleanup(patcher):
+        a = ref()
+        if a is not None:
+            a.release_graphs("freed at the end of each prompt")
+    return [(CallbacksMP.ON_DETACH, on_detach), (CallbacksMP.ON_CLEANUP, on_cleanup)]
 
 
 def sampling_transformer_options(model) -> dict:

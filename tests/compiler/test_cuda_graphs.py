@@ -318,3 +318,99 @@ def test_every_accelerator_shares_one_side_stream_per_device(monkeypatch):
     a, b = G.CudaGraphs(), G.CudaGraphs()
     assert a.first_call(lambda: 1, "cuda:0") == 1 and b.first_call(lambda: 2, "cuda:0") == 2
     assert [d for d in made if d != "current"] == ["cuda:0"], made
+
+
+@torch.inference_mode()
+def test_out_of_memory_at_capture_costs_that_shape_its_graph_only(graph_standin):
+    """An out-of-memory capture (a hires pass on an 8 GB card) leaves that shape without a graph, once:
+    the call answers, later calls at that shape do not try again, other shapes keep theirs and the
+    report says which shape and why (before: the error left the graph layer, every later call at the
+    shape tried and failed to capture again)."""
+    class OomAt12(graph_standin):
+        side, attempts = None, 0   # the side of this call's input; captures tried
+
+        def capture(self, fn, device):
+            self.attempts += 1
+            if self.side == 12:   # its static buffers do not fit
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+            return super().capture(fn, device)
+    blk, fake = Block().eval(), OomAt12()
+    rg = RegionGraphs(graphs=fake)
+    for side in (8, 8, 12, 12, 12, 12, 8):
+        fake.side = side
+        x, e = _inputs(side=side)
+        torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert rg.off is None and fake.captures == 1 and fake.attempts == 2   # one try at 12 px, never again
+    assert rg.skipped["out of memory at capture (2x4x12x12)"] == 3 and rg.stats["replays"] == 2
+    assert "out of memory at capture (2x4x12x12) x3" in "\n".join(rg.status_lines())
+
+
+@torch.inference_mode()
+def test_static_buffers_stay_within_their_budget(graph_standin):
+    """The number of shapes follows the latent size: a capture that would take the static buffers
+    past the budget (a share of the card) is not made, and the report names the budget."""
+    blk = Block().eval()
+    x8, e8 = _inputs(side=8)
+    one_shape = (2 * x8.numel() + e8.numel()) * 4
+    fake = graph_standin()
+    rg = RegionGraphs(graphs=fake, budget=int(one_shape * 1.5))
+    for side in (8, 8, 12, 12, 8):
+        x, e = _inputs(side=side)
+        torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert fake.captures == 1 and rg.bytes == one_shape
+    budget_mib = int(one_shape * 1.5) / 2**20
+    assert rg.skipped[f"static buffers at their budget ({budget_mib:.0f} MiB)"] == 1
+    assert "budget 0 MiB" in "\n".join(rg.status_lines())
+    # a small latent fits many shapes within the same budget
+    rg = RegionGraphs(graphs=graph_standin(), budget=one_shape * 4)
+    for side in (4, 4, 5, 5, 6, 6):
+        x, e = _inputs(side=side)
+        rg.run(body, blk, (x, e))
+    assert rg.stats["captured"] == 3
+
+
+def test_the_card_sets_the_budget():
+    from unet_compiler.compiler import graphs as G
+    assert G.BUDGET_SHARE == 1 / 8
+
+    class Card:
+        def budget(self, device):
+            return 8 * 2**30 // 8
+    rg = RegionGraphs(graphs=Card())
+    assert rg._budget("cuda:0") == 2**30 and rg.budget == 2**30
+
+
+@torch.inference_mode()
+def test_release_frees_every_graph_and_the_next_call_captures_again(graph_standin):
+    blk, fake = Block().eval(), graph_standin()
+    trims = []
+    fake.trim = lambda new_pool=False: trims.append(new_pool)
+    rg = RegionGraphs(graphs=fake)
+    x, e = _inputs()
+    for _ in range(3):
+        rg.run(body, blk, (x, e))
+    assert rg.bytes > 0 and fake.captures == 1
+    assert rg.release("ComfyUI unloaded the model") == 1
+    assert rg.bytes == 0 and trims == [True]
+    assert "1 freed (ComfyUI unloaded the model)" in "\n".join(rg.status_lines())
+    torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert fake.captures == 2   # the shape was run before: captured at once, no eager first call again
+    assert rg.release("again") == 1 and rg.release("nothing left") == 0
+
+
+@torch.inference_mode()
+def test_no_capture_while_a_background_compile_runs(graph_standin, monkeypatch):
+    """While the compile thread runs (another model's background compile), a region call may run
+    its body's own code in place of a variant still compiling: a graph would keep that for good."""
+    from unet_compiler.compiler import background
+    blk, fake = Block().eval(), graph_standin()
+    rg = RegionGraphs(graphs=fake)
+    x, e = _inputs()
+    monkeypatch.setattr(background.BACKGROUND, "running", True)
+    for _ in range(3):
+        torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert fake.captures == 0 and rg.skipped["a background compile was running"] == 3
+    monkeypatch.setattr(background.BACKGROUND, "running", False)
+    for _ in range(2):
+        rg.run(body, blk, (x, e))
+    assert fake.captures == 1

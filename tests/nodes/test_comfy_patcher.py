@@ -347,3 +347,30 @@ def test_region_graphs_under_comfyui_dispatch(make_comfy_model, kind, graph_stan
             assert (out - plain).abs().max() > 1e-3, "the control residual must have mattered"
     assert fake.captures == captured, "sampling at a warmed shape must replay, not capture"
     assert accel.graphs.stats["replays"] > 0 and accel.graphs.off is None
+
+
+def test_graph_buffers_are_freed_when_comfyui_unloads_or_a_prompt_ends(make_comfy_model, graph_standin):
+    """CUDA graph static buffers are memory ComfyUI's accounting does not see: Compile UNet frees them
+    through ComfyUI's own callbacks, on a clone made later too (a LoRA loader's): ON_CLEANUP at the
+    end of a prompt's sampling (before the VAE decode) and ON_DETACH when ComfyUI unloads the model."""
+    from unet_compiler.compiler.graphs import RegionGraphs
+    mp = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    block = torch.nn.Linear(4, 4).eval()
+
+    def capture():
+        with torch.inference_mode():
+            for _ in range(2):
+                accel.graphs.run(lambda m, x: m(x), block, (torch.randn(2, 4),))
+        return accel.graphs.bytes
+    accel.graphs = RegionGraphs(graphs=graph_standin())
+    assert capture() > 0
+    later = cm.clone()   # what a LoRA loader or another patch node hands KSampler
+    later.cleanup()      # KSampler's finally, after sampling
+    assert accel.graphs.bytes == 0 and accel.graphs.released == "freed at the end of each prompt"
+    assert capture() > 0
+    later.detach()       # ComfyUI's unload of the model
+    assert accel.graphs.bytes == 0 and accel.graphs.released == "ComfyUI unloaded the model"
+    assert "freed (ComfyUI unloaded the model)" in accel.text()
+    assert not mp.get_all_callbacks("on_cleanup")   # the source patcher got nothing
