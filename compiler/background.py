@@ -276,7 +276,12 @@ class Background:
 BACKGROUND = Background()
 
 def first_calls(fn, modules, args) -> None:
-    """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming)."""
+    """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming: a
+    first call loads the variant's kernels and packs CPU conv weights). Not on CUDA: there it would
+    hold a second set of activations beside sampling's (an 8 GB card runs out), and what it does
+    there (loading kernels) costs the sampling thread's first call milliseconds."""
+    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        return
     with torch.no_grad():
         for m in modules:
             # a module whose weights are cast per call: the sampling thread may be showing them now
@@ -369,6 +374,7 @@ def problem(accel) -> str | None:
     """Why this accelerator's code cannot compile in the background (None: it can)."""
     if accel.backend.name == "eager" or not accel.has_regions:
         return "nothing is compiled"
-    if accel.graphs is not None:
+    if accel.graphs is not None and not accel.graphs.measured:
+        # (auto's measured graphs are fine: no graph is captured while the thread runs)
         return "CUDA graphs are captured in the sampling thread (turn cuda_graphs off to compile in the background)"
     return accel.backend.background_problem()

@@ -7,13 +7,16 @@ replay and a replaced parameter drops the region's graphs. At most ``max_shapes`
 graphs per region and, on CUDA, static buffers within a budget of the card's memory (so the
 number of shapes follows the latent size); an out-of-memory capture leaves that shape without a
 graph, any other failed capture turns graphs off for the model, and its calls run without them.
-``release()`` frees every graph (ComfyUI's unload and end-of-prompt callbacks call it). No capture
+``release()`` frees every graph (ComfyUI's unload and end-of-prompt callbacks call it). ``measured``
+(backend auto on CUDA): a graph is kept only where its replay measured faster than the region's
+own launches (launch-bound sizes); elsewhere that shape runs without one. No capture
 while the background compile thread runs: a call then may run a region's own code in place of a
 variant still compiling, and a graph would keep that. The serving rules: docs/internals.md.
 """
 from __future__ import annotations
 
 import logging
+import time
 import weakref
 from collections import Counter
 
@@ -71,6 +74,18 @@ class CudaGraphs:
     def budget(self, device) -> int | None:
         """Bytes of static buffers one model's graphs may hold on ``device``: BUDGET_SHARE of the card."""
         return int(torch.cuda.get_device_properties(device).total_memory * BUDGET_SHARE)
+
+    def timed(self, fn, device, reps: int = 3):
+        """(``fn()``'s last result, its fastest wall time in seconds): each call on the side stream
+        between two synchronizations, so host launches and device time both count."""
+        best, out = float("inf"), None
+        for _ in range(reps):
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            out = self._on_side_stream(device, fn)
+            torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - t0)
+        return out, best
 
     def trim(self, new_pool: bool = False) -> None:
         """Cached blocks that freed graphs or a failed capture left go back to the driver (where
@@ -156,9 +171,14 @@ class _Region:
         return tuple(out)
 
 
+#: a measured graph is kept when its replay takes at most this share of the launches it replaces
+KEEP_BELOW = 0.9
+
+
 class RegionGraphs:
-    def __init__(self, max_shapes: int = 4, graphs=None, budget: int | None = None):
+    def __init__(self, max_shapes: int = 4, graphs=None, budget: int | None = None, measured: bool = False):
         self.max_shapes = max_shapes
+        self.measured = measured
         self.graphs = graphs if graphs is not None else CudaGraphs()
         #: region module -> its graphs; weak keys: a region module that dies (its model dropped, or
         #: the module replaced) takes its graphs and static buffers with it, and a new module that
@@ -235,6 +255,13 @@ class RegionGraphs:
             return impl(module, *args)
         return self._capture(reg, key, impl, module, args, device)
 
+    def _timed(self, fn, device):
+        timed = getattr(self.graphs, "timed", None)
+        if timed is not None:
+            return timed(fn, device)
+        t0 = time.perf_counter()   # a stand-in: its calls run at once
+        return fn(), time.perf_counter() - t0
+
     def _budget(self, device) -> int | None:
         if self.budget is None and not self._budget_known:
             of_card = getattr(self.graphs, "budget", None)   # a stand-in without one: no limit
@@ -272,10 +299,30 @@ class RegionGraphs:
             # one eager call on the static buffers first: Triton specialises on pointer alignment
             # (the buffers are 512-byte aligned; the signature's first call may have seen less), and a
             # variant first met inside the capture cannot be compiled and loaded there
-            self.graphs.first_call(lambda: impl(module, *call_args), device)
+            if self.measured:
+                _, t_launch = self._timed(lambda: impl(module, *call_args), device)
+            else:
+                self.graphs.first_call(lambda: impl(module, *call_args), device)
             graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
+            if self.measured:
+                def replay():
+                    for s, a in zip(static_in, args, strict=True):
+                        if s is not None:
+                            s.copy_(a)
+                    graph.replay()
+                    return static_out.clone()
+                out, t_graph = self._timed(replay, device)
+                if t_graph > KEEP_BELOW * t_launch:   # not launch-bound here: no graph, no buffers
+                    reg.refused[key] = "auto: replay not faster than launching its kernels"
+                    self.stats["not kept"] += 1
+                    return out
+                self.stats["kept"] += 1
+                reg.graphs[key] = (graph, static_in, static_out)
+                self.stats["captured"] += 1
+                self.stats["replays"] += 1
+                return out
         except Exception as e:
             if is_oom(e):
                 # this shape's buffers do not fit beside the model: no graph for it from now on (the
@@ -304,11 +351,18 @@ class RegionGraphs:
             return [f"  cuda graphs: off after a failed {self.off}"]
         s = self.stats
         if not (s or self.skipped):
-            return ["  cuda graphs: on, nothing captured yet (a region is captured on its 2nd call at a shape)"]
+            auto = " (auto: kept where a replay measures faster)" if self.measured else ""
+            return [f"  cuda graphs: on{auto}, nothing captured yet (a region is captured on its 2nd call at a shape)"]
         regions = sum(1 for r in self.regions.values() if r.graphs)
         budget = f" (budget {self.budget / 2**20:.0f} MiB)" if self.budget is not None else ""
-        line = (f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays, "
-                f"{self.bytes / 2**20:.0f} MiB of static buffers held{budget}")
+        if self.measured:
+            line = (f"  cuda graphs (auto): {s['kept']} kept where a replay measured faster than launching "
+                    f"the region's kernels, {s['not kept']} not kept; "
+                    f"{regions} region(s), {s['replays']} replays, {self.bytes / 2**20:.0f} MiB of static "
+                    f"buffers held{budget}")
+        else:
+            line = (f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays, "
+                    f"{self.bytes / 2**20:.0f} MiB of static buffers held{budget}")
         if s["dropped for new weights"]:
             line += f", {s['dropped for new weights']} dropped when weights were replaced"
         if s["released"]:

@@ -150,6 +150,16 @@ class Precompiled:
         except Exception as e:
             if comfy_compat.is_cancel(e):
                 raise
+            if comfy_compat.is_oom(e):
+                # memory was short while it compiled (beside sampling, a hires pass): not the body's
+                # fault, so nothing is marked; in the sampling thread the call's error (the runtime
+                # runs the model's own code for it), in the compile thread the job is dropped and a
+                # later miss queues it again
+                if not first_call:
+                    raise
+                log.info("UNet Compiler: out of memory compiling %s in the background; tried again at its next "
+                         "miss", self.__name__)
+                return None
             # a body that does not trace into one graph (a graph break) or a torch without the API:
             # this key runs under plain torch.compile from now on
             log.info("UNet Compiler: %s is not precompiled for this region (%s); plain torch.compile",
@@ -165,6 +175,11 @@ class Precompiled:
             try:
                 background.first_calls(fn, [module, *others], args)
             except Exception as e:
+                if comfy_compat.is_cancel(e):
+                    raise
+                if comfy_compat.is_oom(e):   # the variant is fine; its first call waits for the sampling thread
+                    variants.VARIANTS.add_compiled(key, fn, blob)
+                    return fn
                 log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
                          self.__name__, error_summary(e))
                 self._no_aot.add(key)

@@ -184,15 +184,23 @@ class Accelerator:
         return self._root()
 
     def _graphs(self, device):
-        """The region CUDA graphs, when asked for and possible here; else a note why not."""
+        """The region CUDA graphs, when asked for and possible here; else a note why not. Backend
+        ``auto`` on CUDA with ``cuda_graphs`` off keeps a region's graph at a shape only where its
+        replay measured faster than launching its kernels (launch-bound sizes), and says so."""
+        from .graphs import RegionGraphs
         if not self.config.cuda_graphs:
-            return None
+            if (self.config.backend != "auto" or not self.backend.uses_cuda_graphs
+                    or getattr(device, "type", device) != "cuda" or graphs_problem(self.backend, device)):
+                return None
+            self.report.notes.append("cuda graphs: auto (backend auto on CUDA): a region keeps its graph at a "
+                                     "shape only where a replay measured faster than launching its kernels; "
+                                     "Select Backend's cuda_graphs on keeps every graph")
+            return RegionGraphs(measured=True)
         why = graphs_problem(self.backend, device)
         if why:
             self.report.notes.append(f"cuda graphs: not used: {why}")
             log.warning("UNet Compiler: cuda graphs not used: %s", why)
             return None
-        from .graphs import RegionGraphs
         return RegionGraphs()
 
     def release_graphs(self, why: str) -> int:

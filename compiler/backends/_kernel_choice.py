@@ -1,18 +1,20 @@
 """Kernel or torch, measured: ops whose members run a Triton kernel or the torch ops it replaces.
 
-Kernel choice is measured, not assumed: the first time a kernel meets an
-input signature on a GPU, the kernel and the torch ops it replaces are each
-timed a few times (CUDA events) and the faster one serves that signature from
-then on (remembered per process; the report counts both). So on a GPU where
-cuDNN's attention or a fused torch op beats a kernel at some size, the
-backend is never slower there than eager. UNET_COMPILER_KERNEL_CHOICE=triton
-always runs the kernels (kernel tests, A/B).
+Kernel choice is measured, not assumed: the first time a kernel meets an input signature on a
+GPU, the kernel and the torch ops it replaces are each timed a few times and the faster one
+serves that signature from then on (remembered per process; the report counts both). What is
+timed is what the user pays: without CUDA graphs, wall time per call of back-to-back calls (host
+launches, checks and allocations included: at launch-bound sizes a kernel that is faster on the
+device can still make the step slower); under CUDA graphs, where a replay pays no host time,
+device time (CUDA events). So the backend is never slower than eager at a signature.
+UNET_COMPILER_KERNEL_CHOICE=triton always runs the kernels (kernel tests, A/B).
 
 (A private module: every public module of this package is a backend.)
 """
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 
 import torch
@@ -33,12 +35,23 @@ def _measurable(device) -> bool:
     return device.type == "cuda" and settings.choice("KERNEL_CHOICE") != "triton"
 
 
-def _measure_ms(fn, reps: int = 10) -> float:
-    """Median device time of ``fn`` in ms. Both candidates are measured the same
-    way: from an idle GPU, with a GPU-side sleep queued first so every launch is
-    queued before the first timed one runs (device time, not Python gaps)."""
+#: timed calls per candidate (after one untimed first call): 2 x (1 + REPS) runs per signature
+REPS = 5
+
+
+def _measure_ms(fn, reps: int = REPS, timing: str = "wall") -> float:
+    """Milliseconds per call of ``fn``. ``wall``: back-to-back calls between two synchronizations,
+    host time included (what a step pays without graphs: the larger of launch and device time);
+    ``device``: median device time per call, the launches queued behind a GPU-side sleep so host
+    gaps do not count (what a graph replay pays)."""
     fn()  # first call: compile / config probe, untimed
     torch.cuda.synchronize()
+    if timing == "wall":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1000 / reps
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     if hasattr(torch.cuda, "_sleep"):
@@ -56,7 +69,10 @@ class KernelChoice(Ops):
     (``fired_in``: per kernel and region kind), ``torch_faster`` the calls served by torch
     because it measured faster, ``declined`` what a kernel or a body did not take, by reason."""
 
-    def __init__(self):
+    def __init__(self, timing: str = "wall"):
+        #: how a kernel and its torch ops are timed against each other: "wall" (no CUDA graphs) or
+        #: "device" (under CUDA graphs); see _measure_ms
+        self.timing = timing
         self.fired: Counter = Counter()
         self.fired_in: Counter = Counter()   # (kernel, region kind) -> launches
         self.where = "?"                     # the region kind being run (set per call by the backend)
@@ -78,8 +94,8 @@ class KernelChoice(Ops):
 
     def _pick(self, name, tensors, dev, kernel, reference):
         # grad mode too: a kernel refuses inputs that need grad under autograd, not the same inputs later
-        sig = tuple((tuple(t.shape), t.stride(), t.dtype) for t in tensors) + (torch.is_grad_enabled(),)
-        key = (name, str(dev), sig)
+        sig = tuple((t.shape, t.stride(), t.dtype) for t in tensors) + (torch.is_grad_enabled(),)
+        key = (name, dev, sig, self.timing)
         choice = _CHOICE.get(key, "triton")
         if choice == "declined":   # the kernel refused this signature before: no raise-and-catch per call
             self.declined[_DECLINED[key]] += 1
@@ -90,12 +106,13 @@ class KernelChoice(Ops):
                 choice = "triton"  # no timing inside a capture (a graph captures on a signature's 2nd call)
             elif choice is None:
                 try:
-                    t_kernel = _measure_ms(kernel)
+                    t_kernel = _measure_ms(kernel, timing=self.timing)
                 except self.Unsupported as e:   # the kernel refuses these inputs: nothing to measure
                     return self._declined(e, reference, key)
-                t_torch = _measure_ms(reference)
+                t_torch = _measure_ms(reference, timing=self.timing)
                 choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
-                log.debug("%s %s: triton %.3f ms, torch %.3f ms -> %s", name, sig, t_kernel, t_torch, choice)
+                log.debug("%s %s: triton %.3f ms, torch %.3f ms (%s time) -> %s", name, sig, t_kernel, t_torch,
+                          self.timing, choice)
         if choice == "torch":
             self.torch_faster[name] += 1
             return reference()

@@ -344,3 +344,57 @@ def test_weights_cast_per_call_compile_in_the_background(make_comfy_model, fresh
     assert _traced() == traced and accel.stats["region_eager"] == eager, accel.text()
     n = sum(accel.report.regions.values())
     assert accel.ran_compiled() == (n, n) and accel.stats["region_cast_compiled"] >= n, accel.text()
+
+
+def test_out_of_memory_while_compiling_is_never_for_good(monkeypatch):
+    """An out-of-memory error while a variant compiles (beside sampling, on a small card) is not the
+    body's fault: nothing is marked for plain torch.compile for good. In the compile thread the job
+    is dropped and the next miss compiles it; an out-of-memory first call keeps the variant; in the
+    sampling thread the error is the call's (the runtime runs the model's own code for it)."""
+    from unet_compiler.compiler import variants
+    from unet_compiler.compiler.precompiled import Precompiled
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    p = Precompiled(lambda m, x: x, "inductor", False, lambda m, x: x, ())
+    traced, added = [], []
+
+    class Variant:
+        def guard_check(self, *a):
+            return True
+
+        def fn(self, *a):
+            raise oom
+
+    def trace(module, args, dynamic):
+        traced.append(1)
+        if len(traced) == 1:
+            raise oom
+        return Variant()
+    monkeypatch.setattr(p, "_trace", trace)
+    monkeypatch.setattr(variants, "serialize", lambda fn: b"")
+    monkeypatch.setattr(variants.VARIANTS, "add_compiled", lambda key, fn, blob: added.append(key))
+    m, x = torch.nn.Identity(), torch.zeros(2)
+    assert p._aot("oom-key", m, (x,), False, first_call=True) is None and "oom-key" not in p._no_aot
+    assert p._aot("oom-key", m, (x,), False, first_call=True) is not None   # its first call ran out: kept
+    assert added == ["oom-key"] and not p._no_aot
+    traced.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        p._aot("oom-key-2", m, (x,), False)
+    assert not p._no_aot
+
+
+def test_the_thread_makes_no_first_call_on_cuda(monkeypatch):
+    """On CUDA a first call in the thread would hold a second set of activations beside sampling's."""
+    called = []
+
+    class Variant:
+        def guard_check(self, *a):
+            return True
+
+        def fn(self, *a):
+            called.append(a)
+    x = torch.zeros(2)
+    B.first_calls(Variant(), [torch.nn.Identity()], (x,))
+    assert len(called) == 1
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    B.first_calls(Variant(), [torch.nn.Identity()], (x,))
+    assert len(called) == 1

@@ -414,3 +414,48 @@ def test_no_capture_while_a_background_compile_runs(graph_standin, monkeypatch):
     for _ in range(2):
         rg.run(body, blk, (x, e))
     assert fake.captures == 1
+
+
+@torch.inference_mode()
+def test_auto_keeps_a_graph_only_where_a_replay_is_faster(graph_standin):
+    """Backend auto's measured graphs: at a launch-bound shape (small latent) the replay beats the
+    region's launches and the graph is kept; at a compute-bound one it does not, so that shape runs
+    without a graph and holds no buffers; every answer is right, and the report says which."""
+    class Timed(graph_standin):
+        side, calls = None, 0
+
+        def timed(self, fn, device):
+            self.calls += 1
+            launch = self.calls % 2 == 1            # first the launches, then the replay
+            ms = {8: (1.0, 0.2), 32: (1.0, 0.97)}[self.side][0 if launch else 1]
+            return fn(), ms / 1000
+    blk, fake = Block().eval(), Timed()
+    rg = RegionGraphs(graphs=fake, measured=True)
+    for side in (8, 8, 8, 32, 32, 32, 32):
+        fake.side = side
+        x, e = _inputs(side=side)
+        torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    x8, e8 = _inputs(side=8)
+    assert rg.stats["kept"] == 1 and rg.stats["not kept"] == 1 and rg.bytes == (2 * x8.numel() + e8.numel()) * 4
+    assert rg.skipped["auto: replay not faster than launching its kernels"] == 2
+    text = "\n".join(rg.status_lines())
+    assert "cuda graphs (auto): 1 kept where a replay measured faster" in text and "1 not kept" in text, text
+
+
+def test_backend_auto_on_cuda_measures_its_graphs(monkeypatch, tiny_unet):
+    """Backend auto on CUDA with cuda_graphs off: graphs where they win, said in the report; a backend
+    named outright with cuda_graphs off: none; cuda_graphs on: every graph (not measured). Measured
+    graphs do not stop background compile (no capture while the thread runs)."""
+    from unet_compiler.compiler import background, backends, runtime
+    u = tiny_unet()
+    monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
+    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None: (backends.lookup_backend("inductor")(), []))
+    a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
+    assert a.graphs is not None and a.graphs.measured
+    assert "cuda graphs: auto (backend auto on CUDA)" in a.text()
+    assert background.problem(a) != background.problem(Accelerator(u, CompileConfig(backend="auto", cuda_graphs=True),
+                                                                   device=torch.device("cuda")))
+    assert Accelerator(u, CompileConfig(backend="inductor"), device=torch.device("cuda")).graphs is None
+    forced = Accelerator(u, CompileConfig(backend="auto", cuda_graphs=True), device=torch.device("cuda"))
+    assert forced.graphs is not None and not forced.graphs.measured
+    assert Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cpu")).graphs is None

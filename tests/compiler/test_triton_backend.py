@@ -14,6 +14,7 @@ from unet_compiler.compiler import compile_unet, report  # noqa: E402
 from unet_compiler.compiler.api import accelerator_of  # noqa: E402
 from unet_compiler.compiler.backends import _kernel_choice as KC  # noqa: E402
 from unet_compiler.compiler.backends import triton as TB  # noqa: E402
+from unet_compiler.compiler.config import CompileConfig  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -158,7 +159,7 @@ def test_measured_choice_runs_torch_where_it_is_faster(tiny_unet, triton_here, m
     monkeypatch.setattr(KC, "_CHOICE", {})
     timed = []
 
-    def fake_ms(fn, reps=5):
+    def fake_ms(fn, reps=5, timing="wall"):
         fn()   # a kernel that refuses its inputs raises here, as on a GPU, and is not measured
         timed.append(fn)
         name, is_kernel = fake_ms.current, fn is fake_ms.kernel
@@ -360,3 +361,72 @@ def test_a_declined_signature_is_remembered(monkeypatch):
     assert len(tries) == 1 and ops.declined["attention"] == 3 and ops.fired["attention"] == 0
     assert ops.pick("attention", [torch.zeros(4, 3)], kernel, lambda: "torch") == "torch" and len(tries) == 2, \
         "another signature is tried"
+
+
+class _FakeGPU:
+    """One stream, in ms: a call costs host time to launch and device time to run, queued behind the
+    work before it; a sync waits for the queue; an event records where the queue is."""
+
+    def __init__(self):
+        self.host = self.dev = 0.0
+
+    def call(self, host_ms, dev_ms):
+        self.host += host_ms
+        self.dev = max(self.dev, self.host) + dev_ms
+
+    def sync(self, *a):
+        self.host = max(self.host, self.dev)
+
+    def event(self, enable_timing=True):
+        gpu = self
+
+        class Event:
+            def record(self):
+                self.t = max(gpu.dev, gpu.host)
+
+            def elapsed_time(self, end):
+                return end.t - self.t
+        return Event()
+
+    def sleep(self, cycles):
+        self.dev = max(self.dev, self.host) + 100.0
+
+
+def test_the_choice_times_what_the_user_pays(monkeypatch):
+    """A launch-bound kernel (3 launches and their checks: 3 ms of host time, 0.5 ms on the device)
+    against the torch ops it replaces (0.5 ms host, 1 ms device): without graphs the step pays the
+    host time, so torch serves the signature; under CUDA graphs a replay pays device time only, so
+    the kernel does. (Before, device time alone was timed, and the kernel won both: the step got
+    slower at launch-bound sizes.)"""
+    import types
+    gpu = _FakeGPU()
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.sync)
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event)
+    monkeypatch.setattr(torch.cuda, "_sleep", gpu.sleep, raising=False)
+    monkeypatch.setattr(KC, "time", types.SimpleNamespace(perf_counter=lambda: gpu.host / 1000))
+    monkeypatch.setattr(KC, "_measurable", lambda device: True)
+    monkeypatch.setattr(KC, "_CHOICE", {})
+    kernel = lambda: gpu.call(3.0, 0.5) or "kernel"     # noqa: E731
+    torch_ops = lambda: gpu.call(0.5, 1.0) or "torch"   # noqa: E731
+    assert KC._measure_ms(kernel, timing="wall") == pytest.approx(3.0, rel=0.05)
+    assert KC._measure_ms(torch_ops, timing="wall") == pytest.approx(1.0, rel=0.2)
+    assert KC._measure_ms(kernel, timing="device") == pytest.approx(0.5)
+    assert KC._measure_ms(torch_ops, timing="device") == pytest.approx(1.0)
+    x = torch.zeros(2, 320, 64, 64)
+    no_graphs, graphs = KC.KernelChoice("wall"), KC.KernelChoice("device")
+    assert no_graphs.pick("groupnorm_silu", (x,), kernel, torch_ops) == "torch"
+    assert graphs.pick("groupnorm_silu", (x,), kernel, torch_ops) == "kernel"
+    assert no_graphs.torch_faster["groupnorm_silu"] == 1 and graphs.fired["groupnorm_silu"] == 1
+    runs = gpu.host
+    assert no_graphs.pick("groupnorm_silu", (x,), kernel, torch_ops) == "torch" and gpu.host - runs == 0.5, \
+        "measured once per signature and timing"
+    assert 2 * (1 + KC.REPS) == 12   # timed runs per signature (22 before)
+
+
+def test_the_backend_times_for_its_graphs(triton_here):
+    from unet_compiler.compiler.backends import lookup_backend
+    b = lookup_backend("triton")()
+    b.impls(CompileConfig(backend="triton"))
+    assert b.ops.timing == "wall"
+    b.impls(CompileConfig(backend="triton", cuda_graphs=True))
+    assert b.ops.timing == "device"
