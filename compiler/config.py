@@ -65,7 +65,10 @@ class CompileConfig:
         after that, so its kernels launch in one call instead of one Python
         dispatch each (the win at SD1.5 sizes, where launches dominate).
         Costs GPU memory: one input and one output buffer per region per
-        shape (at most 4 shapes per region). ComfyUI's dispatch between
+        shape (at most 4 shapes per region, within 1/8 of the card, freed
+        when a prompt ends or ComfyUI unloads the model). Off with backend
+        auto on CUDA: a region keeps a graph at a shape only where its
+        replay measured faster. ComfyUI's dispatch between
         regions stays eager, so ControlNet, patches and LoRA behave as without
         graphs; weights updated in place are read at every replay, replaced
         weights drop the region's graphs. Needs ComfyUI started with

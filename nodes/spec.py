@@ -57,8 +57,9 @@ SELECT_BACKEND = Node(
               "Off: each new shape compiles again.", widget={"default": True}),
         Input("cuda_graphs", "BOOLEAN",
               "CUDA only (triton, inductor): replay each region as a CUDA graph from its 2nd call at a shape; fewer "
-              "launches, the SD1.5 win. Costs GPU memory per shape. Needs ComfyUI started with "
-              "--disable-cuda-malloc.", optional=True, widget={"default": False}),
+              "launches, the SD1.5 win. Costs GPU memory per shape (within 1/8 of the card, freed when a prompt "
+              "ends). Off with backend auto: graphs only where a replay measures faster. Needs ComfyUI started "
+              "with --disable-cuda-malloc.", optional=True, widget={"default": False}),
     ),
     outputs=(("UNET_BACKEND", "backend"),),
 )
