@@ -441,12 +441,21 @@ def run_prompt(server: ComfyServer, prompt: dict, timeout: float = 300.0) -> dic
     Raises PromptFailed with ComfyUI's validation or execution error (and the
     server log tail) if the prompt is rejected or fails.
     """
+    return wait_prompt(server, queue_prompt(server, prompt), timeout)
+
+
+def queue_prompt(server: ComfyServer, prompt: dict) -> str:
+    """Queue an API-format prompt (behind any already queued) and return its id; PromptFailed when
+    ComfyUI rejects it."""
     server.check_alive()
     resp = server.post_json("/prompt", {"prompt": prompt, "client_id": server.client_id})
     if resp.get("error") or resp.get("node_errors"):
         raise PromptFailed(f"prompt rejected: {json.dumps(resp, indent=1)}")
-    prompt_id = resp["prompt_id"]
+    return resp["prompt_id"]
 
+
+def wait_prompt(server: ComfyServer, prompt_id: str, timeout: float = 300.0) -> dict:
+    """Wait for a queued prompt and return its /history entry (PromptFailed when it fails)."""
     deadline = time.time() + timeout
     while True:
         history = server.get_json(f"/history/{prompt_id}")

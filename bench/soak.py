@@ -137,7 +137,7 @@ def workflow(ckpt: str, lora: str, batch: int, width: int, height: int, strength
     p = S.txt2img(ckpt, width, height, batch, STEPS, 1.0, seed, latent_prefix=prefix)
     p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0]}}
     p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
-               "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": 77}}
+               "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": 77, "background": False}}
     p["13"] = {"class_type": "LoraLoaderModelOnly",
                "inputs": {"model": ["12", 0] if compiled else ["1", 0], "lora_name": lora, "strength_model": strength}}
     p["5"]["inputs"]["model"] = ["13", 0]

@@ -50,7 +50,9 @@ from pathlib import Path
 from . import comfy_server as S
 
 ONE_SHAPE, RANGE = "Compile UNet, one shape", "Compile UNet, range"
-BACKGROUND = "Compile UNet, one shape, background"
+OFF = ", background off"     # the row with Warmup Shapes' background off (the others: every input at its default)
+#: the images the session table times (wall time from the first prompt's start to each)
+SESSION_IMAGES = (1, 5, 20)
 DONE = re.compile(r"background compile: done in ([\d.]+) s, (\d+) region variant\(s\) \((\d+) graph\(s\)\)")
 RESTART_RANGE = "restart of the range row"
 EAGER_AGAIN = "eager, again"
@@ -70,17 +72,19 @@ class StartRow:
 
 
 def workflow(ckpt: str, model: str, size: int, batch: int, steps: int, seed: int, shapes: str = "",
-             background: bool = False) -> dict:
+             background: bool | None = None) -> dict:
     """The txt2img API prompt: checkpoint -> [TorchCompileModel | Compile UNet -> Warmup Shapes] ->
-    KSampler (euler, normal) -> VAE decode -> preview."""
+    KSampler (euler, normal) -> VAE decode -> preview. Every input of the pack's nodes but ``shapes``
+    is left out (its default), ``background`` too where it is None."""
     p = S.txt2img(ckpt, size, size, batch, steps, 7.0, seed)
     if model == "tcm":
         p["10"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["1", 0], "backend": "inductor"}}
         p["5"]["inputs"]["model"] = ["10", 0]
     elif model == "pack":
         p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0]}}
-        p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
-                   "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": 77, "background": background}}
+        p["12"] = {"class_type": "UNetCompiler_WarmupShapes", "inputs": {"model": ["11", 0], "shapes": shapes}}
+        if background is not None:
+            p["12"]["inputs"]["background"] = background
         p["5"]["inputs"]["model"] = ["12", 0]
     return p
 
@@ -118,7 +122,7 @@ def wait_for_done(server, timeout: float = 3600.0) -> re.Match:
 
 
 def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shapes: str = "", log=print,
-            background: bool = False) -> StartRow:
+            background: bool | None = None) -> StartRow:
     import torch
     server = S.start_server(root, ckpt.parent, env=env, log=None, cpu=not torch.cuda.is_available())
     try:
@@ -132,9 +136,9 @@ def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shap
             times.append(prompt_seconds(entry, time.perf_counter() - t0))
             if seed == 1 and model == "pack":
                 first_report = report_text(entry)
-            if seed == 1 and background:
-                done = wait_for_done(server)
-                after = time.perf_counter() - t0
+                if "compiling in the background" in first_report:   # (the default, or asked for)
+                    done = wait_for_done(server)
+                    after = time.perf_counter() - t0
         row = StartRow(name, times[0], times[1], server.ready_s)
         if model == "pack":
             row.report = first_report
@@ -172,7 +176,8 @@ def _read_only(folder: Path) -> tuple[Path, str, callable]:
     return folder, how, lambda: [p.chmod(p.stat().st_mode | 0o200) for p in [folder, *folder.rglob("*")]]
 
 
-def second_worker(cache: Path, root: Path, ckpt: Path, args, shapes: str, log=print) -> StartRow:
+def second_worker(cache: Path, root: Path, ckpt: Path, args, shapes: str, log=print,
+                  background: bool | None = None) -> StartRow:
     """A new ComfyUI process given a copy of ``cache`` (the pack's entries and the inductor folder
     it placed beside them), read-only as a fleet's shared mount, and cold caches of its own."""
     shared = root.with_name(root.name + "_shared_cache")
@@ -184,7 +189,7 @@ def second_worker(cache: Path, root: Path, ckpt: Path, args, shapes: str, log=pr
                "TMPDIR": str(root / "tmp")}   # its own temp: the pack's local copy of the inductor files lands there
         (root / "tmp").mkdir(parents=True, exist_ok=True)
         row = run_row("second worker (a read-only copy of the folder)", root, ckpt, "pack", args, env, shapes,
-                      log=log)
+                      log=log, background=background)
     finally:
         undo()
     row.note = how
@@ -220,10 +225,12 @@ def measure(args, log=print) -> list[StartRow]:
         rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))
     rows.append(run_row(f"{ONE_SHAPE} ({one})", one_dir, ckpt, "pack", args, pack_env(one_dir), one, log=log))
     if every:
-        rows.append(run_row(f"{BACKGROUND} ({one})", fresh("background"), ckpt, "pack",
-                            args, pack_env(fresh("background")), one, log=log, background=True))
+        rows.append(run_row(f"{ONE_SHAPE}{OFF} ({one})", fresh("one_off"), ckpt, "pack", args,
+                            pack_env(fresh("one_off")), one, log=log, background=False))
         rows.append(run_row(f"{RANGE} ({args.range})", range_dir, ckpt, "pack", args, pack_env(range_dir),
                             args.range, log=log))
+        rows.append(run_row(f"{RANGE}{OFF} ({args.range})", fresh("range_off"), ckpt, "pack", args,
+                            pack_env(fresh("range_off")), args.range, log=log, background=False))
     # restart: the one-shape row's folders again, a new process
     env = pack_env(one_dir)
     rows.append(run_row("restart of the one-shape row", fresh("restart"), ckpt, "pack", args, env, one, log=log))
@@ -234,6 +241,65 @@ def measure(args, log=print) -> list[StartRow]:
     # the baseline again, last: eager's first-prompt cost alone varied 4.3-7.7 s between runs here
     rows.append(run_row(EAGER_AGAIN, fresh("eager_again"), ckpt, "eager", args, {}, log=log))
     return net(rows)
+
+
+@dataclass
+class SessionRow:
+    row: str
+    to_image_s: dict               # image number -> seconds from the first prompt's start to that image
+    prompts: int = 0
+
+
+def _stamp(entry: dict, name: str) -> float:
+    for message, data in (entry.get("status") or {}).get("messages") or []:
+        if message == name and isinstance(data, dict) and data.get("timestamp"):
+            return data["timestamp"] / 1000
+    raise ValueError(f"no {name} timestamp in the prompt's /history status")
+
+
+def session_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shapes: str = "",
+                background: bool | None = None, log=print) -> SessionRow:
+    """A user's session: ``max(SESSION_IMAGES)`` prompts queued at once on a fresh server (each a new
+    seed), timed by ComfyUI's own stamps from the first prompt's start to each image."""
+    import torch
+    n = max(SESSION_IMAGES)
+    server = S.start_server(root, ckpt.parent, env=env, log=None, cpu=not torch.cuda.is_available())
+    try:
+        ids = [S.queue_prompt(server, workflow(ckpt.name, model, args.px, args.batch, args.steps, seed, shapes,
+                                               background)) for seed in range(1, n + 1)]
+        entries = [S.wait_prompt(server, pid, timeout=3600) for pid in ids]
+    finally:
+        server.stop()
+    start = _stamp(entries[0], "execution_start")
+    row = SessionRow(name, {k: _stamp(entries[k - 1], "execution_success") - start for k in SESSION_IMAGES}, n)
+    log(f"  session, {name}: " + ", ".join(f"image {k} at {t:.1f} s" for k, t in row.to_image_s.items()))
+    return row
+
+
+def measure_session(args, home: Path, ckpt: Path, log=print) -> list[SessionRow]:
+    """The session table's rows, each on a fresh server with cold caches: eager, TorchCompileModel,
+    the pack with every input at its default (one shape), and the same with background off."""
+    one = f"{2 * args.batch}x{args.px}x{args.px}"
+    env = lambda d: {"UNET_COMPILER_CACHE_DIR": str(d / "pack_cache"), "UNET_COMPILER_CACHE": None,  # noqa: E731
+                     "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(d / "triton")}
+    log(f"session: {max(SESSION_IMAGES)} prompts queued at once per row, each row a fresh ComfyUI process")
+    return [session_row("eager", home / "s_eager", ckpt, "eager", args, {}, log=log),
+            session_row("TorchCompileModel (inductor)", home / "s_tcm", ckpt, "tcm", args, {}, log=log),
+            session_row(f"Compile UNet + Warmup Shapes {one}, defaults", home / "s_pack", ckpt, "pack", args,
+                        env(home / "s_pack"), one, log=log),
+            session_row("the same, background off", home / "s_off", ckpt, "pack", args, env(home / "s_off"), one,
+                        background=False, log=log)]
+
+
+def session_table(rows: list[SessionRow]) -> str:
+    eager = rows[0].to_image_s
+    lines = ["| row | " + " | ".join(f"image {k} s (vs eager)" for k in SESSION_IMAGES) + " |",
+             "|---|" + "---|" * len(SESSION_IMAGES)]
+    for r in rows:
+        cells = [f"{r.to_image_s[k]:.1f}" + ("" if r is rows[0] else f" ({r.to_image_s[k] / eager[k]:.2f}x)")
+                 for k in SESSION_IMAGES]
+        lines.append(f"| {r.row} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _eager_rows(rows: list[StartRow]) -> list[StartRow]:
@@ -263,8 +329,8 @@ def baseline_line(rows: list[StartRow]) -> str:
 
 def table(rows: list[StartRow]) -> str:
     tcm = next((r for r in rows if r.row.startswith("TorchCompileModel")), None)
-    one = next((r for r in rows if r.row.startswith(ONE_SHAPE)), None)
-    rng = next((r for r in rows if r.row.startswith(RANGE)), None)
+    one = next((r for r in rows if r.row.startswith(ONE_SHAPE + " (")), None)
+    rng = next((r for r in rows if r.row.startswith(RANGE + " (")), None)
     lines = ["| row | first prompt s | second prompt s | compile overhead s | vs TorchCompileModel | "
              "vs its cold row | graphs compiled (from cache) |", "|---|---|---|---|---|---|---|"]
     eager = _eager_rows(rows)
@@ -296,25 +362,36 @@ def main(argv=None):
                     help="where the random SD1.5 checkpoint is kept (built there once)")
     ap.add_argument("--work", default="", help="folder for the servers' folders (default: a fresh temp folder)")
     ap.add_argument("--out", default="", help="write the rows as JSON into this folder (e.g. docs)")
-    ap.add_argument("--rows", choices=("all", "restart"), default="all",
+    ap.add_argument("--rows", choices=("all", "restart", "session"), default="all",
                     help="'restart': only eager, the one-shape row and its restart (about 6 minutes, for "
-                         "development; the README's table is from all rows)")
+                         "development); 'session': only the session table; the README's tables are from all rows")
     a = ap.parse_args(argv)
     if a.rows != "all" and a.out:
         ap.error("--out writes the README's table: run all rows for it (leave out --rows)")
     S.comfyui_or_fail()
-    rows = measure(a)
+    if not a.work:
+        a.work = tempfile.mkdtemp(prefix="unet_compiler_starts_")
+    rows = measure(a) if a.rows != "session" else []
+    session = []
+    if a.rows in ("all", "session"):
+        session = measure_session(a, Path(a.work), S.checkpoint_path(Path(a.checkpoint_dir).expanduser()))
     import torch
     print(f"\nstarts: ComfyUI server, random SD1.5, {a.batch}x{a.px}x{a.px}, {a.steps} euler steps, "
           f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}")
-    print(table(rows))
-    print("compile overhead = (first - second prompt) - the same for eager; vs its cold row: each restart "
-          "against the row it restarts, the second worker against the one-shape row")
-    print(baseline_line(rows))
+    if rows:
+        print(table(rows))
+        print("compile overhead = (first - second prompt) - the same for eager; vs its cold row: each restart "
+              "against the row it restarts, the second worker against the one-shape row")
+        print(baseline_line(rows))
+    if session:
+        print(f"\nsession: wall time from the first prompt's start to images {', '.join(map(str, SESSION_IMAGES))} "
+              f"({max(SESSION_IMAGES)} prompts queued at once, a new seed each)")
+        print(session_table(session))
     if a.out:
         out = Path(a.out) / f"starts_sd15_{'cuda' if torch.cuda.is_available() else 'cpu'}_{a.px}px.json"
         out.write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "torch": torch.__version__,
                                    "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
-                                   "baseline": baseline_line(rows), "rows": [asdict(r) for r in rows]}, indent=1))
+                                   "baseline": baseline_line(rows), "rows": [asdict(r) for r in rows],
+                                   "session": [asdict(r) for r in session]}, indent=1))
         print(f"wrote {out}")

@@ -305,6 +305,9 @@ class BackgroundMode:
         self.done: float | None = None       # seconds from start to the first empty queue
         self.on_done = None                  # optional callable(report line, state), told from the thread
         self._account = account
+        #: probe and listed shape labels warmup recorded: the compile cache entry holds their code once
+        #: the thread compiled everything without a failure (a restart then need not run them)
+        self.primes: list[str] = []
         self._counted, self._seconds, self._marks = 0, 0.0, None
         self._listener = None
         self._lock = threading.Lock()

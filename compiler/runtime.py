@@ -383,6 +383,10 @@ class Accelerator:
         as warmup's, later as compiles after warmup) and save it. Returns the model's state."""
         self.stats["graphs_compiled"] += graphs
         self.stats["compile_seconds"] += seconds
+        mode = self.background
+        if first and mode is not None and not mode.owner.failures and self.cache is not None:
+            for label in mode.primes:
+                self.cache.record_probe(label)
         if not first:
             self.stats["recompiles_after_warmup"] += graphs
             self.recompiles.record(graphs, None, seconds, marks, self.warmed_shapes, in_background=True)

@@ -124,14 +124,40 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             ref = run_one(shapes[0])
     with (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()), \
             (bg.BACKGROUND.record(accel.background_mode().owner) if background else contextlib.nullcontext()):
+        served_from_entry = False
         for probe in probes:
             timed(probe, f"{probe.label} (probe){recorded}")
-            if not background and accel.cache is not None:   # (background: compiled later, maybe)
+            if background:       # compiled later, maybe: recorded once the thread compiled it all
+                accel.background.primes.append(probe.label)
+            elif accel.cache is not None:
                 accel.cache.record_probe(probe.label)
+        owner = accel.background.owner if background else None
         for i, shape in enumerate(shapes):
+            if i and served_from_entry:
+                rep.warmup.append((f"{shape.label} (not run: its code is in the compile cache entry)", 0.0, 0))
+                if on_shape is not None:
+                    on_shape(i, shape, 0.0)
+                continue
+            new0 = (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
+                    owner.eager_calls if owner is not None else 0)
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
+            if background:
+                accel.background.primes.append(shape.label)
+            elif accel.cache is not None:
+                accel.cache.record_probe(shape.label)
+            # a restart: the first shape ran on code all from the entry, which an earlier warmup ran
+            # the other listed shapes into: they are not run (each is a forward and a repack of the
+            # conv weights for its size; a range's largest shape was most of its restart)
+            served_from_entry = (i == 0 and accel.graphs is None and len(shapes) > 1
+                                 and all(s.label in primed for s in shapes[1:])
+                                 and new0 == (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
+                                              owner.eager_calls if owner is not None else 0))
+            if served_from_entry:
+                rep.notes.append(f"shape(s) {', '.join(s.label for s in shapes[1:])} not run: the compile cache "
+                                 f"entry holds their code (an earlier warmup ran them into it); the first step at "
+                                 f"each loads it")
             if i == 0 and compare:
                 fresh = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] - fresh0
                 if ref is None and fresh:   # code compiled here: the recorded compare is not of it

@@ -88,10 +88,12 @@ WARMUP_SHAPES = Node(
         Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk).", optional=True,
               widget={"default": 77, "min": 1, "max": MAX_CONTEXT_TOKENS}),
         Input("background", "BOOLEAN",
-              "Off: compile now, sampling starts compiled. On (inductor): return at once and compile in a background "
-              "thread; until each region is ready it runs the model's own code (slower meanwhile, ~3x eager on a "
-              "2-core CPU), so the first image comes sooner. The report and the log say when it is done.",
-              optional=True, widget={"default": False}),
+              "On (default; the inductor backend, ComfyUI's on a CPU): return at once and compile in a background "
+              "thread; until each region is ready it runs the model's own code (slower meanwhile), so the first "
+              "image comes sooner and a session of images never waits on a compile. The triton and ipex "
+              "backends (a GPU's and an Intel CPU's default) compile in seconds at first use: they warm up in the "
+              "foreground and the report says so. Off: compile now, sampling starts compiled.",
+              optional=True, widget={"default": True}),
     ),
     outputs=(("MODEL", None), ("STRING", "report")),
     reports=True,

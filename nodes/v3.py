@@ -71,7 +71,7 @@ class WarmupShapes(io.ComfyNode):
         return validate_shapes_input(shapes)
 
     @classmethod
-    def execute(cls, model, shapes, context_tokens=77, background=False) -> io.NodeOutput:
+    def execute(cls, model, shapes, context_tokens=77, background=True) -> io.NodeOutput:
         patcher.require_model(model, "Warmup Shapes")
         try:
             text = patcher.warmup_model(model, shapes, context_tokens, node_id=cls.hidden.unique_id,

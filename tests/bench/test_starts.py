@@ -15,10 +15,11 @@ def test_workflow_places_the_compiler_between_checkpoint_and_sampler():
     assert eager["5"]["inputs"]["model"] == ["1", 0]
     assert tcm["10"]["class_type"] == "TorchCompileModel" and tcm["5"]["inputs"]["model"] == ["10", 0]
     assert pack["11"]["class_type"] == "UNetCompiler_CompileUNet"
-    assert pack["12"]["inputs"] == {"model": ["11", 0], "shapes": "1x64x64, 2x128x128", "context_tokens": 77,
-                                    "background": False}
-    bg = starts.workflow("m.safetensors", "pack", 64, 1, 4, seed=1, shapes="2x64x64", background=True)
-    assert bg["12"]["inputs"]["background"] is True
+    # every input but the shapes at its default: what the defaults rows measure
+    assert pack["12"]["inputs"] == {"model": ["11", 0], "shapes": "1x64x64, 2x128x128"}
+    assert pack["11"]["inputs"] == {"model": ["1", 0]}
+    bg = starts.workflow("m.safetensors", "pack", 64, 1, 4, seed=1, shapes="2x64x64", background=False)
+    assert bg["12"]["inputs"]["background"] is False
     done = "UNet Compiler: background compile: done in 42.7 s, 27 region variant(s) (27 graph(s)); 355 region"
     assert starts.DONE.search(done).groups() == ("42.7", "27", "27")
     assert pack["5"]["inputs"]["model"] == ["12", 0] and pack["5"]["inputs"]["seed"] == 7
@@ -102,3 +103,17 @@ def test_the_baseline_is_both_eager_rows_mean_and_says_how_far_apart_they_were()
     assert "| 3.0 | 0.03x | 8% | 28 (28) |" in lines[5], lines[5]
     line = starts.baseline_line(rows)
     assert "8.0 s and 12.0 s" in line and "mean, 10.0 s" in line and "+-2.0 s" in line, line
+
+
+def test_the_session_table_times_each_image_from_the_first_prompts_start():
+    def entry(start, done):
+        return {"status": {"messages": [["execution_start", {"timestamp": start * 1000}],
+                                        ["execution_success", {"timestamp": done * 1000}]]}}
+    assert starts._stamp(entry(100, 103), "execution_success") == 103
+    rows = [starts.SessionRow("eager", {1: 4.0, 5: 16.0, 20: 61.0}, 20),
+            starts.SessionRow("TorchCompileModel (inductor)", {1: 60.0, 5: 84.0, 20: 172.0}, 20),
+            starts.SessionRow("defaults", {1: 5.0, 5: 20.0, 20: 48.8}, 20)]
+    lines = starts.session_table(rows).splitlines()
+    assert lines[0] == "| row | image 1 s (vs eager) | image 5 s (vs eager) | image 20 s (vs eager) |"
+    assert lines[2] == "| eager | 4.0 | 16.0 | 61.0 |"
+    assert lines[4] == "| defaults | 5.0 (1.25x) | 20.0 (1.25x) | 48.8 (0.80x) |"

@@ -398,3 +398,26 @@ def test_the_thread_makes_no_first_call_on_cuda(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
     B.first_calls(Variant(), [torch.nn.Identity()], (x,))
     assert len(called) == 1
+
+
+def test_a_background_warmup_names_its_shapes_in_the_entry_once_all_compiled(tiny_unet, fresh, monkeypatch,
+                                                                              tmp_path):
+    """Once the thread compiled everything a background warmup recorded, without a failure, the
+    compile cache entry names the probe and listed shapes it holds the code of: a restart's warmup
+    then runs neither the probes nor any listed shape past the first."""
+    import json
+
+    from unet_compiler.compiler import cache as C
+    monkeypatch.setenv(C.DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(C.MODE_ENV, raising=False)
+    monkeypatch.setattr(C.entry, "_loaded", set())
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor", dynamic_shapes=True)
+    accel = api.accelerator_of(unet)
+    api.warmup(unet, "2x64x64, 2x96x96", background=True)
+    probes = [label.split(" ")[0] for label, _, _ in accel.report.warmup if "(probe)" in label]
+    assert not accel.cache.primed_probes()            # nothing compiled yet: nothing named
+    fresh.gate.set()
+    assert api.wait_for_background(300) and not fresh.failures
+    meta = json.loads(next((tmp_path / "cache").glob("*.json")).read_text(encoding="utf-8"))
+    assert sorted(meta["primed"]) == sorted(probes + ["2x64x64", "2x96x96"]), meta["primed"]

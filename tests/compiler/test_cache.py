@@ -288,7 +288,7 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     ran = [label for label, _, _ in api.accelerator_of(first).report.warmup if "(probe)" in label]
     assert ran, "the cold warmup ran its probe shapes"
     meta = json.loads(next(folder.glob("*.json")).read_text())
-    assert sorted(meta["primed"]) == sorted(label.split(" ")[0] for label in ran)
+    assert sorted(meta["primed"]) == sorted([label.split(" ")[0] for label in ran] + ["2x64x64", "2x128x128"])
 
     monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
     monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
@@ -299,9 +299,15 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     accel = api.accelerator_of(second)
     assert not any("(probe)" in label for label, _, _ in accel.report.warmup), text
     assert "not run: an earlier warmup ran them" in text
+    # the first listed shape ran on code all from the entry: the others are not run (a range's largest
+    # shape was most of its restart), and sampling there later compiles nothing
+    assert [label for label, _, _ in accel.report.warmup] == \
+        ["2x64x64", "2x128x128 (not run: its code is in the compile cache entry)"], accel.report.warmup
+    assert "shape(s) 2x128x128 not run: the compile cache entry holds their code" in text, text
     with torch.inference_mode():
         second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
-    assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: warmup or the shape inside the box"
+        second(torch.randn(2, 4, 16, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
+    assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: warmup or the shapes inside the box"
     assert accel.stats["recompiles_after_warmup"] == 0 and variants.VARIANTS.compiled == 0
 
 

@@ -141,7 +141,7 @@ def pack_prompt(ckpt: str) -> dict:
                "inputs": {"backend": "eager", "precision": "auto", "dynamic_shapes": True, "cuda_graphs": False}},
         "11": {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0], "backend": ["10", 0]}},
         "12": {"class_type": "UNetCompiler_WarmupShapes",
-               "inputs": {"model": ["11", 0], "shapes": "2x64x64", "context_tokens": 77}},
+               "inputs": {"model": ["11", 0], "shapes": "2x64x64", "context_tokens": 77, "background": False}},
         "13": {"class_type": "PreviewAny", "inputs": {"source": ["12", 1]}},
     }
 
@@ -161,7 +161,8 @@ def tiny_prompt(ckpt: str, unet: str, prefix: str, pack: bool, backend: str | No
                        "inputs": {"backend": backend, "precision": "auto", "dynamic_shapes": True}}
             p["11"]["inputs"]["backend"] = ["10", 0]
         p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
-                   "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": context_tokens}}
+                   "inputs": {"model": ["11", 0], "shapes": shapes, "context_tokens": context_tokens,
+                              "background": False}}
         model = ["12", 0]
     p["5"]["inputs"]["model"] = model
     return p

@@ -250,6 +250,7 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
         set(5, "width", 64); set(5, "height", 64);
         set(3, "steps", 2); set(3, "control_after_generate", "fixed");
         set(12, "shapes", shape);  // cfg 7: cond + uncond run as one batch of 2
+        set(12, "background", false);  // the foreground warmup's badge flow (on by default)
         set(9, "filename_prefix", "browser_test");
         // a fixed view, so the badge rows are on screen wherever the example was saved
         app.canvas.ds.scale = 0.8; app.canvas.ds.offset = [80, 110];

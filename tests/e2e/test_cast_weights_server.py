@@ -64,7 +64,7 @@ def cast_prompt(ckpt, unet, prefix, weight_dtype, compiled, fraction=None, lora=
         p["60"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": model}}
         p["61"] = {"class_type": "UNetCompiler_WarmupShapes",
                    "inputs": {"model": ["60", 0], "shapes": "1x64x64, 2x64x64" if hook else "2x64x64",
-                              "context_tokens": 77}}
+                              "context_tokens": 77, "background": False}}
         model = ["61", 0]
         p["62"] = {"class_type": "UNetCompilerTest_Report", "inputs": {"model": model, "samples": ["5", 0]}}
     p["5"]["inputs"]["model"] = model

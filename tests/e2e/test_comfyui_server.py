@@ -146,7 +146,7 @@ def compiled_result(comfy_server, sd15_checkpoint, request):
                     "inputs": {"model": ["1", 0], "backend": ["10", 0]}}
     prompt["12"] = {"class_type": "UNetCompiler_WarmupShapes",
                     "inputs": {"model": ["11", 0], "shapes": WARMUP_SHAPES,
-                               "context_tokens": 77}}
+                               "context_tokens": 77, "background": False}}
 
     t0 = time.time()
     entry = comfy_server.run_prompt(prompt, timeout=900)
@@ -204,7 +204,8 @@ def test_recompile_during_sampling_reaches_that_prompts_history(comfy_server, sd
                                "dynamic_shapes": True, "cuda_graphs": True}}
     prompt["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0], "backend": ["10", 0]}}
     prompt["12"] = {"class_type": "UNetCompiler_WarmupShapes",
-                    "inputs": {"model": ["11", 0], "shapes": WARMUP_SHAPES, "context_tokens": 77}}
+                    "inputs": {"model": ["11", 0], "shapes": WARMUP_SHAPES, "context_tokens": 77,
+                               "background": False}}
     entry = comfy_server.run_prompt(prompt, timeout=900)
     messages = (entry.get("status") or {}).get("messages") or []
     names = [name for name, _ in messages]
@@ -257,7 +258,8 @@ def test_warmup_after_deep_shrink_through_the_api(comfy_server, sd15_checkpoint,
     prompt = deep_shrink(txt2img_prompt(sd15_checkpoint.name, "e2e_ds_compiled", model_ref=("22", 0)), ("1", 0))
     prompt["21"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["20", 0]}}
     prompt["22"] = {"class_type": "UNetCompiler_WarmupShapes",
-                    "inputs": {"model": ["21", 0], "shapes": WARMUP_SHAPES, "context_tokens": 77}}
+                    "inputs": {"model": ["21", 0], "shapes": WARMUP_SHAPES, "context_tokens": 77,
+                               "background": False}}
     entry = comfy_server.run_prompt(prompt, timeout=900)
     report = ui_text(entry, "22")
     assert f"warmed {WARMUP_SHAPES}" in report and "without the model's patches" not in report, report
@@ -343,7 +345,8 @@ def patched_prompt(ckpt, prefix, names, assets, compiled, size=SIZE):
     if compiled:
         prompt["60"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": list(model)}}
         prompt["61"] = {"class_type": "UNetCompiler_WarmupShapes",
-                        "inputs": {"model": ["60", 0], "shapes": f"2x{size}x{size}", "context_tokens": 77}}
+                        "inputs": {"model": ["60", 0], "shapes": f"2x{size}x{size}", "context_tokens": 77,
+                                   "background": False}}
         model = ("61", 0)
     prompt["5"]["inputs"]["model"] = list(model)
     return prompt

@@ -70,7 +70,7 @@ def workflow(ckpt: str, prefix: str, *, fault=None, compiled=True, lora=None, ba
                                   "cuda_graphs": False}}
             p["11"]["inputs"]["backend"] = ["10", 0]
         p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
-                   "inputs": {"model": ["11", 0], "shapes": WARMUP, "context_tokens": 77}}
+                   "inputs": {"model": ["11", 0], "shapes": WARMUP, "context_tokens": 77, "background": False}}
         model = ["12", 0]
     if lora is not None:
         p["30"] = {"class_type": "LoraLoaderModelOnly",
