@@ -143,8 +143,9 @@ def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shap
         if model == "pack":
             row.report = first_report
             row.graphs, row.from_cache = graphs_of(first_report)
-        if done is not None:
-            row.graphs = int(done.group(3))
+        if done is not None:   # the warmup's (from the compile cache, at a restart) and the thread's
+            row.graphs = (row.graphs or 0) + int(done.group(3))
+            row.from_cache = row.from_cache or 0
             later = sum(int(n) for n in re.findall(r"(\d+) graph\(s\) compiled after warmup in the background",
                                                    server.log_tail(2_000_000)))
             row.note = (f"first image with the model's own code while it compiled; compiled code from "

@@ -347,14 +347,15 @@ class Accelerator:
                     module.__dict__.pop(hook, None)
                 weights.release_scratch()
                 new = self._compiled() - before
+                hits = cache_hits() - hits_before
                 self.stats["calls"] += 1
                 if bg_before[1] or bg.active or bg.epoch != bg_before[0]:
                     # the background thread compiled meanwhile: its graphs are counted when it is done
-                    # (``_background_compiled``), not as this call's compiles or recompiles
-                    new = 0
+                    # (``_background_compiled``), not as this call's compiles or recompiles; what this
+                    # call took from the compile cache is its own (the thread loads nothing from it)
+                    new = hits
                 if new:
                     self.stats["graphs_compiled"] += new
-                    hits = cache_hits() - hits_before
                     self.stats["graphs_from_cache"] += hits
                     self.stats["compile_seconds"] += time.perf_counter() - t0
                     if hits < new and self.cache is not None:  # something new to keep

@@ -421,3 +421,26 @@ def test_a_background_warmup_names_its_shapes_in_the_entry_once_all_compiled(tin
     assert api.wait_for_background(300) and not fresh.failures
     meta = json.loads(next((tmp_path / "cache").glob("*.json")).read_text(encoding="utf-8"))
     assert sorted(meta["primed"]) == sorted(probes + ["2x64x64", "2x96x96"]), meta["primed"]
+
+
+def test_a_background_restart_counts_what_it_took_from_the_compile_cache(tiny_unet, fresh, monkeypatch, tmp_path):
+    """A restart in background mode (the node's default) takes every variant from the compile cache
+    while the recording runs: its report counts them as graphs from the cache, as a foreground
+    restart's does (before: "graphs compiled: 0", as if nothing had been loaded)."""
+    from unet_compiler.compiler import cache as C
+    monkeypatch.setenv(C.DIR_ENV, str(tmp_path / "cache"))
+    monkeypatch.delenv(C.MODE_ENV, raising=False)
+    monkeypatch.setattr(C.entry, "_loaded", set())
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    _done(fresh, unet)
+    compiled = api.accelerator_of(unet).stats["graphs_compiled"]
+    assert compiled > 0
+    monkeypatch.setattr(C.entry, "_loaded", set())          # a new process: nothing loaded, nothing live
+    monkeypatch.setattr(V, "VARIANTS", V.Variants())
+    again = tiny_unet(seed=3)
+    api.compile_unet(again, "inductor")
+    text = api.warmup(again, "2x64x64", background=True)
+    accel = api.accelerator_of(again)
+    assert accel.stats["graphs_from_cache"] == accel.stats["graphs_compiled"] == compiled, text
+    assert f"graphs compiled: {compiled} ({compiled} from the compile cache)" in text, text
