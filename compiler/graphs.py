@@ -149,7 +149,7 @@ def _entry_bytes(entry) -> int:
 
 
 class _Region:
-    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused")
+    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept")
 
     def __init__(self, module):
         # (owner module, attribute name) for every parameter/buffer: read live each call,
@@ -161,6 +161,7 @@ class _Region:
         self.graphs: dict = {}   # signature -> (graph, static inputs, static output)
         self.seen: set = set()
         self.refused: dict = {}  # signature -> why it gets no graph (an out-of-memory capture)
+        self.kept: set = set()   # signatures whose graph measured faster (captured again unmeasured)
 
     def weight_ptrs(self) -> tuple:
         out = []
@@ -299,14 +300,15 @@ class RegionGraphs:
             # one eager call on the static buffers first: Triton specialises on pointer alignment
             # (the buffers are 512-byte aligned; the signature's first call may have seen less), and a
             # variant first met inside the capture cannot be compiled and loaded there
-            if self.measured:
+            measure = self.measured and key not in reg.kept   # measured once per signature
+            if measure:
                 _, t_launch = self._timed(lambda: impl(module, *call_args), device)
             else:
                 self.graphs.first_call(lambda: impl(module, *call_args), device)
             graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
-            if self.measured:
+            if measure:
                 def replay():
                     for s, a in zip(static_in, args, strict=True):
                         if s is not None:
@@ -319,6 +321,7 @@ class RegionGraphs:
                     self.stats["not kept"] += 1
                     return out
                 self.stats["kept"] += 1
+                reg.kept.add(key)
                 reg.graphs[key] = (graph, static_in, static_out)
                 self.stats["captured"] += 1
                 self.stats["replays"] += 1

@@ -291,6 +291,7 @@ def test_probe_shapes_only_for_backends_that_specialise(monkeypatch, tiny_unet):
     warmup_runs(accel, as_shapes("2x64x64, 2x128x128"), lambda s: ran.append(s.label) or torch.zeros(1), compare=False)
     assert len(ran) > 1 and any("probe" in label for label, _, _ in accel.report.warmup)
     monkeypatch.setattr(type(accel.backend), "specialises_on_shapes", False)
+    accel.cache.primed.clear()   # (the first run named its shapes in the entry: they would not run again)
     ran.clear()
     accel.report.warmup.clear()
     warmup_runs(accel, as_shapes("2x64x64, 2x128x128"), lambda s: ran.append(s.label) or torch.zeros(1), compare=False)
@@ -440,6 +441,13 @@ def test_auto_keeps_a_graph_only_where_a_replay_is_faster(graph_standin):
     assert rg.skipped["auto: replay not faster than launching its kernels"] == 2
     text = "\n".join(rg.status_lines())
     assert "cuda graphs (auto): 1 kept where a replay measured faster" in text and "1 not kept" in text, text
+    # freed at a prompt's end: the next prompt captures the kept shape again without measuring it again
+    timed = fake.calls
+    rg.release("freed at the end of each prompt")
+    fake.side = 8
+    x, e = _inputs(side=8)
+    torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert fake.calls == timed and fake.captures == 3 and rg.stats["kept"] == 1 and rg.bytes > 0
 
 
 def test_backend_auto_on_cuda_measures_its_graphs(monkeypatch, tiny_unet):
