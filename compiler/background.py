@@ -213,7 +213,8 @@ class Background:
         while True:
             with self.lock:
                 if not self.queue:
-                    self.running = False
+                    # still running until the listeners have counted and saved what it compiled:
+                    # ``wait()`` returning means that is done too
                     self.epoch += 1
                     self._seen.clear()       # what was compiled is in VARIANTS now
                     self._keys.clear()
@@ -233,6 +234,18 @@ class Background:
             owner.seconds += time.perf_counter() - t0
             with self.lock:
                 self.epoch += 1
+        self._tell(listeners)
+        with self.lock:
+            self.running = False
+            more = bool(self.queue)      # queued while the listeners ran: another pass
+            late = [f for f in self.listeners if f not in listeners]   # a model that started meanwhile
+        if more:
+            self._start()
+        else:
+            self._tell(late)
+
+    @staticmethod
+    def _tell(listeners) -> None:
         for listener in listeners:
             try:
                 listener()
