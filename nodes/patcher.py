@@ -101,14 +101,16 @@ def compile_model(model, config: CompileConfig | None, node_id=None):
 
 def _graph_release(accel) -> list:
     """ComfyUI's callbacks that free the regions' CUDA graph buffers, which its memory accounting
-    does not see: when it unloads the model (ON_DETACH) and when a prompt's sampling ends
+    does not see: when it unloads the model (ON_DETACH with its weights unpatched to the offload
+    device; every load_models_gpu also detaches a loaded model with ``unpatch_all=False`` and loads
+    it again, weights in place: that keeps the graphs) and when a prompt's sampling ends
     (ON_CLEANUP, before the VAE decode needs the memory). The accelerator is held weakly."""
     from comfy.patcher_extension import CallbacksMP
     ref = weakref.ref(accel)
 
     def on_detach(patcher, unpatch_all=True):
         a = ref()
-        if a is not None:
+        if a is not None and unpatch_all:
             a.release_graphs("ComfyUI unloaded the model")
 
     def on_cleanup(patcher):

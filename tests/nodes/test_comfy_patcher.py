@@ -370,6 +370,8 @@ def test_graph_buffers_are_freed_when_comfyui_unloads_or_a_prompt_ends(make_comf
     later.cleanup()      # KSampler's finally, after sampling
     assert accel.graphs.bytes == 0 and accel.graphs.released == "freed at the end of each prompt"
     assert capture() > 0
+    later.detach(unpatch_all=False)   # what every load_models_gpu does to a loaded model: weights stay
+    assert accel.graphs.bytes > 0
     later.detach()       # ComfyUI's unload of the model
     assert accel.graphs.bytes == 0 and accel.graphs.released == "ComfyUI unloaded the model"
     assert "freed (ComfyUI unloaded the model)" in accel.text()
