@@ -142,6 +142,17 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def _replay(entry, args) -> torch.Tensor:
+    """One served call of a captured graph: ``args`` copied into its static inputs, a replay, and a
+    copy of its static output (a later replay overwrites that buffer)."""
+    graph, static_in, static_out = entry
+    for s, a in zip(static_in, args, strict=True):
+        if s is not None:
+            s.copy_(a)
+    graph.replay()
+    return static_out.clone()
+
+
 def _entry_bytes(entry) -> int:
     _, static_in, static_out = entry
     return sum(t.numel() * t.element_size() for t in static_in if t is not None) + \
@@ -225,19 +236,15 @@ class RegionGraphs:
         key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
         entry = reg.graphs.get(key)
         if entry is not None:
-            graph, static_in, static_out = entry
             try:
-                for s, a in zip(static_in, args, strict=True):
-                    if s is not None:
-                        s.copy_(a)
-                graph.replay()
+                out = _replay(entry, args)
             except Exception as e:
                 if is_interrupt(e):
                     raise
                 self._turn_off("replay", e)
                 return impl(module, *args)
             self.stats["replays"] += 1
-            return static_out.clone()
+            return out
         why = reg.refused.get(key)
         if why is None and background.BACKGROUND.active:
             why = "a background compile was running"
@@ -309,13 +316,7 @@ class RegionGraphs:
             if not isinstance(static_out, torch.Tensor):
                 raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
             if measure:
-                def replay():
-                    for s, a in zip(static_in, args, strict=True):
-                        if s is not None:
-                            s.copy_(a)
-                    graph.replay()
-                    return static_out.clone()
-                out, t_graph = self._timed(replay, device)
+                out, t_graph = self._timed(lambda: _replay((graph, static_in, static_out), args), device)
                 if t_graph > KEEP_BELOW * t_launch:   # not launch-bound here: no graph, no buffers
                     reg.refused[key] = "auto: replay not faster than launching its kernels"
                     self.stats["not kept"] += 1
