@@ -197,6 +197,13 @@ def second_worker(cache: Path, root: Path, ckpt: Path, args, shapes: str, log=pr
     return row
 
 
+def pack_env(d: Path) -> dict:
+    """A pack row's server env: every row's torch caches its own and cold, the pack placing
+    inductor's cache in its own folder (as a user who set nothing gets)."""
+    return {"UNET_COMPILER_CACHE_DIR": str(d / "pack_cache"), "UNET_COMPILER_CACHE": None,
+            "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(d / "triton")}
+
+
 def measure(args, log=print) -> list[StartRow]:
     home = Path(args.work or tempfile.mkdtemp(prefix="unet_compiler_starts_"))
     ckpt = S.checkpoint_path(Path(args.checkpoint_dir).expanduser())
@@ -206,10 +213,6 @@ def measure(args, log=print) -> list[StartRow]:
     def fresh(name):
         return home / name
 
-    # every row's torch caches are its own and cold; the pack rows let the pack place inductor's
-    # cache in its own folder (as a user who set nothing gets)
-    pack_env = lambda d: {"UNET_COMPILER_CACHE_DIR": str(d / "pack_cache"), "UNET_COMPILER_CACHE": None,  # noqa: E731
-                          "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(d / "triton")}
     eager_dir, tcm_dir, one_dir, range_dir = (fresh(n) for n in ("eager", "tcm", "one", "range"))
     # the checkpoint read once first: the eager row (the baseline every overhead is net of) was the
     # only one to find it outside the page cache (its first prompt 9-16 s, varying run to run)
@@ -281,14 +284,12 @@ def measure_session(args, home: Path, ckpt: Path, log=print) -> list[SessionRow]
     """The session table's rows, each on a fresh server with cold caches: eager, TorchCompileModel,
     the pack with every input at its default (one shape), and the same with background off."""
     one = f"{2 * args.batch}x{args.px}x{args.px}"
-    env = lambda d: {"UNET_COMPILER_CACHE_DIR": str(d / "pack_cache"), "UNET_COMPILER_CACHE": None,  # noqa: E731
-                     "TORCHINDUCTOR_CACHE_DIR": None, "TRITON_CACHE_DIR": str(d / "triton")}
     log(f"session: {max(SESSION_IMAGES)} prompts queued at once per row, each row a fresh ComfyUI process")
     return [session_row("eager", home / "s_eager", ckpt, "eager", args, {}, log=log),
             session_row("TorchCompileModel (inductor)", home / "s_tcm", ckpt, "tcm", args, {}, log=log),
             session_row(f"Compile UNet + Warmup Shapes {one}, defaults", home / "s_pack", ckpt, "pack", args,
-                        env(home / "s_pack"), one, log=log),
-            session_row("the same, background off", home / "s_off", ckpt, "pack", args, env(home / "s_off"), one,
+                        pack_env(home / "s_pack"), one, log=log),
+            session_row("the same, background off", home / "s_off", ckpt, "pack", args, pack_env(home / "s_off"), one,
                         background=False, log=log)]
 
 
