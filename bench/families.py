@@ -277,7 +277,7 @@ def init_random(module: torch.nn.Module, seed: int = 0, scale: float = 1.0):
         for name, p in module.named_parameters():
             if p.dim() >= 2:
                 p.copy_(scale * torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
-            elif name.endswith("weight"):
+            elif name.endswith(("weight", "scale")):       # (Flux's RMSNorm calls its weight scale)
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
@@ -432,3 +432,76 @@ def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log
         torch.set_num_threads(threads)
     return rows
 
+
+
+# ---- diffusion transformers ------------------------------------------------------------
+@dataclass(frozen=True)
+class DitFamily:
+    key: str
+    label: str
+    cls: str            # the comfy.supported_models class ComfyUI's loader picks
+    #: the config ``model_detection.detect_unet_config`` derives from a full-size checkpoint's keys
+    config: dict
+    conds: str = ""
+
+
+#: Flux.1 dev as detect_unet_config derives it from the checkpoint (guidance_in present)
+_FLUX_DEV = {"image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+             "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 3072,
+             "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 19, "depth_single_blocks": 38,
+             "guidance_embed": True}
+
+DIT_FAMILIES = {f.key: f for f in [
+    DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance"),
+    DitFamily("flux_schnell", "Flux.1 schnell", "FluxSchnell", dict(_FLUX_DEV, guidance_embed=False),
+              conds="T5 text + CLIP pooled"),
+]}
+#: the tiny DiTs: 2 heads of 16 (RoPE axes 4 + 6 + 6), text width 64, 2 double and 2 single blocks
+TINY_DIT = {"num_heads": 2, "hidden_size": 32, "axes_dim": [4, 6, 6], "context_in_dim": 64, "depth": 2,
+            "depth_single_blocks": 2}
+
+
+def dit_tiny_config(fam: DitFamily, **over) -> dict:
+    return {**fam.config, **TINY_DIT, **over}
+
+
+def build_dit(fam: DitFamily, seed: int = 0, dtype=torch.float32, **over):
+    """A random-weight tiny diffusion transformer of this family (``dit_tiny_config``: the full
+    config with widths and depths shrunk), built by its supported_models class, in a real
+    ModelPatcher on CPU, the way ComfyUI's loader builds it (inference dtype set)."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+    cfg = getattr(sm, fam.cls)(dit_tiny_config(fam, **over))
+    cfg.set_inference_dtype(dtype, None)
+    with torch.no_grad():
+        base = cfg.get_model({})
+    init_random(base.diffusion_model, seed)
+    base.eval()
+    dev = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev)
+
+
+def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7):
+    """(x, sigma, kwargs for apply_model) at latent size h x w, with the conds the model's own
+    ``extra_conds`` builds from a random text embedding and pooled vector, batched as the sampler does."""
+    base = mp.model
+    g = torch.Generator().manual_seed(seed)
+    width = base.diffusion_model.txt_in.in_features
+    with torch.inference_mode():
+        x = torch.randn(batch, base.latent_format.latent_channels, h, w, generator=g)
+        conds = base.extra_conds(noise=x, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8,
+                                 cross_attn=torch.randn(batch, tokens, width, generator=g),
+                                 pooled_output=torch.randn(batch, 768, generator=g))
+        out = {k: c.process_cond(batch_size=batch, device=torch.device("cpu"), area=None).cond for k, c in conds.items()}
+    return x, torch.full((batch,), 0.7), out
+
+
+def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1):
+    """One sampling-style apply_model call of a DiT, loaded as KSampler loads it (its weight patches
+    applied) and with the patcher's wrappers merged in as KSampler does."""
+    import comfy.model_management
+    from ..nodes import patcher
+    comfy.model_management.load_models_gpu([mp])
+    x, sigma, kw = dit_inputs(mp, batch, h, w, seed)
+    with torch.inference_mode():
+        return mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)

@@ -1,9 +1,10 @@
-"""Find the leaf regions of a UNet and decide, per region, what runs there.
+"""Find the leaf regions of a diffusion model and decide, per region, what runs there.
 
 A Plan never touches the model: it is a list of (path, module, kind) plus the
 regions deliberately left eager and why. ComfyUI's dispatch (UNetModel._forward,
-forward_timestep_embed, BasicTransformerBlock.forward, SpatialTransformer.forward)
-is never a region: it carries ControlNet control, patches and patches_replace.
+forward_timestep_embed, BasicTransformerBlock.forward, SpatialTransformer.forward; a DiT's
+forward_orig with its block loop) is never a region: it carries ControlNet control, patches
+and patches_replace. A DiT's regions are its transformer blocks (``DIT_KINDS``).
 """
 from __future__ import annotations
 
@@ -21,7 +22,11 @@ ATTENTION = "attention"
 FEEDFORWARD = "feedforward"
 NORM_ACT = "groupnorm_silu"
 PROJECTION = "projection"
-KINDS = (RESBLOCK, ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION)
+#: DiT blocks, named as ComfyUI's ``patches_replace["dit"]`` keys name them (Flux's stream blocks)
+DOUBLE_BLOCK = "double_block"
+SINGLE_BLOCK = "single_block"
+DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK)
+KINDS = (RESBLOCK, ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION, *DIT_KINDS)
 #: the skipped "region" of a model that is no UNet at all (the whole diffusion model)
 NOT_A_UNET = "model"
 
@@ -43,6 +48,8 @@ class Region:
 class Plan:
     family: str
     regions: list = field(default_factory=list)
+    #: "unet" or "dit" (a diffusion transformer: its regions are whole blocks)
+    arch: str = "unet"
     #: (kind, path, reason) for leaf regions left eager at plan time
     skipped: list = field(default_factory=list)
 
@@ -58,7 +65,8 @@ class Plan:
 
 def _leaves(module):
     return tuple(m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
-                                                              torch.nn.GroupNorm, torch.nn.LayerNorm)))
+                                                              torch.nn.GroupNorm, torch.nn.LayerNorm))
+                 or hasattr(type(m), "comfy_cast_weights"))     # any other ComfyUI op (RMSNorm, Embedding)
 
 
 def family_of(module) -> str | None:
@@ -72,7 +80,10 @@ def family_of(module) -> str | None:
 def build_plan(unet: torch.nn.Module) -> Plan:
     fam = family_of(unet)
     if fam is None and comfy_compat.is_comfy_model(unet):
-        # another ComfyUI diffusion model (DiT, Cascade, ...): nothing to accelerate, not an error
+        dit = _dit_plan(unet)
+        if dit is not None:
+            return dit
+        # another ComfyUI diffusion model (Cascade, a DiT without a body here): nothing to accelerate, not an error
         return Plan(family="comfy", skipped=[(NOT_A_UNET, "diffusion_model", comfy_compat.not_a_unet_reason(unet))])
     if fam is None:
         raise TypeError(
@@ -130,6 +141,23 @@ def build_plan(unet: torch.nn.Module) -> Plan:
             if id(m) not in covered:
                 add(path, m, PROJECTION)
     return plan
+
+
+def _dit_plan(model) -> Plan | None:
+    """The regions of a ComfyUI diffusion transformer: each block of a class the pack has a body for
+    (``compat.comfy.dit_classes``), exactly that class (a subclass may change its forward). None when
+    the model has none."""
+    classes = comfy_compat.dit_classes()
+    if not classes:
+        return None
+    plan = Plan(family="comfy", arch="dit")
+    for path, m in model.named_modules():
+        for kind, cls in classes.items():
+            if type(m) is cls:
+                plan.regions.append(Region(path, m, kind, "comfy", _leaves(m)))
+            elif isinstance(m, cls):
+                plan.skipped.append((kind, path, f"{type(m).__name__} overrides {cls.__name__} (runs as given)"))
+    return plan if plan.regions else None
 
 
 #: why the temporal parts of ComfyUI's video UNet (SVD, SV3D) run as ComfyUI's own code: they mix

@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .plan import ATTENTION, FEEDFORWARD, NORM_ACT, RESBLOCK
+from .plan import ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, NORM_ACT, RESBLOCK, SINGLE_BLOCK
 
 
 class Ops:
@@ -41,6 +41,13 @@ class Ops:
     def conv_residual(self, conv, h, residual):
         """``conv(h) + residual`` (the bias+residual epilogue of a ResBlock's last conv)."""
         return conv(h) + residual
+
+    def rope(self, x, freqs):
+        """Rotary embedding of (b, heads, n, d) ``x`` by Flux-style ``freqs`` (b or 1, 1, n, d/2, 2, 2):
+        each pair (x0, x1) becomes ``freqs[..., 0] * x0 + freqs[..., 1] * x1`` in freqs' dtype."""
+        x_ = x.to(dtype=freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
+        out = freqs[..., 0] * x_[..., 0] + freqs[..., 1] * x_[..., 1]
+        return out.reshape(*x.shape).type_as(x)
 
 
 TORCH_OPS = Ops()
@@ -147,12 +154,81 @@ def norm_act(seq, x, *, ops: Ops = TORCH_OPS):
     return seq[2](ops.group_norm_silu(seq[0], x))
 
 
+def _mod(x, scale, shift):
+    """Flux's ``apply_mod`` without modulation_dims: ``x * (1 + scale) + shift``."""
+    return torch.addcmul(shift, x, 1 + scale)
+
+
+def _qkv(attn, x, heads):
+    """Flux's SelfAttention projection: (q, k, v) as (b, heads, n, d), q and k RMS-normed."""
+    qkv = attn.qkv(x)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = attn.norm(q, k, v)
+    return q, k, v
+
+
+def _flux_attention(q, k, v, pe, ops):
+    """comfy.ldm.flux.math.attention without a mask: RoPE, then attention, heads merged."""
+    if pe is not None:
+        q, k = ops.rope(q, pe), ops.rope(k, pe)
+    b, heads, n, d = q.shape
+    return ops.attention(q, k, v).transpose(1, 2).reshape(b, n, heads * d)
+
+
+def _fp16_clamp(x):
+    return torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504) if x.dtype == torch.float16 else x
+
+
+def flux_double_block(block, img, txt, vec, pe, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's Flux DoubleStreamBlock.forward (modulated, no mask, no modulation_dims: the shim
+    sends other calls to the block's own forward). Returns (img, txt)."""
+    img_mod1, img_mod2 = block.img_mod(vec)
+    txt_mod1, txt_mod2 = block.txt_mod(vec)
+    img_q, img_k, img_v = _qkv(block.img_attn, _mod(block.img_norm1(img), img_mod1.scale, img_mod1.shift),
+                               block.num_heads)
+    txt_q, txt_k, txt_v = _qkv(block.txt_attn, _mod(block.txt_norm1(txt), txt_mod1.scale, txt_mod1.shift),
+                               block.num_heads)
+    first, second = ((img_q, img_k, img_v), (txt_q, txt_k, txt_v)) if block.flipped_img_txt else \
+        ((txt_q, txt_k, txt_v), (img_q, img_k, img_v))
+    q, k, v = (torch.cat((first[i], second[i]), dim=2) for i in range(3))
+    attn = _flux_attention(q, k, v, pe, ops)
+    n_first = first[0].shape[2]
+    if block.flipped_img_txt:
+        img_attn, txt_attn = attn[:, :n_first], attn[:, n_first:]
+    else:
+        txt_attn, img_attn = attn[:, :n_first], attn[:, n_first:]
+    img = img + block.img_attn.proj(img_attn) * img_mod1.gate
+    img = img + block.img_mlp(_mod(block.img_norm2(img), img_mod2.scale, img_mod2.shift)) * img_mod2.gate
+    txt = txt + block.txt_attn.proj(txt_attn) * txt_mod1.gate
+    txt = txt + block.txt_mlp(_mod(block.txt_norm2(txt), txt_mod2.scale, txt_mod2.shift)) * txt_mod2.gate
+    return img, _fp16_clamp(txt)
+
+
+def flux_single_block(block, x, vec, pe, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's Flux SingleStreamBlock.forward (modulated, no mask, no modulation_dims)."""
+    mod, _ = block.modulation(vec)
+    qkv, mlp = torch.split(block.linear1(_mod(block.pre_norm(x), mod.scale, mod.shift)),
+                           [3 * block.hidden_size, block.mlp_hidden_dim_first], dim=-1)
+    q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k = block.norm(q, k, v)
+    attn = _flux_attention(q, k, v, pe, ops)
+    if block.yak_mlp:
+        half = block.mlp_hidden_dim_first // 2
+        mlp = block.mlp_act(mlp[..., half:]) * mlp[..., :half]
+    else:
+        mlp = block.mlp_act(mlp)
+    x = x + block.linear2(torch.cat((attn, mlp), 2)) * mod.gate
+    return _fp16_clamp(x)
+
+
 #: (family, region kind) -> body; every backend accelerates these same functions
 BODIES = {
     ("comfy", RESBLOCK): comfy_resblock,
     ("comfy", ATTENTION): comfy_attention,
     ("comfy", FEEDFORWARD): feedforward,
     ("comfy", NORM_ACT): norm_act,
+    ("comfy", DOUBLE_BLOCK): flux_double_block,
+    ("comfy", SINGLE_BLOCK): flux_single_block,
     ("diffusers", RESBLOCK): diffusers_resblock,
     ("diffusers", ATTENTION): diffusers_attention,
     ("diffusers", FEEDFORWARD): feedforward,

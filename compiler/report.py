@@ -85,6 +85,8 @@ class Report:
     backend: str = "eager"
     why: list = field(default_factory=list)
     family: str = ""
+    #: "unet", or "dit" (a diffusion transformer, whose regions are its blocks)
+    arch: str = "unet"
     precision: str = "auto"
     dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (warmup.fix_shape)
     regions: dict = field(default_factory=dict)       # kind -> count
@@ -101,7 +103,7 @@ class Report:
     def text(self, stats=None) -> str:
         lines = [f"UNet Compiler: backend {self.backend}"
                  + (f" (asked {self.backend_requested})" if self.backend_requested != self.backend else "")
-                 + f", {self.family} UNet, precision {self.precision}, dynamic shapes {_DYNAMIC[self.dynamic_shapes]}"]
+                 + f", {self.family} {'DiT' if self.arch == 'dit' else 'UNet'}, precision {self.precision}, dynamic shapes {_DYNAMIC[self.dynamic_shapes]}"]
         lines += [f"  backend choice: {w}" for w in self.why]
         if self.regions:
             lines.append("  accelerated regions: " + ", ".join(f"{k} x{n}" for k, n in self.regions.items()))
@@ -147,7 +149,8 @@ def compile_facts(rep: Report) -> dict:
         # another model family (DiT, Cascade, ...): eager by design, not a fallback
         state = "eager"
         reason = NOTHING_TO_COMPILE + ": " + whole[0].removeprefix("running eager: ")
-        fix = "none: the pack accelerates SD1.x / SD2.x / SDXL / SVD UNets; this model runs as ComfyUI loaded it"
+        fix = ("none: the pack accelerates SD1.x / SD2.x / SDXL / SVD UNets and Flux-family DiTs; this model runs "
+               "as ComfyUI loaded it")
     elif settings.disabled():
         state = "eager"
         reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"

@@ -124,10 +124,10 @@ class Accelerator:
             device = p.device if p is not None else torch.device("cpu")
         self.model_dtype = next((p.dtype for p in unet.parameters()), torch.float32)
 
-        rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family,
+        rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
                                    precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
         off = _off_because(self.plan)
-        self.backend, why = choose(self.config.backend, device, off)
+        self.backend, why = choose(self.config.backend, device, off, self.plan.arch)
         if off is not None or why:
             rep.why = why
         rep.backend = self.backend.name

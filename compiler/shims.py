@@ -1,8 +1,15 @@
 """The per-call gate of each region kind: which calls may run the region's compiled code."""
 from __future__ import annotations
 
+import inspect
+
+import torch
+
 from . import cast
 from . import plan as P
+
+#: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
+DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe")}
 
 
 def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
@@ -27,6 +34,8 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
             return run()(kind, impl, module, original, (x, context, value),
                          dict(context=context, value=value, mask=mask, transformer_options=transformer_options), casts)
         return shim
+    if kind in DIT_INPUTS:
+        return _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eager, cast_refused)
     if kind == P.ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
             if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
@@ -44,6 +53,39 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         return run()(kind, impl, module, original, args, None, casts)
+    return shim
+
+
+def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eager, cast_refused):
+    """A DiT block's gate. ComfyUI calls these blocks by keyword; the body serves calls whose
+    ``DIT_INPUTS`` are tensors (``pe`` may be None) and whose other arguments are at their defaults
+    (no attention mask, no per-token modulation dims); ``transformer_options`` may hold anything
+    but an attention override. Any other call runs the block's own forward."""
+    sig = inspect.signature(original)
+    names = DIT_INPUTS[kind]
+
+    def shim(*args, **kwargs):
+        try:
+            bound = sig.bind(module, *args, **kwargs)
+        except TypeError:
+            bound = None
+        inputs = None
+        if bound is not None and kind not in failed:
+            given = dict(bound.arguments)
+            given.pop(next(iter(sig.parameters)))          # self
+            opts = given.pop("transformer_options", None) or {}
+            inputs = tuple(given.pop(n, None) for n in names)
+            if (given.pop("attn_mask", None) is not None or any(v is not None for v in given.values())
+                    or "optimized_attention_override" in opts
+                    or not all(isinstance(t, torch.Tensor) for t in inputs[:-1])
+                    or not (inputs[-1] is None or isinstance(inputs[-1], torch.Tensor))):
+                inputs = None
+        if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
+            stats["region_eager"] += 1
+            return original(module, *args, **kwargs)
+        rest = {k: v for k, v in bound.arguments.items() if k in sig.parameters and k not in names[:1]}
+        rest.pop(next(iter(sig.parameters)))
+        return run()(kind, impl, module, original, inputs, rest, casts)
     return shim
 
 

@@ -48,7 +48,8 @@ def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
 
 def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
     if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
-        levels = _levels(accel.root)
+        # a DiT has no levels: its token grid is the latent / patch (no side reaches 1 by halving)
+        levels = 1 if accel.plan.arch == "dit" else _levels(accel.root)
         probes = probe_shapes(shapes, size_one_sides=not (accel.backend.name == "inductor"
                                                           and variants.size_oblivious()), levels=levels)
         return probes + [p for p in accel.backend.extra_probes(shapes, levels) if p not in probes]

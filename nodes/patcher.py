@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from ..compiler.config import CompileConfig
-from ..compiler.compat.comfy import is_interrupt
+from ..compiler.compat.comfy import dit_context_width, is_interrupt
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import (check_context_tokens, check_memory, context_dim, first_level_channels, label_of,
                                memory_name, parse_shapes, unet_inputs)
@@ -175,6 +175,8 @@ def patch_names(model_options: dict) -> list[str]:
 def _fits(unet, x, c) -> bool:
     """Whether extra_conds' conditioning has the widths this UNet takes (a model built with
     non-standard widths, e.g. a test's tiny one, gets random tensors of its own sizes instead)."""
+    if not hasattr(unet, "input_blocks"):          # a DiT: its text width is what extra_conds may miss
+        return c["c_crossattn"].shape[-1] == dit_context_width(unet)
     concat = c.get("c_concat")
     if x.shape[1] + (concat.shape[1] if concat is not None else 0) != unet.in_channels:
         return False
@@ -233,7 +235,8 @@ class SamplingCall:
         latent_c = base.latent_format.latent_channels
         lh, lw = shape.height // 8, shape.width // 8
         x = torch.randn(shape.batch, latent_c, lh, lw, generator=g).to(self.device, self.dtype)
-        ctx = torch.randn(shape.batch, self.tokens, context_dim(unet), generator=g).to(self.device, self.dtype)
+        width = dit_context_width(unet) or context_dim(unet)
+        ctx = torch.randn(shape.batch, self.tokens, width, generator=g).to(self.device, self.dtype)
         try:
             made = base.extra_conds(noise=x, device=self.device, width=shape.width, height=shape.height,
                                     prompt_type="positive", seed=0, cross_attn=ctx,

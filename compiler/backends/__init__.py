@@ -77,6 +77,9 @@ class Backend:
     #: whether its code follows ``config.dynamic_shapes`` (dynamo-compiled bodies), so one warmup
     #: shape can be compiled static (``warmup.fix_shape``)
     follows_dynamic_shapes = False
+    #: whether it compiles a diffusion transformer's blocks (``plan.DIT_KINDS``); a DiT model skips
+    #: the others (``auto``) or falls back from them (asked by name)
+    dit_blocks = False
 
     def background_problem(self) -> str | None:
         """Why Warmup Shapes' ``background`` cannot compile this backend's code in a background
@@ -127,9 +130,9 @@ class Backend:
         return ()
 
 
-def resolve(requested: str, device) -> tuple[Backend, list[str]]:
-    """Pick the backend to run. Returns it plus the story of how it was chosen
-    (each unavailable candidate with its reason) for the report."""
+def resolve(requested: str, device, arch: str = "unet") -> tuple[Backend, list[str]]:
+    """Pick the backend to run for a model of ``arch`` ("unet" or "dit"). Returns it plus the story
+    of how it was chosen (each unavailable candidate with its reason) for the report."""
     from ..report import Reason
     story: list[Reason] = []
     ranked = _ranked()
@@ -145,6 +148,9 @@ def resolve(requested: str, device) -> tuple[Backend, list[str]]:
             if ok and requested == "auto":
                 ok, not_auto = backend.auto_ok(device)
                 why = why if ok else not_auto
+            if ok and arch == "dit" and not backend.dit_blocks:
+                ok, why = False, Reason("it has no code for a diffusion transformer's blocks (inductor compiles them)",
+                                        "choose inductor (auto does)")
         except Exception as e:  # a probe must never take ComfyUI down
             log.warning("probing backend %s failed", name, exc_info=True)
             ok, why = False, Reason(f"probe failed: {e}")
@@ -167,9 +173,10 @@ def graphs_problem(backend: Backend, device) -> str | None:
     return triton_compat.cuda_graphs_problem(triton_compat.gather())
 
 
-def choose(requested: str, device, off_because=None) -> tuple[Backend, list]:
-    """The backend to run and the story of the choice: ``resolve(requested)``, or eager when
-    ``off_because`` (a Reason: the pack is switched off, torch is too old, nothing to compile)."""
+def choose(requested: str, device, off_because=None, arch: str = "unet") -> tuple[Backend, list]:
+    """The backend to run and the story of the choice: ``resolve(requested, device, arch)``, or
+    eager when ``off_because`` (a Reason: the pack is switched off, torch is too old, nothing to
+    compile)."""
     if off_because is not None or requested == "eager":
         return lookup_backend("eager")(), ([off_because] if off_because is not None else [])
-    return resolve(requested, device)
+    return resolve(requested, device, arch)

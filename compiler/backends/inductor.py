@@ -102,6 +102,7 @@ class InductorBackend(Backend):
     auto_rank, fallback, uses_cuda_graphs = 2, True, True
     summary = "regional torch.compile (CUDA or CPU)"
     follows_dynamic_shapes = True
+    dit_blocks = True
     #: where the model runs (set by ``available``): free-standing conv regions are CPU-only
     device_type = "cpu"
 

@@ -25,6 +25,25 @@ def classes() -> dict:
     }
 
 
+def dit_classes() -> dict:
+    """ComfyUI's DiT block classes whose forward the pack has a body for, by region kind:
+    {kind: class}. Empty when ComfyUI is not loaded (or this ComfyUI lacks them)."""
+    if "comfy" not in sys.modules:
+        return {}
+    try:
+        flux = importlib.import_module("comfy.ldm.flux.layers")
+    except Exception:
+        return {}
+    return {"double_block": flux.DoubleStreamBlock, "single_block": flux.SingleStreamBlock}
+
+
+def dit_context_width(model) -> int | None:
+    """The width of a DiT's text conditioning (``c_crossattn``'s last dim), or None when unknown."""
+    txt_in = getattr(model, "txt_in", None)
+    width = getattr(txt_in, "in_features", None)
+    return width if isinstance(width, int) else None
+
+
 def is_comfy_unet(module) -> bool:
     c = classes()
     return bool(c) and isinstance(module, c["UNetModel"])
@@ -37,9 +56,10 @@ def is_comfy_model(module) -> bool:
 
 def not_a_unet_reason(module) -> str:
     t = type(module)
-    return (f"running eager: {t.__module__}.{t.__name__} is not ComfyUI's openaimodel.UNetModel (the SD1.x / SD2.x / "
-            f"SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler accelerates); "
-            f"nothing in it is rewritten")
+    return (f"running eager: {t.__module__}.{t.__name__} is neither ComfyUI's openaimodel.UNetModel (the SD1.x / "
+            f"SD2.x / SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler "
+            f"accelerates) nor a diffusion transformer with blocks it has a body for (Flux's double and single "
+            f"stream blocks); nothing in it is rewritten")
 
 
 def current_prompt() -> str | None:

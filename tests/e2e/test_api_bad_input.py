@@ -360,7 +360,7 @@ def test_a_model_family_the_pack_does_not_know_runs_eager(comfy_server, sd15_che
     assert "status: eager: nothing to compile, running eager: comfy.ldm.modules.diffusionmodules.mmdit." in compiled, (
         compiled)
     assert compiled.startswith("UNet Compiler: backend eager (asked auto)"), compiled   # no compiler resolved
-    assert "is not ComfyUI's openaimodel.UNetModel" in compiled and "Fix:" not in compiled, compiled
+    assert "is neither ComfyUI's openaimodel.UNetModel" in compiled and "Fix:" not in compiled, compiled
     assert "nothing to warm up (1 shape(s) skipped)" in warmed, warmed
     assert plain.shape == packed.shape == (1, 16, 8, 8), (plain.shape, packed.shape)
     assert relative_l2(packed, plain) <= MAX_EAGER_RERUN_REL_L2

@@ -240,7 +240,7 @@ def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
     _close(run(cm), ref, tol=0)
     assert "accelerated regions: none (everything runs eager)" in text
     assert "comfy.ldm.modules.diffusionmodules.mmdit." in text
-    assert "is not ComfyUI's openaimodel.UNetModel" in text
+    assert "is neither ComfyUI's openaimodel.UNetModel" in text
     # eager by design, not a fallback: no backend resolved, nothing for the user to fix
     assert "UNet Compiler: backend eager (asked inductor)" in text
     assert "status: eager: nothing to compile, running eager: comfy.ldm." in text
