@@ -1,7 +1,7 @@
 """The bench's command line: ``python -m unet_compiler.bench COMMAND [options]``.
 
     run       eager vs UNet Compiler vs whole-model torch.compile on a random-weight UNet (bin/bench)
-    compat    the compatibility tables: every ComfyUI UNet family, then the core patch nodes
+    compat    the compatibility tables: every ComfyUI UNet family, the DiT families, then the core patch nodes
     starts    cold and warm starts through a real ComfyUI server
     soak      prompts with random batch / resolution / LoRA strength through a real ComfyUI server
     storage   what fp8 / fp16 / bf16 weight storage costs and saves (a ComfyUI SD1.5 UNet, eager vs

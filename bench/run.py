@@ -395,6 +395,12 @@ def compat(args):
               f"({'CUDA' if torch.cuda.is_available() else 'CPU'})")
         print(families.table(families.compat_rows(backend, (h, w), batch, getattr(args, "families", None) or None,
                                                   log=log)))
+    if getattr(args, "only", "") != "patches" and not getattr(args, "families", None):
+        print(f"\nCompatibility: ComfyUI's diffusion transformers at tiny widths, random weights, {backend}, Warmup "
+              f"Shapes over 1x64x64 and 2x128x96, then batches 1 and 2 at both sizes, compiled vs the model's own "
+              f"code on the same inputs; recompiles counted over those four calls")
+        print(families.table(families.dit_compat_rows(backend, log=log)))
+        print(families.dit_not_yet_table())
     if getattr(args, "only", "") != "families":
         full = getattr(args, "full", False)
         cases = patch_compat.all_cases() if full else None

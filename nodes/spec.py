@@ -66,9 +66,11 @@ SELECT_BACKEND = Node(
 
 COMPILE_UNET = Node(
     "UNetCompiler_CompileUNet", "Compile UNet",
-    "Accelerate the UNet's leaf regions; ComfyUI's patches, ControlNet and LoRA keep working.",
+    "Accelerate the diffusion model's leaf regions (a UNet's blocks, a Flux DiT's stream blocks); ComfyUI's "
+    "patches, ControlNet and LoRA keep working.",
     inputs=(
-        Input("model", "MODEL", "The MODEL to accelerate (SD1.5 / SDXL UNet). It is cloned, never modified."),
+        Input("model", "MODEL", "The MODEL to accelerate (an SD1.5 / SDXL-family UNet, or a Flux-family diffusion "
+              "transformer). It is cloned, never modified."),
         Input("backend", "UNET_BACKEND", "From Select Backend. Absent = auto, fp as loaded, dynamic shapes on.",
               optional=True),
     ),
@@ -84,8 +86,9 @@ WARMUP_SHAPES = Node(
         Input("shapes", "STRING",
               "Entries BxWxH in pixels (batch x width x height), one per line or comma separated. Batch and "
               "resolution anywhere inside the listed range then run without recompiling. Remember CFG doubles the "
-              "UNet batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
-        Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk).", optional=True,
+              "model batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
+        Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk; a Flux prompt: "
+              "its T5 length, 256 or 512).", optional=True,
               widget={"default": 77, "min": 1, "max": MAX_CONTEXT_TOKENS}),
         Input("background", "BOOLEAN",
               "On (default; the inductor backend, ComfyUI's on a CPU): return at once and compile in a background "
