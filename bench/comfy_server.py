@@ -273,6 +273,97 @@ def patch_assets(ckpt: Path, log=print) -> dict:
 
 
 # --------------------------------------------------------------------------
+# A Flux-architecture diffusion model (real width, one block of each kind) and a LoRA for it
+# --------------------------------------------------------------------------
+FLUX_FILES = {"flux": "unet_compiler_flux_width3072_depth1.safetensors",
+              "lora": "unet_compiler_flux_lora_rank4.safetensors"}
+
+# Runs in a subprocess with cwd = the ComfyUI tree: argv[1] = the folder, argv[2:4] = the file names.
+_BUILD_FLUX_SCRIPT = r'''
+import os, sys, time
+sys.path.insert(0, os.getcwd())
+out_dir, flux_name, lora_name = sys.argv[1:4]
+t0 = time.time()
+from comfy.cli_args import args
+args.cpu = True
+import torch
+import comfy.lora, comfy.model_base, comfy.sd, comfy.supported_models as sm, comfy.utils
+g = torch.Generator().manual_seed(11)
+cfg = sm.Flux({"image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+               "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 3072,
+               "context_in_dim": 768, "patch_size": 2, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 1,
+               "guidance_embed": True})
+cfg.set_inference_dtype(torch.float16, None)
+model = cfg.get_model({})
+dm = model.diffusion_model
+with torch.no_grad():
+    for name, p in dm.named_parameters():
+        if p.dim() >= 2:
+            p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
+        elif name.endswith(("weight", "scale")):
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+sd = {k: v.detach().to(torch.float16).contiguous() for k, v in dm.state_dict().items()}
+path = os.path.join(out_dir, flux_name)
+tmp = path + ".%d.partial.safetensors" % os.getpid()
+comfy.utils.save_torch_file(sd, tmp)
+loaded = comfy.sd.load_diffusion_model(tmp)
+if type(loaded.model) is not comfy.model_base.Flux:
+    raise RuntimeError("%s loads as %r, not Flux" % (flux_name, type(loaded.model)))
+key_map = comfy.lora.model_lora_keys_unet(loaded.model, {})
+lora = {}
+for name in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1"):
+    if name not in key_map:
+        raise RuntimeError("ComfyUI maps no %s for Flux" % name)
+    w = sd[(key_map[name] if isinstance(key_map[name], str) else key_map[name][0]).removeprefix("diffusion_model.")]
+    lora[name + ".lora_down.weight"] = (0.3 * torch.randn(4, w.shape[1], generator=g)).to(torch.float16)
+    lora[name + ".lora_up.weight"] = (0.3 * torch.randn(w.shape[0], 4, generator=g)).to(torch.float16)
+    lora[name + ".alpha"] = torch.tensor(4.0)
+comfy.utils.save_torch_file(lora, os.path.join(out_dir, lora_name))
+os.replace(tmp, path)
+print("built %s and %s in %.1f s" % (flux_name, lora_name, time.time() - t0))
+'''
+
+
+def flux_files(folder: Path, log=print) -> dict:
+    """Flux.1 dev at its real width (hidden 3072, 24 heads, the RoPE axes its detection fixes) with one
+    double and one single stream block, random weights, text and pooled widths 768 (the random SD1.5
+    checkpoint's CLIP conditions it), which ``UNETLoader`` must load as Flux; and a rank-4 LoRA on
+    both blocks. Built in ``folder`` once (about 1 GB, fp16), reused while present.
+    Returns {"flux" | "lora": path}."""
+    paths = {k: Path(folder) / v for k, v in FLUX_FILES.items()}
+    if not all(p.is_file() for p in paths.values()):
+        t0 = time.time()
+        proc = subprocess.run([sys.executable, "-c", _BUILD_FLUX_SCRIPT, str(folder), FLUX_FILES["flux"],
+                               FLUX_FILES["lora"]], cwd=str(comfyui_or_fail()), env=subprocess_env(),
+                              capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"building the Flux files failed (rc={proc.returncode}):\n"
+                               f"{(proc.stdout + proc.stderr)[-6000:]}")
+        log(f"{proc.stdout.strip().splitlines()[-1]} (wall {time.time() - t0:.1f} s)")
+    return paths
+
+
+def flux_txt2latent(ckpt: str, size: int, batch: int, steps: int, seed: int, model=("20", 0)) -> dict:
+    """The Flux prompt: UNETLoader(the Flux file, node "20") -> KSampler (cfg 1, as Flux dev runs:
+    one model batch per image; euler, simple; the SD1.5 checkpoint's CLIP conditions it) ->
+    SaveLatent (node "8"; the SD1.5 VAE does not decode 16 channels). ``model``: KSampler's model link."""
+    return {
+        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
+        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["1", 1]}},
+        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
+        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": batch}},
+        "20": {"class_type": "UNETLoader", "inputs": {"unet_name": FLUX_FILES["flux"], "weight_dtype": "default"}},
+        "5": {"class_type": "KSampler",
+              "inputs": {"model": list(model), "seed": seed, "steps": steps, "cfg": 1.0, "sampler_name": "euler",
+                         "scheduler": "simple", "denoise": 1.0, "positive": ["2", 0], "negative": ["3", 0],
+                         "latent_image": ["4", 0]}},
+        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": f"flux_{seed}"}},
+    }
+
+
+# --------------------------------------------------------------------------
 # Headless ComfyUI server
 # --------------------------------------------------------------------------
 

@@ -72,16 +72,20 @@ class StartRow:
 
 
 def workflow(ckpt: str, model: str, size: int, batch: int, steps: int, seed: int, shapes: str = "",
-             background: bool | None = None) -> dict:
+             background: bool | None = None, arch: str = "sd15") -> dict:
     """The txt2img API prompt: checkpoint -> [TorchCompileModel | Compile UNet -> Warmup Shapes] ->
-    KSampler (euler, normal) -> VAE decode -> preview. Every input of the pack's nodes but ``shapes``
-    is left out (its default), ``background`` too where it is None."""
-    p = S.txt2img(ckpt, size, size, batch, steps, 7.0, seed)
+    KSampler (euler, normal) -> VAE decode -> preview; ``arch`` "flux": the Flux file through
+    UNETLoader instead (``comfy_server.flux_txt2latent``: cfg 1, the latent saved). Every input of
+    the pack's nodes but ``shapes`` is left out (its default), ``background`` too where it is None."""
+    if arch == "flux":
+        p, source = S.flux_txt2latent(ckpt, size, batch, steps, seed), ["20", 0]
+    else:
+        p, source = S.txt2img(ckpt, size, size, batch, steps, 7.0, seed), ["1", 0]
     if model == "tcm":
-        p["10"] = {"class_type": "TorchCompileModel", "inputs": {"model": ["1", 0], "backend": "inductor"}}
+        p["10"] = {"class_type": "TorchCompileModel", "inputs": {"model": source, "backend": "inductor"}}
         p["5"]["inputs"]["model"] = ["10", 0]
     elif model == "pack":
-        p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["1", 0]}}
+        p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": source}}
         p["12"] = {"class_type": "UNetCompiler_WarmupShapes", "inputs": {"model": ["11", 0], "shapes": shapes}}
         if background is not None:
             p["12"]["inputs"]["background"] = background
@@ -121,10 +125,29 @@ def wait_for_done(server, timeout: float = 3600.0) -> re.Match:
     raise TimeoutError(f"no 'background compile: done' in the server log after {timeout:.0f} s")
 
 
-def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shapes: str = "", log=print,
-            background: bool | None = None) -> StartRow:
+def _arch(args) -> str:
+    return getattr(args, "model", "sd15")
+
+
+def _one_shape(args) -> str:
+    """The prompt's model batch and size as Warmup Shapes names it: CFG runs cond and uncond in one
+    UNet batch; the Flux prompt runs cfg 1 (Flux dev's guidance is an input, not a second batch)."""
+    return f"{(1 if _arch(args) == 'flux' else 2) * args.batch}x{args.px}x{args.px}"
+
+
+def _server(root: Path, ckpt: Path, env: dict, args):
+    """A fresh ComfyUI for one row; with ``--model flux`` the Flux file (built beside the checkpoint
+    once) is in its diffusion_models folder."""
     import torch
     server = S.start_server(root, ckpt.parent, env=env, log=None, cpu=not torch.cuda.is_available())
+    if _arch(args) == "flux":
+        S.link(server.model_dirs["diffusion_models"] / S.FLUX_FILES["flux"], S.flux_files(ckpt.parent)["flux"])
+    return server
+
+
+def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shapes: str = "", log=print,
+            background: bool | None = None) -> StartRow:
+    server = _server(root, ckpt, env, args)
     try:
         times = []
         entry = {}
@@ -132,7 +155,7 @@ def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shap
         for seed in (1, 2):
             t0 = time.perf_counter()
             entry = server.run_prompt(workflow(ckpt.name, model, args.px, args.batch, args.steps, seed, shapes,
-                                               background), timeout=3600)
+                                               background, _arch(args)), timeout=3600)
             times.append(prompt_seconds(entry, time.perf_counter() - t0))
             if seed == 1 and model == "pack":
                 first_report = report_text(entry)
@@ -207,7 +230,7 @@ def pack_env(d: Path) -> dict:
 def measure(args, log=print) -> list[StartRow]:
     home = Path(args.work or tempfile.mkdtemp(prefix="unet_compiler_starts_"))
     ckpt = S.checkpoint_path(Path(args.checkpoint_dir).expanduser())
-    one = f"{2 * args.batch}x{args.px}x{args.px}"   # CFG runs cond and uncond in one UNet batch
+    one = _one_shape(args)
     rows = []
 
     def fresh(name):
@@ -265,12 +288,11 @@ def session_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, 
                 background: bool | None = None, log=print) -> SessionRow:
     """A user's session: ``max(SESSION_IMAGES)`` prompts queued at once on a fresh server (each a new
     seed), timed by ComfyUI's own stamps from the first prompt's start to each image."""
-    import torch
     n = max(SESSION_IMAGES)
-    server = S.start_server(root, ckpt.parent, env=env, log=None, cpu=not torch.cuda.is_available())
+    server = _server(root, ckpt, env, args)
     try:
         ids = [S.queue_prompt(server, workflow(ckpt.name, model, args.px, args.batch, args.steps, seed, shapes,
-                                               background)) for seed in range(1, n + 1)]
+                                               background, _arch(args))) for seed in range(1, n + 1)]
         entries = [S.wait_prompt(server, pid, timeout=3600) for pid in ids]
     finally:
         server.stop()
@@ -283,7 +305,7 @@ def session_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, 
 def measure_session(args, home: Path, ckpt: Path, log=print) -> list[SessionRow]:
     """The session table's rows, each on a fresh server with cold caches: eager, TorchCompileModel,
     the pack with every input at its default (one shape), and the same with background off."""
-    one = f"{2 * args.batch}x{args.px}x{args.px}"
+    one = _one_shape(args)
     log(f"session: {max(SESSION_IMAGES)} prompts queued at once per row, each row a fresh ComfyUI process")
     return [session_row("eager", home / "s_eager", ckpt, "eager", args, {}, log=log),
             session_row("TorchCompileModel (inductor)", home / "s_tcm", ckpt, "tcm", args, {}, log=log),
@@ -356,9 +378,14 @@ def main(argv=None):
     ap.add_argument("--px", type=int, default=64, help="the prompt's image side in pixels (default 64)")
     ap.add_argument("--batch", type=int, default=1, help="the prompt's batch (default 1)")
     ap.add_argument("--steps", type=int, default=4, help="KSampler steps (default 4)")
-    ap.add_argument("--range", default="2x64x64, 4x128x128",
-                    help="the range row's Warmup Shapes, UNet batches (CFG doubles the image batch; default: "
-                         "images of batch 1-2 across 64-128 px)")
+    ap.add_argument("--model", choices=("sd15", "flux"), default="sd15",
+                    help="sd15: the random SD1.5 checkpoint (default); flux: a Flux.1 dev-architecture model at "
+                         "its real width with one double and one single block, through UNETLoader at cfg 1 "
+                         "(built beside the checkpoint once, about 1 GB)")
+    ap.add_argument("--range", default="",
+                    help="the range row's Warmup Shapes, model batches (CFG doubles the image batch; default: "
+                         "images of batch 1-2 across 64-128 px: 2x64x64, 4x128x128, with --model flux "
+                         "1x64x64, 2x128x128)")
     ap.add_argument("--checkpoint-dir", default=os.environ.get("UNET_COMPILER_TEST_CACHE")
                     or str(Path.home() / ".cache" / "unet-compiler"),
                     help="where the random SD1.5 checkpoint is kept (built there once)")
@@ -368,6 +395,7 @@ def main(argv=None):
                     help="'restart': only eager, the one-shape row and its restart (about 6 minutes, for "
                          "development); 'session': only the session table; the README's tables are from all rows")
     a = ap.parse_args(argv)
+    a.range = a.range or ("1x64x64, 2x128x128" if a.model == "flux" else "2x64x64, 4x128x128")
     if a.rows != "all" and a.out:
         ap.error("--out writes the README's table: run all rows for it (leave out --rows)")
     S.comfyui_or_fail()
@@ -378,7 +406,8 @@ def main(argv=None):
     if a.rows in ("all", "session"):
         session = measure_session(a, Path(a.work), S.checkpoint_path(Path(a.checkpoint_dir).expanduser()))
     import torch
-    print(f"\nstarts: ComfyUI server, random SD1.5, {a.batch}x{a.px}x{a.px}, {a.steps} euler steps, "
+    what = "random SD1.5" if a.model == "sd15" else "random Flux.1 dev architecture (width 3072, 1+1 blocks), cfg 1"
+    print(f"\nstarts: ComfyUI server, {what}, {a.batch}x{a.px}x{a.px}, {a.steps} euler steps, "
           f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), torch {torch.__version__}, "
           f"{time.strftime('%Y-%m-%d')}")
     if rows:
@@ -391,7 +420,7 @@ def main(argv=None):
               f"({max(SESSION_IMAGES)} prompts queued at once, a new seed each)")
         print(session_table(session))
     if a.out:
-        out = Path(a.out) / f"starts_sd15_{'cuda' if torch.cuda.is_available() else 'cpu'}_{a.px}px.json"
+        out = Path(a.out) / f"starts_{a.model}_{'cuda' if torch.cuda.is_available() else 'cpu'}_{a.px}px.json"
         out.write_text(json.dumps({"args": {k: v for k, v in vars(a).items()}, "torch": torch.__version__,
                                    "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d"),
                                    "baseline": baseline_line(rows), "rows": [asdict(r) for r in rows],

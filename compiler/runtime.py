@@ -360,9 +360,12 @@ class Accelerator:
                     self.stats["compile_seconds"] += time.perf_counter() - t0
                     if hits < new and self.cache is not None:  # something new to keep
                         self.cache.compiled_new()
-                    if self.warmed:
-                        self.stats["recompiles_after_warmup"] += new
-                        self.recompiles.record(new, shape, time.perf_counter() - t0, marks, self.warmed_shapes)
+                    if self.warmed and new > hits:
+                        # code loaded from the compile cache entry is no recompile (a restart's warmup
+                        # leaves the other listed shapes' variants to their first call: it loads them)
+                        self.stats["recompiles_after_warmup"] += new - hits
+                        self.recompiles.record(new - hits, shape, time.perf_counter() - t0, marks,
+                                               self.warmed_shapes)
 
     # ---- background mode ---------------------------------------------------
     def background_mode(self) -> background.BackgroundMode:

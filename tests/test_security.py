@@ -176,6 +176,8 @@ PROCESSES = {
                                                    "ComfyUI's classes in a python subprocess (cwd = the ComfyUI tree)",
     ("bench/comfy_server.py", "patch_assets"): "tests/bench: builds a random LoRA / ControlNet / T2I-Adapter for "
                                                 "that checkpoint the same way",
+    ("bench/comfy_server.py", "flux_files"): "tests/bench: builds a random-weight Flux-architecture model and a LoRA "
+                                              "for it the same way",
     ("bench/comfy_server.py", "start_server"): "tests/bench: starts a headless ComfyUI server (main.py) on a local "
                                                 "port",
     ("bench/storage.py", "main"): "the storage bench runs each weight_dtype in a fresh python process (`-m "

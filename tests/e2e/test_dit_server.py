@@ -15,115 +15,48 @@ and sampling compiles nothing after the warmup (no recompile event in either pro
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from unet_compiler.bench import comfy_server as S
+from unet_compiler.bench import starts
 
 pytestmark = pytest.mark.e2e
 
-FLUX_NAME = "unet_compiler_flux_width3072_depth1.safetensors"
-LORA_NAME = "unet_compiler_flux_lora_rank4.safetensors"
+FLUX_NAME, LORA_NAME = S.FLUX_FILES["flux"], S.FLUX_FILES["lora"]
 #: the warmed box (cfg 1: the model batch is the image batch) and the two prompt sizes inside it
 WARMUP = "1x64x64, 1x128x128"
 SIZES = (64, 128)
 #: compiled vs plain ComfyUI, relative L2 of the latent after 2 euler steps (fp32 on CPU)
 MAX_REL_L2 = 1e-4
 
-# Runs in a subprocess with cwd = the ComfyUI tree: argv[1] = the folder, argv[2:4] = the file names.
-_BUILD_SCRIPT = r'''
-import os, sys, time
-sys.path.insert(0, os.getcwd())
-out_dir, flux_name, lora_name = sys.argv[1:4]
-t0 = time.time()
-from comfy.cli_args import args
-args.cpu = True
-import torch
-import comfy.lora, comfy.model_base, comfy.sd, comfy.supported_models as sm, comfy.utils
-g = torch.Generator().manual_seed(11)
-cfg = sm.Flux({"image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
-               "out_channels": 16, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 16, "hidden_size": 3072,
-               "context_in_dim": 768, "patch_size": 2, "vec_in_dim": 768, "depth": 1, "depth_single_blocks": 1,
-               "guidance_embed": True})
-cfg.set_inference_dtype(torch.float16, None)
-model = cfg.get_model({})
-dm = model.diffusion_model
-with torch.no_grad():
-    for name, p in dm.named_parameters():
-        if p.dim() >= 2:
-            p.copy_(torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
-        elif name.endswith(("weight", "scale")):
-            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
-        else:
-            p.copy_(0.1 * torch.randn(p.shape, generator=g))
-sd = {k: v.detach().to(torch.float16).contiguous() for k, v in dm.state_dict().items()}
-path = os.path.join(out_dir, flux_name)
-tmp = path + ".%d.partial.safetensors" % os.getpid()
-comfy.utils.save_torch_file(sd, tmp)
-loaded = comfy.sd.load_diffusion_model(tmp)
-if type(loaded.model) is not comfy.model_base.Flux:
-    raise RuntimeError("%s loads as %r, not Flux" % (flux_name, type(loaded.model)))
-key_map = comfy.lora.model_lora_keys_unet(loaded.model, {})
-lora = {}
-for name in ("lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_single_blocks_0_linear1"):
-    if name not in key_map:
-        raise RuntimeError("ComfyUI maps no %s for Flux" % name)
-    w = sd[(key_map[name] if isinstance(key_map[name], str) else key_map[name][0]).removeprefix("diffusion_model.")]
-    lora[name + ".lora_down.weight"] = (0.3 * torch.randn(4, w.shape[1], generator=g)).to(torch.float16)
-    lora[name + ".lora_up.weight"] = (0.3 * torch.randn(w.shape[0], 4, generator=g)).to(torch.float16)
-    lora[name + ".alpha"] = torch.tensor(4.0)
-comfy.utils.save_torch_file(lora, os.path.join(out_dir, lora_name))
-os.replace(tmp, path)
-print("built %s and %s in %.1f s" % (flux_name, lora_name, time.time() - t0))
-'''
-
 
 @pytest.fixture(scope="module")
-def flux_files(comfyui_path, sd15_checkpoint, comfy_server):
+def flux_files(sd15_checkpoint, comfy_server):
     """The Flux file in the server's diffusion_models folder and its LoRA in loras (built beside the
     checkpoint, kept where it is kept); the links are removed afterwards."""
-    folder = sd15_checkpoint.parent
-    names = (FLUX_NAME, LORA_NAME)
-    if not all((folder / n).is_file() for n in names):
-        t0 = time.time()
-        proc = subprocess.run([sys.executable, "-c", _BUILD_SCRIPT, str(folder), *names], cwd=str(comfyui_path),
-                              env=S.subprocess_env(), capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            raise RuntimeError(f"building the Flux files failed (rc={proc.returncode}):\n"
-                               f"{(proc.stdout + proc.stderr)[-6000:]}")
-        print(f"\n[e2e] {proc.stdout.strip().splitlines()[-1]} (wall {time.time() - t0:.1f} s)")
+    paths = S.flux_files(sd15_checkpoint.parent, log=lambda m: print("\n[e2e] " + m))
     links = [comfy_server.model_dirs["diffusion_models"] / FLUX_NAME, comfy_server.model_dirs["loras"] / LORA_NAME]
-    for link, n in zip(links, names, strict=True):
+    for link, target in zip(links, (paths["flux"], paths["lora"]), strict=True):
         if not link.exists():
-            S.link(link, folder / n)
-    yield
+            S.link(link, target)
+    yield paths
     for link in links:
         link.unlink(missing_ok=True)
     if not os.environ.get("UNET_COMPILER_TEST_CACHE"):
-        for n in names:
-            (folder / n).unlink(missing_ok=True)
+        for path in paths.values():
+            path.unlink(missing_ok=True)
 
 
 def flux_prompt(ckpt: str, prefix: str, size: int, pack: bool) -> dict:
     """UNETLoader(Flux) [-> Compile UNet -> Warmup Shapes] -> LoraLoaderModelOnly -> KSampler (cfg 1,
-    2 euler steps; the SD1.5 checkpoint's CLIP conditions it) -> SaveLatent."""
-    p = {
-        "1": {"class_type": "CheckpointLoaderSimple", "inputs": {"ckpt_name": ckpt}},
-        "2": {"class_type": "CLIPTextEncode", "inputs": {"text": "a red fox in the snow", "clip": ["1", 1]}},
-        "3": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["1", 1]}},
-        "4": {"class_type": "EmptyLatentImage", "inputs": {"width": size, "height": size, "batch_size": 1}},
-        "20": {"class_type": "UNETLoader", "inputs": {"unet_name": FLUX_NAME, "weight_dtype": "default"}},
-        "21": {"class_type": "LoraLoaderModelOnly",
-               "inputs": {"model": ["20", 0], "lora_name": LORA_NAME, "strength_model": 1.0}},
-        "5": {"class_type": "KSampler",
-              "inputs": {"model": ["21", 0], "seed": 5, "steps": 2, "cfg": 1.0, "sampler_name": "euler",
-                         "scheduler": "simple", "denoise": 1.0, "positive": ["2", 0], "negative": ["3", 0],
-                         "latent_image": ["4", 0]}},
-        "8": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": prefix}},
-    }
+    2 euler steps) -> SaveLatent."""
+    p = S.flux_txt2latent(ckpt, size, 1, 2, 5, model=("21", 0))
+    p["8"]["inputs"]["filename_prefix"] = prefix
+    p["21"] = {"class_type": "LoraLoaderModelOnly",
+               "inputs": {"model": ["20", 0], "lora_name": LORA_NAME, "strength_model": 1.0}}
     if pack:
         p["11"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": ["20", 0]}}
         p["12"] = {"class_type": "UNetCompiler_WarmupShapes",
@@ -166,3 +99,22 @@ def test_flux_through_the_server_lora_after_compile_and_a_resolution_change(comf
     messages = (results[SIZES[1], True][0].get("status") or {}).get("messages") or []
     cached = next((d for n, d in messages if n == "execution_cached"), {})
     assert "12" in cached.get("nodes", []), messages
+
+
+def test_a_restart_of_the_flux_row_compiles_nothing(sd15_checkpoint, tmp_path):
+    """Two ComfyUI processes on one pack folder, through the starts bench's own rows: the first
+    compiles Flux cold (Warmup Shapes in the foreground), the second (Warmup Shapes at its defaults:
+    background on) takes every graph from the compile cache, and neither compiles after warmup."""
+    args = SimpleNamespace(px=64, batch=1, steps=1, model="flux")
+    shape = "1x64x64"
+    cold = tmp_path / "cold"
+    env = starts.pack_env(cold)
+    first = starts.run_row("cold", cold, sd15_checkpoint, "pack", args, env, shape, background=False)
+    assert first.graphs and first.from_cache == 0 and "compile cache: saved" in first.report, first.report
+    again = starts.run_row("restart", tmp_path / "restart", sd15_checkpoint, "pack", args, env, shape)
+    print(f"\nFlux cold: first prompt {first.first_s:.1f} s, {first.graphs} graphs; restart: {again.first_s:.1f} s, "
+          f"{again.graphs} graphs ({again.from_cache} from the compile cache)")
+    assert "compile cache: hit" in again.report, again.report
+    assert again.graphs == again.from_cache == first.graphs, again.report
+    for root in (cold, tmp_path / "restart"):
+        assert "compiled after warmup" not in (root / "comfyui.log").read_text(errors="replace")
