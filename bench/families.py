@@ -515,8 +515,8 @@ DIT_NOT_YET = (
     ("SD3 / SD3.5 (MMDiT)", "comfy.ldm.modules.diffusionmodules.mmdit", "no body for its JointBlock yet"),
     ("Wan 2.x", "comfy.ldm.wan", "no body for its WanAttentionBlock yet (video: frames in the warmup shape too)"),
     ("Qwen-Image", "comfy.ldm.qwen_image", "no body for its QwenImageTransformerBlock yet"),
-    ("HunyuanVideo", "comfy.ldm.hunyuan_video", "Flux's stream blocks (planned as regions) beside its own token "
-                                                "refiner; not in this table yet: no tiny build of it here"),
+    ("HunyuanVideo", "comfy.ldm.hunyuan_video", "its Flux stream blocks are regions (not tested yet: no tiny "
+                                                "build of it here); its token refiner and the rest run as given"),
     ("AuraFlow, Lumina 2, HiDream, LTX-Video, Cosmos, PixArt, HunyuanDiT, Kandinsky 5, Omnigen 2, ACE",
      "comfy.ldm.*", "no body for their blocks yet"),
 )
@@ -558,6 +558,6 @@ def dit_compat_rows(backend="inductor", shapes="1x64x64, 2x128x96", cases=((1, 8
 
 
 def dit_not_yet_table() -> str:
-    lines = ["| DiT family | ComfyUI module | why it runs as ComfyUI loaded it |", "|---|---|---|"]
+    lines = ["| DiT family | ComfyUI module | what runs as ComfyUI loaded it, and why |", "|---|---|---|"]
     lines += [f"| {label} | `{mod}` | {why} |" for label, mod, why in DIT_NOT_YET]
     return "\n".join(lines)

@@ -247,7 +247,7 @@ def measure(args, log=print) -> list[StartRow]:
     # same eager row at the end (memory this VM had not handed out for a while); it uses no compile cache
     run_row("eager (settling the machine, not reported)", fresh("settle"), ckpt, "eager", args, {}, log=log)
     rows.append(run_row("eager", eager_dir, ckpt, "eager", args, {}, log=log))
-    every = getattr(args, "rows", "all") == "all"
+    every = getattr(args, "rows", "all") in ("all", "starts")
     if every:
         rows.append(run_row("TorchCompileModel (inductor)", tcm_dir, ckpt, "tcm", args, {}, log=log))
     rows.append(run_row(f"{ONE_SHAPE} ({one})", one_dir, ckpt, "pack", args, pack_env(one_dir), one, log=log))
@@ -391,13 +391,14 @@ def main(argv=None):
                     help="where the random SD1.5 checkpoint is kept (built there once)")
     ap.add_argument("--work", default="", help="folder for the servers' folders (default: a fresh temp folder)")
     ap.add_argument("--out", default="", help="write the rows as JSON into this folder (e.g. docs)")
-    ap.add_argument("--rows", choices=("all", "restart", "session"), default="all",
-                    help="'restart': only eager, the one-shape row and its restart (about 6 minutes, for "
-                         "development); 'session': only the session table; the README's tables are from all rows")
+    ap.add_argument("--rows", choices=("all", "starts", "restart", "session"), default="all",
+                    help="'starts': every start row, no session table; 'restart': only eager, the one-shape row "
+                         "and its restart (about 6 minutes, for development); 'session': only the session table; "
+                         "the README's tables are from all rows")
     a = ap.parse_args(argv)
     a.range = a.range or ("1x64x64, 2x128x128" if a.model == "flux" else "2x64x64, 4x128x128")
-    if a.rows != "all" and a.out:
-        ap.error("--out writes the README's table: run all rows for it (leave out --rows)")
+    if a.rows not in ("all", "starts") and a.out:
+        ap.error("--out writes the README's table: run every start row for it (--rows all or starts)")
     S.comfyui_or_fail()
     if not a.work:
         a.work = tempfile.mkdtemp(prefix="unet_compiler_starts_")

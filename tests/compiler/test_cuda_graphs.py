@@ -189,7 +189,7 @@ def test_cuda_graphs_refused_with_the_reason(monkeypatch, tiny_unet):
     # ComfyUI's default allocator: the exact fix in the report
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
     from unet_compiler.compiler import backends, runtime
-    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None: (backends.lookup_backend("inductor")(), []))
+    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (backends.lookup_backend("inductor")(), []))
     a = Accelerator(u, CompileConfig(backend="inductor", cuda_graphs=True),
                     device=torch.device("cuda"))
     assert a.graphs is None and "--disable-cuda-malloc" in a.text()
@@ -457,7 +457,7 @@ def test_backend_auto_on_cuda_measures_its_graphs(monkeypatch, tiny_unet):
     from unet_compiler.compiler import background, backends, runtime
     u = tiny_unet()
     monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
-    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None: (backends.lookup_backend("inductor")(), []))
+    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (backends.lookup_backend("inductor")(), []))
     a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
     assert a.graphs is not None and a.graphs.measured
     assert "cuda graphs: auto (backend auto on CUDA)" in a.text()
