@@ -443,6 +443,10 @@ class DitFamily:
     #: the config ``model_detection.detect_unet_config`` derives from a full-size checkpoint's keys
     config: dict
     conds: str = ""
+    #: the tiny build's overrides beyond ``TINY_DIT`` (widths of the family's other parts)
+    tiny: dict = field(default_factory=dict)
+    #: config keys detection fills with the family's constants (not read from the weights)
+    constants: tuple = ("num_heads", "axes_dim")
 
 
 #: Flux.1 dev as detect_unet_config derives it from the checkpoint (guidance_in present)
@@ -451,10 +455,27 @@ _FLUX_DEV = {"image_model": "flux", "axes_dim": [16, 56, 56], "num_heads": 24, "
              "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": 768, "depth": 19, "depth_single_blocks": 38,
              "guidance_embed": True}
 
+#: Flux.2 dev as detect_unet_config derives it (global modulation: the model hands each block its own)
+_FLUX2_DEV = {"image_model": "flux2", "axes_dim": [32, 32, 32, 32], "num_heads": 48, "mlp_ratio": 3.0, "theta": 2000,
+              "out_channels": 128, "global_modulation": True, "mlp_silu_act": True, "qkv_bias": False,
+              "ops_bias": False, "default_ref_method": "index", "ref_index_scale": 10.0, "txt_ids_dims": [3],
+              "patch_size": 1, "in_channels": 128, "hidden_size": 6144, "context_in_dim": 15360, "vec_in_dim": None,
+              "depth": 8, "depth_single_blocks": 48, "guidance_embed": True, "yak_mlp": False, "txt_norm": False}
+#: Chroma as detect_unet_config derives it (Flux's blocks, modulation from a distilled approximator)
+_CHROMA = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "mlp_ratio": 4.0, "theta": 10000,
+           "out_channels": 64, "qkv_bias": True, "txt_ids_dims": [], "in_channels": 64, "hidden_size": 3072,
+           "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38,
+           "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5}
+
 DIT_FAMILIES = {f.key: f for f in [
     DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance"),
     DitFamily("flux_schnell", "Flux.1 schnell", "FluxSchnell", dict(_FLUX_DEV, guidance_embed=False),
               conds="T5 text + CLIP pooled"),
+    DitFamily("flux2_dev", "Flux.2 dev", "Flux2", _FLUX2_DEV, conds="Mistral text + guidance, global modulation",
+              tiny={"axes_dim": [4, 4, 4, 4]}),
+    DitFamily("chroma", "Chroma", "Chroma", _CHROMA, conds="T5 text, modulation from its approximator",
+              tiny={"out_dim": 32, "hidden_dim": 64, "n_layers": 1},
+              constants=("num_heads", "axes_dim", "out_dim", "hidden_dim", "n_layers")),
 ]}
 #: the tiny DiTs: 2 heads of 16 (RoPE axes 4 + 6 + 6), text width 64, 2 double and 2 single blocks
 TINY_DIT = {"num_heads": 2, "hidden_size": 32, "axes_dim": [4, 6, 6], "context_in_dim": 64, "depth": 2,
@@ -462,7 +483,7 @@ TINY_DIT = {"num_heads": 2, "hidden_size": 32, "axes_dim": [4, 6, 6], "context_i
 
 
 def dit_tiny_config(fam: DitFamily, **over) -> dict:
-    return {**fam.config, **TINY_DIT, **over}
+    return {**fam.config, **TINY_DIT, **fam.tiny, **over}
 
 
 def build_dit(fam: DitFamily, seed: int = 0, dtype=torch.float32, **over):
@@ -510,8 +531,8 @@ def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1):
 #: ComfyUI's DiT families whose blocks the pack has no body for yet: the model runs as ComfyUI
 #: loaded it (the report says "nothing to compile"), with the reason the table gives
 DIT_NOT_YET = (
-    ("Chroma / Chroma Radiance", "comfy.ldm.chroma", "its stream blocks take their modulation from the model "
-                                                     "(a distilled guidance network): no body for that call yet"),
+    ("Chroma Radiance", "comfy.ldm.chroma_radiance", "Chroma's stream blocks are regions (not tested yet: no tiny "
+                                                     "build of it here); its pixel-space NeRF head runs as given"),
     ("SD3 / SD3.5 (MMDiT)", "comfy.ldm.modules.diffusionmodules.mmdit", "no body for its JointBlock yet"),
     ("Wan 2.x", "comfy.ldm.wan", "no body for its WanAttentionBlock yet (video: frames in the warmup shape too)"),
     ("Qwen-Image", "comfy.ldm.qwen_image", "no body for its QwenImageTransformerBlock yet"),

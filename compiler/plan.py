@@ -143,10 +143,6 @@ def build_plan(unet: torch.nn.Module) -> Plan:
     return plan
 
 
-#: Chroma's stream blocks get their modulation from the model (a distilled guidance network)
-DIT_MODULATION_GIVEN = "a stream block given its modulation (Chroma: no modulation of its own) runs as given"
-
-
 def _dit_plan(model) -> Plan | None:
     """The regions of a ComfyUI diffusion transformer: each block of a class the pack has a body for
     (``compat.comfy.dit_classes``), exactly that class (a subclass may change its forward). None when
@@ -157,9 +153,7 @@ def _dit_plan(model) -> Plan | None:
     plan = Plan(family="comfy", arch="dit")
     for path, m in model.named_modules():
         for kind, cls in classes.items():
-            if type(m) is cls and not m.modulation:
-                plan.skipped.append((kind, path, DIT_MODULATION_GIVEN))
-            elif type(m) is cls:
+            if type(m) is cls:
                 plan.regions.append(Region(path, m, kind, "comfy", _leaves(m)))
             elif isinstance(m, cls):
                 plan.skipped.append((kind, path, f"{type(m).__name__} overrides {cls.__name__} (runs as given)"))

@@ -179,15 +179,24 @@ def _fp16_clamp(x):
     return torch.nan_to_num(x, nan=0.0, posinf=65504, neginf=-65504) if x.dtype == torch.float16 else x
 
 
-def flux_double_block(block, img, txt, vec, pe, *, ops: Ops = TORCH_OPS):
-    """ComfyUI's Flux DoubleStreamBlock.forward (modulated, no mask, no modulation_dims: the shim
-    sends other calls to the block's own forward). Returns (img, txt)."""
-    img_mod1, img_mod2 = block.img_mod(vec)
-    txt_mod1, txt_mod2 = block.txt_mod(vec)
-    img_q, img_k, img_v = _qkv(block.img_attn, _mod(block.img_norm1(img), img_mod1.scale, img_mod1.shift),
-                               block.num_heads)
-    txt_q, txt_k, txt_v = _qkv(block.txt_attn, _mod(block.txt_norm1(txt), txt_mod1.scale, txt_mod1.shift),
-                               block.num_heads)
+def _given(given, i):
+    """The ``i``-th (shift, scale, gate) of modulation handed to a block (Flux.2's global modulation,
+    Chroma's distilled one), which the shim flattened into tensors."""
+    return given[3 * i], given[3 * i + 1], given[3 * i + 2]
+
+
+def flux_double_block(block, img, txt, vec, pe, *given, ops: Ops = TORCH_OPS):
+    """ComfyUI's Flux DoubleStreamBlock.forward (no mask, no modulation_dims: the shim sends other
+    calls to the block's own forward). Its modulation from ``vec`` through the block's own
+    modulation layers, or (``vec`` None) handed to it: ``given`` = 4 x (shift, scale, gate), img's
+    two then txt's two. Returns (img, txt)."""
+    if vec is not None:
+        (i1, i2), (t1, t2) = block.img_mod(vec), block.txt_mod(vec)
+        i1, i2, t1, t2 = ((m.shift, m.scale, m.gate) for m in (i1, i2, t1, t2))
+    else:
+        i1, i2, t1, t2 = (_given(given, i) for i in range(4))
+    img_q, img_k, img_v = _qkv(block.img_attn, _mod(block.img_norm1(img), i1[1], i1[0]), block.num_heads)
+    txt_q, txt_k, txt_v = _qkv(block.txt_attn, _mod(block.txt_norm1(txt), t1[1], t1[0]), block.num_heads)
     first, second = ((img_q, img_k, img_v), (txt_q, txt_k, txt_v)) if block.flipped_img_txt else \
         ((txt_q, txt_k, txt_v), (img_q, img_k, img_v))
     q, k, v = (torch.cat((first[i], second[i]), dim=2) for i in range(3))
@@ -197,17 +206,22 @@ def flux_double_block(block, img, txt, vec, pe, *, ops: Ops = TORCH_OPS):
         img_attn, txt_attn = attn[:, :n_first], attn[:, n_first:]
     else:
         txt_attn, img_attn = attn[:, :n_first], attn[:, n_first:]
-    img = img + block.img_attn.proj(img_attn) * img_mod1.gate
-    img = img + block.img_mlp(_mod(block.img_norm2(img), img_mod2.scale, img_mod2.shift)) * img_mod2.gate
-    txt = txt + block.txt_attn.proj(txt_attn) * txt_mod1.gate
-    txt = txt + block.txt_mlp(_mod(block.txt_norm2(txt), txt_mod2.scale, txt_mod2.shift)) * txt_mod2.gate
+    img = img + block.img_attn.proj(img_attn) * i1[2]
+    img = img + block.img_mlp(_mod(block.img_norm2(img), i2[1], i2[0])) * i2[2]
+    txt = txt + block.txt_attn.proj(txt_attn) * t1[2]
+    txt = txt + block.txt_mlp(_mod(block.txt_norm2(txt), t2[1], t2[0])) * t2[2]
     return img, _fp16_clamp(txt)
 
 
-def flux_single_block(block, x, vec, pe, *, ops: Ops = TORCH_OPS):
-    """ComfyUI's Flux SingleStreamBlock.forward (modulated, no mask, no modulation_dims)."""
-    mod, _ = block.modulation(vec)
-    qkv, mlp = torch.split(block.linear1(_mod(block.pre_norm(x), mod.scale, mod.shift)),
+def flux_single_block(block, x, vec, pe, *given, ops: Ops = TORCH_OPS):
+    """ComfyUI's Flux SingleStreamBlock.forward (no mask, no modulation_dims); its modulation from
+    ``vec``, or (``vec`` None) handed to it as ``given`` = (shift, scale, gate)."""
+    if vec is not None:
+        mod, _ = block.modulation(vec)
+        shift, scale, gate = mod.shift, mod.scale, mod.gate
+    else:
+        shift, scale, gate = _given(given, 0)
+    qkv, mlp = torch.split(block.linear1(_mod(block.pre_norm(x), scale, shift)),
                            [3 * block.hidden_size, block.mlp_hidden_dim_first], dim=-1)
     q, k, v = qkv.view(qkv.shape[0], qkv.shape[1], 3, block.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k = block.norm(q, k, v)
@@ -217,7 +231,7 @@ def flux_single_block(block, x, vec, pe, *, ops: Ops = TORCH_OPS):
         mlp = block.mlp_act(mlp[..., half:]) * mlp[..., :half]
     else:
         mlp = block.mlp_act(mlp)
-    x = x + block.linear2(torch.cat((attn, mlp), 2)) * mod.gate
+    x = x + block.linear2(torch.cat((attn, mlp), 2)) * gate
     return _fp16_clamp(x)
 
 

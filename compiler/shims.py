@@ -75,10 +75,14 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
             given.pop(next(iter(sig.parameters)))          # self
             opts = given.pop("transformer_options", None) or {}
             inputs = tuple(given.pop(n, None) for n in names)
+            handed = None if isinstance(inputs[-2], torch.Tensor) else _handed(kind, inputs[-2])
+            if handed is not None:          # modulation handed to the block: vec None, its tensors after pe
+                inputs = (*inputs[:-2], None, inputs[-1], *handed)
             if (given.pop("attn_mask", None) is not None or any(v is not None for v in given.values())
                     or "optimized_attention_override" in opts
-                    or not all(isinstance(t, torch.Tensor) for t in inputs[:-1])
-                    or not (inputs[-1] is None or isinstance(inputs[-1], torch.Tensor))):
+                    or not all(isinstance(t, torch.Tensor) for t in inputs[:len(names) - 2])
+                    or (inputs[len(names) - 2] is None and handed is None)
+                    or not (inputs[len(names) - 1] is None or isinstance(inputs[len(names) - 1], torch.Tensor))):
                 inputs = None
         if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
             stats["region_eager"] += 1
@@ -87,6 +91,23 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
         rest.pop(next(iter(sig.parameters)))
         return run()(kind, impl, module, original, inputs, rest, casts)
     return shim
+
+
+def _handed(kind, vec) -> tuple | None:
+    """The tensors of modulation handed to a DiT block instead of its ``vec`` (Flux.2's global
+    modulation, Chroma's distilled one): a double block's ((img1, img2), (txt1, txt2)), a single
+    block's one, each with ``shift``, ``scale`` and ``gate``; flattened in that order. None when
+    ``vec`` is not that."""
+    def parts(m):
+        out = tuple(getattr(m, a, None) for a in ("shift", "scale", "gate"))
+        return out if all(isinstance(t, torch.Tensor) for t in out) else None
+    try:
+        mods = [parts(vec)] if kind == P.SINGLE_BLOCK else [parts(m) for pair in vec for m in pair]
+    except TypeError:
+        return None
+    if (kind == P.DOUBLE_BLOCK and len(mods) != 4) or any(m is None for m in mods):
+        return None
+    return tuple(t for m in mods for t in m)
 
 
 def _casts(kind, leaves, stats, cast_eager, refused):

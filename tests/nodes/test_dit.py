@@ -50,10 +50,11 @@ def test_the_tiny_flux_is_what_comfyui_loads(comfy):
         sd = mp.model.diffusion_model.state_dict()
         det = md.detect_unet_config(sd, "")
         tiny = F.dit_tiny_config(fam)
-        # detection reads the heads and RoPE axes as the family's constants (not in the weights)
-        assert {k: det.get(k) for k in tiny if k not in ("num_heads", "axes_dim")} == \
-            {k: v for k, v in tiny.items() if k not in ("num_heads", "axes_dim")}, fam.key
-        assert (det["num_heads"], det["axes_dim"]) == (fam.config["num_heads"], fam.config["axes_dim"])
+        # detection reads the heads, RoPE axes (and Chroma's approximator widths) as the family's
+        # constants, not from the weights
+        assert {k: det.get(k) for k in tiny if k not in fam.constants} == \
+            {k: v for k, v in tiny.items() if k not in fam.constants}, fam.key
+        assert [det[k] for k in fam.constants] == [fam.config[k] for k in fam.constants], fam.key
         assert type(md.model_config_from_unet_config(det, sd)).__name__ == fam.cls
         plan = P.build_plan(mp.model.diffusion_model)
         assert plan.arch == "dit" and plan.not_a_unet is None
@@ -89,6 +90,22 @@ def test_bodies_are_the_blocks_own_forward(comfy, over):
             _close(got[1], want[1], 1e-5)
         x = torch.cat((txt, img), 1)
         _close(R.flux_single_block(single, x, vec, pe), type(single).forward(single, x.clone(), vec=vec, pe=pe), 1e-5)
+
+
+@pytest.mark.parametrize("key", list(F.DIT_FAMILIES))
+def test_every_family_through_its_shims_uncompiled(comfy, monkeypatch, key):
+    """Each family through ``apply_model`` with the bodies run uncompiled behind the shims: the
+    model's own output, every block through its body (Flux.2's and Chroma's blocks are handed their
+    modulation: the shim flattens it into the body's inputs)."""
+    from unet_compiler.compiler.backends import inductor
+    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
+    mp = F.build_dit(F.DIT_FAMILIES[key])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    for b, h, w in CASES[1:3]:
+        out = F.dit_apply(cm, b, h, w, seed=3)
+        _close(out, F.dit_apply(mp, b, h, w, seed=3), 1e-5)
+    assert accel.stats["region_eager"] == 0 and accel.ran_compiled() == (4, 4), accel.stats
 
 
 @pytest.fixture(scope="module")
@@ -194,3 +211,17 @@ def test_flux_block_replace_and_the_calls_its_body_declines(comfy, compiled_flux
     with torch.inference_mode():
         want = type(block).forward(block, img=img.clone(), txt=txt.clone(), vec=vec, pe=pe, attn_mask=mask)
     _close(got[0], want[0], 1e-5)
+
+
+def test_handed_modulation_compiled(comfy):
+    """Chroma (modulation handed to each block) compiled: the model's own output over 2 sizes x 2
+    batches after a warmup of that box, nothing compiled after it."""
+    mp = F.build_dit(F.DIT_FAMILIES["chroma"])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    warm = patcher.warmup_model(cm, WARMUP, 7)
+    assert "recompiles after warmup: 0" in warm and "4 of 4 regions ran compiled code" in warm, warm
+    g0 = _graphs(accel)
+    for b, h, w in CASES:
+        _close(F.dit_apply(cm, b, h, w, seed=3), F.dit_apply(mp, b, h, w, seed=3))
+    assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
