@@ -443,8 +443,10 @@ class DitFamily:
     #: the config ``model_detection.detect_unet_config`` derives from a full-size checkpoint's keys
     config: dict
     conds: str = ""
-    #: the tiny build's overrides beyond ``TINY_DIT`` (widths of the family's other parts)
+    #: the tiny build's overrides of ``config`` (widths and depths shrunk, structure kept)
     tiny: dict = field(default_factory=dict)
+    #: {region kind: the config key that counts those blocks}
+    blocks: tuple = (("double_block", "depth"), ("single_block", "depth_single_blocks"))
     #: config keys detection fills with the family's constants (not read from the weights)
     constants: tuple = ("num_heads", "axes_dim")
 
@@ -467,23 +469,32 @@ _CHROMA = {"image_model": "chroma", "axes_dim": [16, 56, 56], "num_heads": 24, "
            "context_in_dim": 4096, "patch_size": 2, "vec_in_dim": None, "depth": 19, "depth_single_blocks": 38,
            "in_dim": 64, "out_dim": 3072, "hidden_dim": 5120, "n_layers": 5}
 
+#: the tiny Flux-block DiTs: 2 heads of 16 (RoPE axes 4 + 6 + 6), text width 64, 2 double and 2 single blocks
+TINY_FLUX = {"num_heads": 2, "hidden_size": 32, "axes_dim": [4, 6, 6], "context_in_dim": 64, "depth": 2,
+             "depth_single_blocks": 2}
+#: Qwen-Image as detect_unet_config derives it (in_channels, num_layers) on its model's defaults
+_QWEN_IMAGE = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60, "attention_head_dim": 128,
+               "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": (16, 56, 56)}
+
 DIT_FAMILIES = {f.key: f for f in [
-    DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance"),
+    DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance", tiny=TINY_FLUX),
     DitFamily("flux_schnell", "Flux.1 schnell", "FluxSchnell", dict(_FLUX_DEV, guidance_embed=False),
-              conds="T5 text + CLIP pooled"),
+              conds="T5 text + CLIP pooled", tiny=TINY_FLUX),
     DitFamily("flux2_dev", "Flux.2 dev", "Flux2", _FLUX2_DEV, conds="Mistral text + guidance, global modulation",
-              tiny={"axes_dim": [4, 4, 4, 4]}),
+              tiny=dict(TINY_FLUX, axes_dim=[4, 4, 4, 4])),
     DitFamily("chroma", "Chroma", "Chroma", _CHROMA, conds="T5 text, modulation from its approximator",
-              tiny={"out_dim": 32, "hidden_dim": 64, "n_layers": 1},
+              tiny=dict(TINY_FLUX, out_dim=32, hidden_dim=64, n_layers=1),
               constants=("num_heads", "axes_dim", "out_dim", "hidden_dim", "n_layers")),
+    DitFamily("qwen_image", "Qwen-Image", "QwenImage", _QWEN_IMAGE, conds="Qwen2.5-VL text",
+              tiny={"num_layers": 2, "attention_head_dim": 16, "num_attention_heads": 2, "joint_attention_dim": 64,
+                    "axes_dims_rope": (4, 6, 6)},
+              constants=("attention_head_dim", "num_attention_heads", "joint_attention_dim", "axes_dims_rope"),
+              blocks=(("qwen_image_block", "num_layers"),)),
 ]}
-#: the tiny DiTs: 2 heads of 16 (RoPE axes 4 + 6 + 6), text width 64, 2 double and 2 single blocks
-TINY_DIT = {"num_heads": 2, "hidden_size": 32, "axes_dim": [4, 6, 6], "context_in_dim": 64, "depth": 2,
-            "depth_single_blocks": 2}
 
 
 def dit_tiny_config(fam: DitFamily, **over) -> dict:
-    return {**fam.config, **TINY_DIT, **fam.tiny, **over}
+    return {**fam.config, **fam.tiny, **over}
 
 
 def build_dit(fam: DitFamily, seed: int = 0, dtype=torch.float32, **over):
@@ -509,7 +520,8 @@ def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7):
     g = torch.Generator().manual_seed(seed)
     width = base.diffusion_model.txt_in.in_features
     with torch.inference_mode():
-        x = torch.randn(batch, base.latent_format.latent_channels, h, w, generator=g)
+        frames = (1,) * (getattr(base.latent_format, "latent_dimensions", 2) - 2)   # Qwen-Image: (b, c, 1, h, w)
+        x = torch.randn(batch, base.latent_format.latent_channels, *frames, h, w, generator=g)
         conds = base.extra_conds(noise=x, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8,
                                  cross_attn=torch.randn(batch, tokens, width, generator=g),
                                  pooled_output=torch.randn(batch, 768, generator=g))
@@ -535,7 +547,6 @@ DIT_NOT_YET = (
                                                      "build of it here); its pixel-space NeRF head runs as given"),
     ("SD3 / SD3.5 (MMDiT)", "comfy.ldm.modules.diffusionmodules.mmdit", "no body for its JointBlock yet"),
     ("Wan 2.x", "comfy.ldm.wan", "no body for its WanAttentionBlock yet (video: frames in the warmup shape too)"),
-    ("Qwen-Image", "comfy.ldm.qwen_image", "no body for its QwenImageTransformerBlock yet"),
     ("HunyuanVideo", "comfy.ldm.hunyuan_video", "its Flux stream blocks are regions (not tested yet: no tiny "
                                                 "build of it here); its token refiner and the rest run as given"),
     ("AuraFlow, Lumina 2, HiDream, LTX-Video, Cosmos, PixArt, HunyuanDiT, Kandinsky 5, Omnigen 2, ACE",

@@ -25,7 +25,9 @@ PROJECTION = "projection"
 #: DiT blocks, named as ComfyUI's ``patches_replace["dit"]`` keys name them (Flux's stream blocks)
 DOUBLE_BLOCK = "double_block"
 SINGLE_BLOCK = "single_block"
-DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK)
+#: Qwen-Image's transformer block (ComfyUI's patches_replace key for it is "double_block" too)
+QWEN_IMAGE_BLOCK = "qwen_image_block"
+DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK, QWEN_IMAGE_BLOCK)
 KINDS = (RESBLOCK, ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION, *DIT_KINDS)
 #: the skipped "region" of a model that is no UNet at all (the whole diffusion model)
 NOT_A_UNET = "model"

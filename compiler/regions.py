@@ -14,7 +14,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .plan import ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, NORM_ACT, RESBLOCK, SINGLE_BLOCK
+from .plan import ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, NORM_ACT, QWEN_IMAGE_BLOCK, RESBLOCK, SINGLE_BLOCK
 
 
 class Ops:
@@ -235,6 +235,39 @@ def flux_single_block(block, x, vec, pe, *given, ops: Ops = TORCH_OPS):
     return _fp16_clamp(x)
 
 
+def _qwen_modulate(x, params):
+    """Qwen-Image's ``_modulate`` without a timestep-zero split: (modulated x, gate)."""
+    shift, scale, gate = params.chunk(3, dim=-1)
+    return torch.addcmul(shift.unsqueeze(1), x, 1 + scale.unsqueeze(1)), gate.unsqueeze(1)
+
+
+def qwen_image_block(block, img, txt, temb, pe, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's QwenImageTransformerBlock.forward without ``timestep_zero_index`` (its attention
+    takes no mask: the text mask ComfyUI passes is not used by it). Returns (txt, img), as it does."""
+    img_mod1, img_mod2 = block.img_mod(temb).chunk(2, dim=-1)
+    txt_mod1, txt_mod2 = block.txt_mod(temb).chunk(2, dim=-1)
+    img_m, img_gate1 = _qwen_modulate(block.img_norm1(img), img_mod1)
+    txt_m, txt_gate1 = _qwen_modulate(block.txt_norm1(txt), txt_mod1)
+    attn = block.attn
+    b, n_img, n_txt = img.shape[0], img.shape[1], txt.shape[1]
+
+    def heads(t, n):
+        return t.view(b, n, attn.heads, -1).transpose(1, 2)
+    q = torch.cat((attn.norm_added_q(heads(attn.add_q_proj(txt_m), n_txt)),
+                   attn.norm_q(heads(attn.to_q(img_m), n_img))), dim=2)
+    k = torch.cat((attn.norm_added_k(heads(attn.add_k_proj(txt_m), n_txt)),
+                   attn.norm_k(heads(attn.to_k(img_m), n_img))), dim=2)
+    v = torch.cat((heads(attn.add_v_proj(txt_m), n_txt), heads(attn.to_v(img_m), n_img)), dim=2)
+    out = _flux_attention(q, k, v, pe, ops)
+    img = torch.addcmul(img, img_gate1, attn.to_out[1](attn.to_out[0](out[:, n_txt:])))
+    txt = txt + txt_gate1 * attn.to_add_out(out[:, :n_txt])
+    img_m2, img_gate2 = _qwen_modulate(block.img_norm2(img), img_mod2)
+    img = torch.addcmul(img, img_gate2, block.img_mlp(img_m2))
+    txt_m2, txt_gate2 = _qwen_modulate(block.txt_norm2(txt), txt_mod2)
+    txt = torch.addcmul(txt, txt_gate2, block.txt_mlp(txt_m2))
+    return txt, img
+
+
 #: (family, region kind) -> body; every backend accelerates these same functions
 BODIES = {
     ("comfy", RESBLOCK): comfy_resblock,
@@ -243,6 +276,7 @@ BODIES = {
     ("comfy", NORM_ACT): norm_act,
     ("comfy", DOUBLE_BLOCK): flux_double_block,
     ("comfy", SINGLE_BLOCK): flux_single_block,
+    ("comfy", QWEN_IMAGE_BLOCK): qwen_image_block,
     ("diffusers", RESBLOCK): diffusers_resblock,
     ("diffusers", ATTENTION): diffusers_attention,
     ("diffusers", FEEDFORWARD): feedforward,

@@ -9,7 +9,11 @@ from . import cast
 from . import plan as P
 
 #: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
-DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe")}
+DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe"),
+              P.QWEN_IMAGE_BLOCK: ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")}
+#: arguments a block takes that its computation does not read (Qwen-Image's attention ignores the
+#: text mask ComfyUI hands the block): any value is served
+DIT_UNREAD = {P.QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",)}
 
 
 def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
@@ -74,6 +78,8 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
             given = dict(bound.arguments)
             given.pop(next(iter(sig.parameters)))          # self
             opts = given.pop("transformer_options", None) or {}
+            for n in DIT_UNREAD.get(kind, ()):
+                given.pop(n, None)
             inputs = tuple(given.pop(n, None) for n in names)
             handed = None if isinstance(inputs[-2], torch.Tensor) else _handed(kind, inputs[-2])
             if handed is not None:          # modulation handed to the block: vec None, its tensors after pe
@@ -101,6 +107,8 @@ def _handed(kind, vec) -> tuple | None:
     def parts(m):
         out = tuple(getattr(m, a, None) for a in ("shift", "scale", "gate"))
         return out if all(isinstance(t, torch.Tensor) for t in out) else None
+    if kind not in (P.DOUBLE_BLOCK, P.SINGLE_BLOCK):
+        return None
     try:
         mods = [parts(vec)] if kind == P.SINGLE_BLOCK else [parts(m) for pair in vec for m in pair]
     except TypeError:

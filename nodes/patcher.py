@@ -234,7 +234,9 @@ class SamplingCall:
         g = torch.Generator(device="cpu").manual_seed(0)
         latent_c = base.latent_format.latent_channels
         lh, lw = shape.height // 8, shape.width // 8
-        x = torch.randn(shape.batch, latent_c, lh, lw, generator=g).to(self.device, self.dtype)
+        # a latent with a time axis (Qwen-Image's, as ComfyUI's sampler gives it: one frame)
+        frames = (1,) * (getattr(base.latent_format, "latent_dimensions", 2) - 2)
+        x = torch.randn(shape.batch, latent_c, *frames, lh, lw, generator=g).to(self.device, self.dtype)
         width = dit_context_width(unet) or context_dim(unet)
         ctx = torch.randn(shape.batch, self.tokens, width, generator=g).to(self.device, self.dtype)
         try:

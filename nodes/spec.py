@@ -87,8 +87,8 @@ WARMUP_SHAPES = Node(
               "Entries BxWxH in pixels (batch x width x height), one per line or comma separated. Batch and "
               "resolution anywhere inside the listed range then run without recompiling. Remember CFG doubles the "
               "model batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
-        Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk; a Flux prompt: "
-              "its T5 length, 256 or 512).", optional=True,
+        Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk; Flux.1's T5 "
+              "prompts are at least 256 tokens: warm 256).", optional=True,
               widget={"default": 77, "min": 1, "max": MAX_CONTEXT_TOKENS}),
         Input("background", "BOOLEAN",
               "On (default; the inductor backend, ComfyUI's on a CPU): return at once and compile in a background "

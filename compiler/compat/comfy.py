@@ -30,11 +30,16 @@ def dit_classes() -> dict:
     {kind: class}. Empty when ComfyUI is not loaded (or this ComfyUI lacks them)."""
     if "comfy" not in sys.modules:
         return {}
-    try:
-        flux = importlib.import_module("comfy.ldm.flux.layers")
-    except Exception:
-        return {}
-    return {"double_block": flux.DoubleStreamBlock, "single_block": flux.SingleStreamBlock}
+    out = {}
+    for kinds, module in ((("double_block", "DoubleStreamBlock"), ("single_block", "SingleStreamBlock")),
+                           "comfy.ldm.flux.layers"), \
+            ((("qwen_image_block", "QwenImageTransformerBlock"),), "comfy.ldm.qwen_image.model"):
+        try:
+            mod = importlib.import_module(module)
+        except Exception:      # this ComfyUI lacks it, or cannot import it here
+            continue
+        out.update({kind: getattr(mod, name) for kind, name in kinds if hasattr(mod, name)})
+    return out
 
 
 def dit_context_width(model) -> int | None:
@@ -59,7 +64,7 @@ def not_a_unet_reason(module) -> str:
     return (f"running eager: {t.__module__}.{t.__name__} is neither ComfyUI's openaimodel.UNetModel (the SD1.x / "
             f"SD2.x / SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler "
             f"accelerates) nor a diffusion transformer with blocks it has a body for (Flux's double and single "
-            f"stream blocks); nothing in it is rewritten")
+            f"stream blocks, Qwen-Image's blocks); nothing in it is rewritten")
 
 
 def current_prompt() -> str | None:
