@@ -31,12 +31,13 @@ class Shape:
         return f"{self.batch}x{self.width}x{self.height}"
 
 
-def label_of(latent) -> str | None:
-    """A UNet call's input latent ``[B, C, h, w]`` named as Warmup Shapes names it (``BxWxH`` px)."""
+def label_of(latent, scale: int = LATENT_SCALE) -> str | None:
+    """A model call's input latent ``[B, C, (t,) h, w]`` named as Warmup Shapes names it (``BxWxH``
+    px; ``scale``: pixels per latent cell, 8 for SD's VAE, 16 for Flux.2's)."""
     size = getattr(latent, "shape", None)
     if size is None or len(size) < 3:
         return None
-    return Shape(int(size[0]), int(size[-1]) * LATENT_SCALE, int(size[-2]) * LATENT_SCALE).label
+    return Shape(int(size[0]), int(size[-1]) * scale, int(size[-2]) * scale).label
 
 
 #: the first shape traced when shapes are dynamic: batch 2, non-square, and at

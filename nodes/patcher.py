@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from ..compiler.config import CompileConfig
-from ..compiler.compat.comfy import dit_context_width, is_interrupt
+from ..compiler.compat.comfy import dit_context_width, is_interrupt, latent_scale
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import (check_context_tokens, check_memory, context_dim, first_level_channels, label_of,
                                memory_name, parse_shapes, unet_inputs)
@@ -38,7 +38,7 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
             accel.patches_seen[name] += 1
         epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0])
         x = args[0] if args else kwargs.get("x")
-        with accel.active(weight_epoch=epoch, shape=label_of(x)):
+        with accel.active(weight_epoch=epoch, shape=label_of(x, latent_scale(base))):
             return executor(*args, **kwargs)
     unet_compiler_apply_model.accelerator = accel
     return unet_compiler_apply_model
@@ -233,7 +233,8 @@ class SamplingCall:
         unet = base.diffusion_model
         g = torch.Generator(device="cpu").manual_seed(0)
         latent_c = base.latent_format.latent_channels
-        lh, lw = shape.height // 8, shape.width // 8
+        scale = latent_scale(base)       # 8, or Flux.2's 16
+        lh, lw = shape.height // scale, shape.width // scale
         # a latent with a time axis (Qwen-Image's, as ComfyUI's sampler gives it: one frame)
         frames = (1,) * (getattr(base.latent_format, "latent_dimensions", 2) - 2)
         x = torch.randn(shape.batch, latent_c, *frames, lh, lw, generator=g).to(self.device, self.dtype)

@@ -42,6 +42,17 @@ def dit_classes() -> dict:
     return out
 
 
+#: pixels per latent cell of the ComfyUI latent formats whose VAE is not SD's 8 (by class name:
+#: this ComfyUI's formats do not say it themselves; its Empty*Latent nodes divide by these)
+LATENT_SCALES = {"Flux2": 16, "HunyuanImage21": 32, "HunyuanImage21Refiner": 16, "ChromaRadiance": 1}
+
+
+def latent_scale(base_model) -> int:
+    """Pixels per latent cell of a ComfyUI BaseModel's latent (8 unless ``LATENT_SCALES`` says else)."""
+    fmt = getattr(base_model, "latent_format", None)
+    return LATENT_SCALES.get(type(fmt).__name__, 8)
+
+
 def dit_context_width(model) -> int | None:
     """The width of a DiT's text conditioning (``c_crossattn``'s last dim), or None when unknown."""
     txt_in = getattr(model, "txt_in", None)

@@ -231,3 +231,19 @@ def test_the_other_block_calls_compiled(comfy, key):
     for b, h, w in CASES:
         _close(F.dit_apply(cm, b, h, w, seed=3), F.dit_apply(mp, b, h, w, seed=3))
     assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+def test_flux2_warms_its_own_latent_scale(comfy):
+    """Flux.2's latent is the image / 16 (its Empty latent node's): Warmup Shapes ``1x128x128``
+    warms the 8x8 latent a 128 px Flux.2 prompt samples (one entry compiles static: any other latent
+    would compile again), and a call is named by its pixels the same way."""
+    mp = F.build_dit(F.DIT_FAMILIES["flux2_dev"])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    warm = patcher.warmup_model(cm, "1x128x128", 7)
+    assert "warmed 1x128x128" in warm, warm
+    g0 = _graphs(accel)
+    _close(F.dit_apply(cm, 1, 8, 8, seed=3), F.dit_apply(mp, 1, 8, 8, seed=3))
+    assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    F.dit_apply(cm, 1, 10, 8, seed=3)          # another size: compiled once more, named in pixels
+    assert accel.recompiles.events and accel.recompiles.events[-1]["shape"] == "1x128x160", accel.recompiles.events
