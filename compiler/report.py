@@ -149,8 +149,8 @@ def compile_facts(rep: Report) -> dict:
         # another model family (DiT, Cascade, ...): eager by design, not a fallback
         state = "eager"
         reason = NOTHING_TO_COMPILE + ": " + whole[0].removeprefix("running eager: ")
-        fix = ("none: the pack accelerates SD1.x / SD2.x / SDXL / SVD UNets and Flux-family DiTs; this model runs "
-               "as ComfyUI loaded it")
+        fix = ("none: the pack accelerates SD1.x / SD2.x / SDXL / SVD UNets, Flux-family and Qwen-Image DiTs; "
+               "this model runs as ComfyUI loaded it")
     elif settings.disabled():
         state = "eager"
         reason, fix = f"{DISABLE_ENV} is set: every rewrite is off", f"unset {DISABLE_ENV} and restart ComfyUI"
