@@ -50,6 +50,10 @@ def per_call(leaf) -> bool:
     return comfy_compat.has_cast_weights(leaf) or bool(leaf.__dict__.get("_full_precision_mm", False))
 
 
+def _has_weights(leaf) -> bool:
+    return getattr(leaf, "weight", None) is not None or getattr(leaf, "bias", None) is not None
+
+
 def quantized(leaf) -> bool:
     """A ComfyUI mixed-precision leaf that multiplies in its quantized format (no cast)."""
     return leaf.__dict__.get("layout_type") is not None and not per_call(leaf)
@@ -84,6 +88,8 @@ def plan(leaves) -> tuple[tuple, Reason | None]:
     region must run the model's own code instead (None: casting them outside serves it)."""
     todo = []
     for m in leaves:
+        if per_call(m) and not _has_weights(m):
+            continue        # nothing to cast (a LayerNorm without affine weights: Flux's, fp8 or not)
         if per_call(m):
             why = why_not(m)
             if why:
@@ -200,7 +206,7 @@ def stand_in(module, args):
     """A copy of ``module`` whose cast leaves show their cast weights for a call on ``args`` (cast as
     :func:`applied` casts them, in ``args``' inference mode; shallow: untouched submodules and
     tensors are shared), for a thread that must not change the model another thread runs."""
-    todo = {id(m) for m in module.modules() if per_call(m)}
+    todo = {id(m) for m in module.modules() if per_call(m) and _has_weights(m)}
     if not todo:
         return module
     dtype, device = compute_of(args)

@@ -247,3 +247,37 @@ def test_flux2_warms_its_own_latent_scale(comfy):
     assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
     F.dit_apply(cm, 1, 10, 8, seed=3)          # another size: compiled once more, named in pixels
     assert accel.recompiles.events and accel.recompiles.events[-1]["shape"] == "1x128x160", accel.recompiles.events
+
+
+def test_fp8_flux_runs_compiled_with_comfyuis_cast(comfy):
+    """Flux stored in fp8 (Load Diffusion Model's weight_dtype fp8_e4m3fn: ComfyUI casts each weight
+    per call): every block runs compiled with ComfyUI's cast outside the graph, also its LayerNorms
+    without weights (nothing to cast), and gives the model's own output."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+    fam = F.DIT_FAMILIES[FLUX]
+    cfg = getattr(sm, fam.cls)(F.dit_tiny_config(fam))
+    cfg.set_inference_dtype(torch.float8_e4m3fn, torch.float32)
+    with torch.no_grad():
+        base = cfg.get_model({})
+        ref = F.build_dit(fam).model.diffusion_model.state_dict()
+        base.diffusion_model.load_state_dict({k: v.to(torch.float8_e4m3fn) for k, v in ref.items()})
+    base.eval()
+    cpu = torch.device("cpu")
+    mp = comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+    assert {p.dtype for p in base.diffusion_model.parameters()} == {torch.float8_e4m3fn}
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    warm = patcher.warmup_model(cm, "2x64x64", 7)
+    assert "4 of 4 regions ran compiled code" in warm, warm
+    _close(F.dit_apply(cm, 2, 8, 8, seed=3), F.dit_apply(mp, 2, 8, 8, seed=3))
+    assert accel.stats["region_cast_compiled"] > 0 and not accel.failed and not accel.cast_eager, accel.text()
+    # the compile thread traces a stand-in showing the cast weights (Warmup Shapes' default: background)
+    from unet_compiler.compiler import api, background
+    failures = len(background.BACKGROUND.failures)
+    bg, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    patcher.warmup_model(bg, "2x64x96", 7, background=True)
+    assert api.wait_for_background(600)
+    assert len(background.BACKGROUND.failures) == failures, background.BACKGROUND.failures
+    _close(F.dit_apply(bg, 2, 8, 12, seed=3), F.dit_apply(mp, 2, 8, 12, seed=3))
+    assert not patcher.accelerator_of(bg).failed, patcher.accelerator_of(bg).text()
