@@ -126,7 +126,9 @@ class Precompiled:
         deepest level: a stride-order assertion, ~5 s of tracing lost); those variants specialise
         on 1 as before (and warmup's both-sides-small probe makes them)."""
         compiler = self._compiler(dynamic)
-        with torch._dynamo.config.patch(specialize_float=True):
+        # no duck sizing: sizes that only happen to be equal in the traced call (a weight's width and a
+        # token count, RoPE's pair dim and the batch) would be one symbol and a guard of the variant
+        with torch._dynamo.config.patch(specialize_float=True), variants.fx_config().patch(use_duck_shape=False):
             if dynamic and variants.size_oblivious() and not any(isinstance(a, torch.Tensor) and 1 in a.shape[1:]
                                                         for a in args):
                 try:
