@@ -67,8 +67,15 @@ class Plan:
 
 def _leaves(module):
     return tuple(m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
-                                                              torch.nn.GroupNorm, torch.nn.LayerNorm))
-                 or hasattr(type(m), "comfy_cast_weights"))     # any other ComfyUI op (RMSNorm, Embedding)
+                                                              torch.nn.GroupNorm, torch.nn.LayerNorm)))
+
+
+def _dit_leaves(module):
+    """A DiT block's leaves: ``_leaves`` and ComfyUI's other ops (Qwen-Image's RMSNorm), whose
+    weights ComfyUI casts per call too."""
+    return tuple(m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.GroupNorm,
+                                                              torch.nn.LayerNorm))
+                 or hasattr(type(m), "comfy_cast_weights"))
 
 
 def family_of(module) -> str | None:
@@ -156,7 +163,7 @@ def _dit_plan(model) -> Plan | None:
     for path, m in model.named_modules():
         for kind, cls in classes.items():
             if type(m) is cls:
-                plan.regions.append(Region(path, m, kind, "comfy", _leaves(m)))
+                plan.regions.append(Region(path, m, kind, "comfy", _dit_leaves(m)))
             elif isinstance(m, cls):
                 plan.skipped.append((kind, path, f"{type(m).__name__} overrides {cls.__name__} (runs as given)"))
     return plan if plan.regions else None

@@ -31,14 +31,16 @@ def dit_classes() -> dict:
     if "comfy" not in sys.modules:
         return {}
     out = {}
-    for kinds, module in ((("double_block", "DoubleStreamBlock"), ("single_block", "SingleStreamBlock")),
-                           "comfy.ldm.flux.layers"), \
-            ((("qwen_image_block", "QwenImageTransformerBlock"),), "comfy.ldm.qwen_image.model"):
-        try:
-            mod = importlib.import_module(module)
-        except Exception:      # this ComfyUI lacks it, or cannot import it here
-            continue
-        out.update({kind: getattr(mod, name) for kind, name in kinds if hasattr(mod, name)})
+    try:
+        flux = importlib.import_module("comfy.ldm.flux.layers")
+        out.update(double_block=flux.DoubleStreamBlock, single_block=flux.SingleStreamBlock)
+    except Exception:      # this ComfyUI lacks it, or cannot import it here
+        pass
+    try:
+        qwen = importlib.import_module("comfy.ldm.qwen_image.model")
+        out.update(qwen_image_block=qwen.QwenImageTransformerBlock)
+    except Exception:
+        pass
     return out
 
 

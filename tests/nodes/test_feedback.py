@@ -53,7 +53,8 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
                            warmed=False, bypassed=False, on_fallback=None, background=None,
-                           recompiles=Recompiles(), ran_compiled=lambda: (54, 54), cast_eager={})
+                           recompiles=Recompiles(), ran_compiled=lambda: (54, 54), cast_eager={},
+                           plan=SimpleNamespace(arch="unet"))
 
 
 def test_no_server_is_a_noop(monkeypatch, caplog):
