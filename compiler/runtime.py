@@ -321,7 +321,7 @@ class Accelerator:
             return
         weights.set_epoch(weight_epoch)
         installed = []
-        before, hits_before = self._compiled(), cache_hits()
+        before, hits_before, loads_before = self._compiled(), cache_hits(), variants.VARIANTS.from_cache
         bg = background.BACKGROUND
         bg_before = (bg.epoch, bg.active)
         marks = variants.guard_marks() if self.warmed else None
@@ -360,11 +360,13 @@ class Accelerator:
                     self.stats["compile_seconds"] += time.perf_counter() - t0
                     if hits < new and self.cache is not None:  # something new to keep
                         self.cache.compiled_new()
-                    if self.warmed and new > hits:
-                        # code loaded from the compile cache entry is no recompile (a restart's warmup
-                        # leaves the other listed shapes' variants to their first call: it loads them)
-                        self.stats["recompiles_after_warmup"] += new - hits
-                        self.recompiles.record(new - hits, shape, time.perf_counter() - t0, marks,
+                    # precompiled variants loaded from the compile cache entry are no recompile (a
+                    # restart's warmup leaves the other listed shapes' variants to their first call);
+                    # a graph dynamo traced again is one, even where inductor's cache had its code
+                    loads = variants.VARIANTS.from_cache - loads_before
+                    if self.warmed and new > loads:
+                        self.stats["recompiles_after_warmup"] += new - loads
+                        self.recompiles.record(new - loads, shape, time.perf_counter() - t0, marks,
                                                self.warmed_shapes)
 
     # ---- background mode ---------------------------------------------------
