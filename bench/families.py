@@ -383,7 +383,7 @@ class Row:
     note: str = ""
 
 
-def row(fam: Family, accel, max_diff: float) -> Row:
+def row(fam: Family | DitFamily, accel, max_diff: float) -> Row:
     ran = {k[4:]: v for k, v in accel.stats.items() if k.startswith("ran_")}
     return Row(fam.label, dict(accel.report.regions), list(accel.plan.skipped_summary()), ran, max_diff,
                accel.stats["recompiles_after_warmup"] if accel.warmed else None)
@@ -579,9 +579,7 @@ def dit_compat_rows(backend="inductor", shapes="1x64x64, 2x128x96", cases=((1, 8
                 with accel.bypass():
                     ref = dit_apply(cm, b, h, w, seed=3)
                 diff = max(diff, float((out - ref).abs().max()))
-            rows.append(Row(fam.label, dict(accel.report.regions), list(accel.plan.skipped_summary()),
-                            {k[4:]: v for k, v in accel.stats.items() if k.startswith("ran_")}, diff,
-                            accel.stats["recompiles_after_warmup"]))
+            rows.append(row(fam, accel, diff))
             if log is not None:
                 log(f"{fam.label}: done")
     finally:
