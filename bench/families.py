@@ -516,12 +516,12 @@ def build_dit(fam: DitFamily, seed: int = 0, dtype=torch.float32, **over):
 def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7):
     """(x, sigma, kwargs for apply_model) at latent size h x w, with the conds the model's own
     ``extra_conds`` builds from a random text embedding and pooled vector, batched as the sampler does."""
+    from ..compiler.compat.comfy import dit_context_width, latent_frames
     base = mp.model
     g = torch.Generator().manual_seed(seed)
-    width = base.diffusion_model.txt_in.in_features
+    width = dit_context_width(base.diffusion_model)
     with torch.inference_mode():
-        frames = (1,) * (getattr(base.latent_format, "latent_dimensions", 2) - 2)   # Qwen-Image: (b, c, 1, h, w)
-        x = torch.randn(batch, base.latent_format.latent_channels, *frames, h, w, generator=g)
+        x = torch.randn(batch, base.latent_format.latent_channels, *latent_frames(base), h, w, generator=g)
         conds = base.extra_conds(noise=x, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8,
                                  cross_attn=torch.randn(batch, tokens, width, generator=g),
                                  pooled_output=torch.randn(batch, 768, generator=g))

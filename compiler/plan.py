@@ -65,17 +65,12 @@ class Plan:
         return [(k, n, why) for (k, why), n in sorted(c.items())]
 
 
-def _leaves(module):
+def _leaves(module, any_comfy_op: bool = False):
+    """The submodules whose weights ComfyUI may cast or patch per call: linears, convs and norms;
+    with ``any_comfy_op`` (a DiT block) also ComfyUI's other ops (Qwen-Image's RMSNorm)."""
     return tuple(m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
-                                                              torch.nn.GroupNorm, torch.nn.LayerNorm)))
-
-
-def _dit_leaves(module):
-    """A DiT block's leaves: ``_leaves`` and ComfyUI's other ops (Qwen-Image's RMSNorm), whose
-    weights ComfyUI casts per call too."""
-    return tuple(m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d, torch.nn.GroupNorm,
-                                                              torch.nn.LayerNorm))
-                 or hasattr(type(m), "comfy_cast_weights"))
+                                                              torch.nn.GroupNorm, torch.nn.LayerNorm))
+                 or (any_comfy_op and hasattr(type(m), "comfy_cast_weights")))
 
 
 def family_of(module) -> str | None:
@@ -163,7 +158,7 @@ def _dit_plan(model) -> Plan | None:
     for path, m in model.named_modules():
         for kind, cls in classes.items():
             if type(m) is cls:
-                plan.regions.append(Region(path, m, kind, "comfy", _dit_leaves(m)))
+                plan.regions.append(Region(path, m, kind, "comfy", _leaves(m, any_comfy_op=True)))
             elif isinstance(m, cls):
                 plan.skipped.append((kind, path, f"{type(m).__name__} overrides {cls.__name__} (runs as given)"))
     return plan if plan.regions else None

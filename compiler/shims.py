@@ -66,17 +66,18 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
     (no attention mask, no per-token modulation dims); ``transformer_options`` may hold anything
     but an attention override. Any other call runs the block's own forward."""
     sig = inspect.signature(original)
+    self_name = next(iter(sig.parameters))
     names = DIT_INPUTS[kind]
 
     def shim(*args, **kwargs):
         try:
-            bound = sig.bind(module, *args, **kwargs)
+            bound = dict(sig.bind(module, *args, **kwargs).arguments)
+            bound.pop(self_name)
         except TypeError:
             bound = None
         inputs = None
         if bound is not None and kind not in failed:
-            given = dict(bound.arguments)
-            given.pop(next(iter(sig.parameters)))          # self
+            given = dict(bound)
             opts = given.pop("transformer_options", None) or {}
             for n in DIT_UNREAD.get(kind, ()):
                 given.pop(n, None)
@@ -93,8 +94,7 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
         if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
-        rest = {k: v for k, v in bound.arguments.items() if k in sig.parameters and k not in names[:1]}
-        rest.pop(next(iter(sig.parameters)))
+        rest = {k: v for k, v in bound.items() if k != names[0]}      # the own forward's call, less its first input
         return run()(kind, impl, module, original, inputs, rest, casts)
     return shim
 

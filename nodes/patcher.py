@@ -13,7 +13,7 @@ import weakref
 import torch
 
 from ..compiler.config import CompileConfig
-from ..compiler.compat.comfy import dit_context_width, is_interrupt, latent_scale
+from ..compiler.compat.comfy import dit_context_width, is_interrupt, latent_frames, latent_scale
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import (check_context_tokens, check_memory, context_dim, first_level_channels, label_of,
                                memory_name, parse_shapes, unet_inputs)
@@ -235,9 +235,7 @@ class SamplingCall:
         latent_c = base.latent_format.latent_channels
         scale = latent_scale(base)       # 8, or Flux.2's 16
         lh, lw = shape.height // scale, shape.width // scale
-        # a latent with a time axis (Qwen-Image's, as ComfyUI's sampler gives it: one frame)
-        frames = (1,) * (getattr(base.latent_format, "latent_dimensions", 2) - 2)
-        x = torch.randn(shape.batch, latent_c, *frames, lh, lw, generator=g).to(self.device, self.dtype)
+        x = torch.randn(shape.batch, latent_c, *latent_frames(base), lh, lw, generator=g).to(self.device, self.dtype)
         width = dit_context_width(unet) or context_dim(unet)
         ctx = torch.randn(shape.batch, self.tokens, width, generator=g).to(self.device, self.dtype)
         try:

@@ -55,6 +55,14 @@ def latent_scale(base_model) -> int:
     return LATENT_SCALES.get(type(fmt).__name__, 8)
 
 
+def latent_frames(base_model) -> tuple:
+    """The size-1 time axis a ComfyUI BaseModel's latent has where its format has one (Qwen-Image's
+    Wan 2.1 format: ``(b, c, 1, h, w)``, as the sampler gives it), else ``()``: the dims between
+    channels and height for one image."""
+    fmt = getattr(base_model, "latent_format", None)
+    return (1,) * (getattr(fmt, "latent_dimensions", 2) - 2)
+
+
 def dit_context_width(model) -> int | None:
     """The width of a DiT's text conditioning (``c_crossattn``'s last dim), or None when unknown."""
     txt_in = getattr(model, "txt_in", None)
