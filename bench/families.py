@@ -30,6 +30,7 @@ real (the label_emb input is one Linear) so ComfyUI's own ``encode_adm`` /
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import sys
@@ -271,9 +272,14 @@ def _shrink_heads(unet_config: dict):
 
 def init_random(module: torch.nn.Module, seed: int = 0, scale: float = 1.0):
     """ComfyUI's disable_weight_init / manual_cast ops leave weights uninitialised: matrices
-    ``scale * N(0, 1/fan_in)``, norm weights near 1, biases near 0."""
+    ``scale * N(0, 1/fan_in)``, norm weights near 1, biases near 0; buffers a checkpoint carries
+    (MMDiT's position table, left ``torch.empty``) small."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        saved = module.state_dict(keep_vars=True)
+        for name, b in module.named_buffers():
+            if name in saved and b.is_floating_point():
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
         for name, p in module.named_parameters():
             if p.dim() >= 2:
                 p.copy_(scale * torch.randn(p.shape, generator=g) / p[0].numel() ** 0.5)
@@ -449,6 +455,8 @@ class DitFamily:
     blocks: tuple = (("double_block", "depth"), ("single_block", "depth_single_blocks"))
     #: config keys detection fills with the family's constants (not read from the weights)
     constants: tuple = ("num_heads", "axes_dim")
+    #: a video model: its latent has frames (the table's cases take 2 frame counts)
+    video: bool = False
 
 
 #: Flux.1 dev as detect_unet_config derives it from the checkpoint (guidance_in present)
@@ -476,6 +484,24 @@ TINY_FLUX = {"num_heads": 2, "hidden_size": 32, "axes_dim": [4, 6, 6], "context_
 _QWEN_IMAGE = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60, "attention_head_dim": 128,
                "num_attention_heads": 24, "joint_attention_dim": 3584, "axes_dims_rope": (16, 56, 56)}
 
+#: Wan 2.1 14B as detect_unet_config derives it (heads: dim / 128; text-to-video, no image encoder)
+_WAN21_T2V = {"image_model": "wan2.1", "dim": 5120, "out_dim": 16, "num_heads": 40, "ffn_dim": 13824, "num_layers": 40,
+              "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1), "qk_norm": True,
+              "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "model_type": "t2v"}
+#: the tiny Wan blocks: 2 heads of 128 (detection's head width; RoPE axes 44 + 42 + 42), 2 blocks
+TINY_WAN = {"dim": 256, "num_heads": 2, "ffn_dim": 256, "num_layers": 2}
+
+#: SD3 Medium as detect_unet_config derives it (MMDiT: width 64 x depth, heads = depth; a T5 + CLIP
+#: context of 4096, pooled CLIP-L + G of 2048)
+_SD3_MEDIUM = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 24, "input_size": None,
+               "adm_in_channels": 2048, "num_patches": 36864, "pos_embed_max_size": 192,
+               "context_embedder_config": {"target": "torch.nn.Linear",
+                                           "params": {"in_features": 4096, "out_features": 1536}},
+               "pos_embed_scaling_factor": None, "x_block_self_attn_layers": []}
+#: the tiny MMDiTs: depth 2 (width 128, 2 heads of 64), a 16 x 16 patch position table
+TINY_SD3 = {"depth": 2, "num_patches": 256, "pos_embed_max_size": 16,
+            "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}}}
+
 DIT_FAMILIES = {f.key: f for f in [
     DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance", tiny=TINY_FLUX),
     DitFamily("flux_schnell", "Flux.1 schnell", "FluxSchnell", dict(_FLUX_DEV, guidance_embed=False),
@@ -490,6 +516,26 @@ DIT_FAMILIES = {f.key: f for f in [
                     "axes_dims_rope": (4, 6, 6)},
               constants=("attention_head_dim", "num_attention_heads", "joint_attention_dim", "axes_dims_rope"),
               blocks=(("qwen_image_block", "num_layers"),)),
+    DitFamily("sd3_medium", "SD3 Medium", "SD3", _SD3_MEDIUM, conds="CLIP-L/G + T5 text, pooled CLIP",
+              tiny=TINY_SD3, constants=(), blocks=(("joint_block", "depth"),)),
+    DitFamily("sd35_large", "SD3.5 Large", "SD3", dict(_SD3_MEDIUM, depth=38, qk_norm="rms", context_embedder_config={
+        "target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 2432}}),
+              conds="CLIP-L/G + T5 text, pooled CLIP; RMS-normed q and k", tiny=TINY_SD3, constants=(),
+              blocks=(("joint_block", "depth"),)),
+    DitFamily("sd35_medium", "SD3.5 Medium", "SD3", dict(_SD3_MEDIUM, qk_norm="rms", num_patches=147456,
+                                                          pos_embed_max_size=384,
+                                                          x_block_self_attn_layers=list(range(13))),
+              conds="CLIP-L/G + T5 text, pooled CLIP; a second image self-attention in the first 13 blocks",
+              tiny=dict(TINY_SD3, x_block_self_attn_layers=[0]), constants=(), blocks=(("joint_block", "depth"),)),
+    DitFamily("wan21_t2v", "Wan 2.1 T2V", "WAN21_T2V", _WAN21_T2V, conds="UMT5 text", tiny=TINY_WAN,
+              constants=(), blocks=(("wan_block", "num_layers"),), video=True),
+    DitFamily("wan21_i2v", "Wan 2.1 I2V", "WAN21_I2V", dict(_WAN21_T2V, in_dim=36, model_type="i2v"),
+              conds="UMT5 text + CLIP vision tokens + image latent", tiny=TINY_WAN, constants=(),
+              blocks=(("wan_block", "num_layers"),), video=True),
+    DitFamily("wan22_ti2v", "Wan 2.2 TI2V 5B", "WAN22_T2V",
+              dict(_WAN21_T2V, dim=3072, num_heads=24, ffn_dim=14336, num_layers=30, in_dim=48, out_dim=48),
+              conds="UMT5 text (48-channel latent, 16 px a cell)", tiny=TINY_WAN, constants=(),
+              blocks=(("wan_block", "num_layers"),), video=True),
 ]}
 
 
@@ -513,29 +559,34 @@ def build_dit(fam: DitFamily, seed: int = 0, dtype=torch.float32, **over):
     return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev)
 
 
-def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7):
-    """(x, sigma, kwargs for apply_model) at latent size h x w, with the conds the model's own
-    ``extra_conds`` builds from a random text embedding and pooled vector, batched as the sampler does."""
-    from ..compiler.compat.comfy import dit_context_width, latent_frames
+def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, frames: int | None = None):
+    """(x, sigma, kwargs for apply_model) at latent size h x w (and ``frames`` video frames), with the
+    conds the model's own ``extra_conds`` builds from a random text embedding, pooled vector and
+    CLIP vision tokens (an image-to-video model reads them), batched as the sampler does."""
+    from types import SimpleNamespace
+
+    from ..compiler.compat.comfy import dit_context_width, dit_pooled_width, latent_frames
     base = mp.model
     g = torch.Generator().manual_seed(seed)
     width = dit_context_width(base.diffusion_model)
     with torch.inference_mode():
-        x = torch.randn(batch, base.latent_format.latent_channels, *latent_frames(base), h, w, generator=g)
+        x = torch.randn(batch, base.latent_format.latent_channels, *latent_frames(base, frames), h, w, generator=g)
+        vision = SimpleNamespace(penultimate_hidden_states=torch.randn(batch, 257, 1280, generator=g))
         conds = base.extra_conds(noise=x, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8,
                                  cross_attn=torch.randn(batch, tokens, width, generator=g),
-                                 pooled_output=torch.randn(batch, 768, generator=g))
+                                 pooled_output=torch.randn(batch, dit_pooled_width(base.diffusion_model) or 768,
+                                                           generator=g), clip_vision_output=vision)
         out = {k: c.process_cond(batch_size=batch, device=torch.device("cpu"), area=None).cond for k, c in conds.items()}
     return x, torch.full((batch,), 0.7), out
 
 
-def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1):
+def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None = None, tokens: int = 7):
     """One sampling-style apply_model call of a DiT, loaded as KSampler loads it (its weight patches
     applied) and with the patcher's wrappers merged in as KSampler does."""
     import comfy.model_management
     from ..nodes import patcher
     comfy.model_management.load_models_gpu([mp])
-    x, sigma, kw = dit_inputs(mp, batch, h, w, seed)
+    x, sigma, kw = dit_inputs(mp, batch, h, w, seed, tokens=tokens, frames=frames)
     with torch.inference_mode():
         return mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
 
@@ -545,8 +596,9 @@ def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1):
 DIT_NOT_YET = (
     ("Chroma Radiance", "comfy.ldm.chroma_radiance", "Chroma's stream blocks are regions (not tested yet: no tiny "
                                                      "build of it here); its pixel-space NeRF head runs as given"),
-    ("SD3 / SD3.5 (MMDiT)", "comfy.ldm.modules.diffusionmodules.mmdit", "no body for its JointBlock yet"),
-    ("Wan 2.x", "comfy.ldm.wan", "no body for its WanAttentionBlock yet (video: frames in the warmup shape too)"),
+    ("Wan 2.x VACE, S2V, HuMo, Animate", "comfy.ldm.wan", "their main blocks are Wan's own (regions, untested); "
+                                                        "the extra blocks (VACE's, audio ones) override its forward "
+                                                        "and run as given"),
     ("HunyuanVideo", "comfy.ldm.hunyuan_video", "its Flux stream blocks are regions (not tested yet: no tiny "
                                                 "build of it here); its token refiner and the rest run as given"),
     ("AuraFlow, Lumina 2, HiDream, LTX-Video, Cosmos, PixArt, HunyuanDiT, Kandinsky 5, Omnigen 2, ACE",
@@ -555,9 +607,10 @@ DIT_NOT_YET = (
 
 
 def dit_compat_rows(backend="inductor", shapes="1x64x64, 2x128x96", cases=((1, 8, 8), (2, 8, 8), (1, 12, 16), (2, 12, 16)),
-                    families=None, log=None) -> list[Row]:
+                    families=None, log=None, video_shapes="1x64x64x1, 2x128x96x9", frames=(1, 9)) -> list[Row]:
     """Build each DiT family (default all of ``DIT_FAMILIES``), compile it, warm ``shapes`` (a box of
-    2 resolutions x 2 batches) through Warmup Shapes' own path, then run every case against the
+    2 resolutions x 2 batches; a video family ``video_shapes``, 2 frame counts too) through Warmup
+    Shapes' own path, then run every case (a video family's at each of ``frames``) against the
     model's own code on the same inputs: the DiT table's rows (the largest difference, and the graphs
     compiled after warmup over all cases)."""
     import_comfy()
@@ -572,12 +625,12 @@ def dit_compat_rows(backend="inductor", shapes="1x64x64, 2x128x96", cases=((1, 8
             mp = build_dit(fam)
             cm, _ = patcher.compile_model(mp, CompileConfig(backend=backend))
             accel = patcher.accelerator_of(cm)
-            patcher.warmup_model(cm, shapes, 7)
+            patcher.warmup_model(cm, video_shapes if fam.video else shapes, 7)
             diff = 0.0
-            for b, h, w in cases:
-                out = dit_apply(cm, b, h, w, seed=3)
+            for (b, h, w), f in itertools.product(cases, frames if fam.video else (None,)):
+                out = dit_apply(cm, b, h, w, seed=3, frames=f)
                 with accel.bypass():
-                    ref = dit_apply(cm, b, h, w, seed=3)
+                    ref = dit_apply(cm, b, h, w, seed=3, frames=f)
                 diff = max(diff, float((out - ref).abs().max()))
             rows.append(row(fam, accel, diff))
             if log is not None:

@@ -8,8 +8,8 @@ import torch
 
 from .config import CompileConfig
 from .runtime import Accelerator
-from .shapes import (as_shapes, check_memory, device_free_bytes, first_level_channels, label_of, memory_name,
-                     unet_inputs)
+from .shapes import (as_shapes, check_frames, check_memory, device_free_bytes, first_level_channels, label_of,
+                     memory_name, unet_inputs)
 from .warmup import warmup_runs
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
     accel = accelerator_of(module)
     p = next(module.parameters())
     shapes = as_shapes(shapes)
+    check_frames(shapes, video=False)           # a diffusers UNet2DConditionModel makes images
     check_memory(shapes, first_level_channels(module), p.element_size(), device_free_bytes(p.device),
                  memory_name(p.device))
 

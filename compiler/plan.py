@@ -27,7 +27,11 @@ DOUBLE_BLOCK = "double_block"
 SINGLE_BLOCK = "single_block"
 #: Qwen-Image's transformer block (ComfyUI's patches_replace key for it is "double_block" too)
 QWEN_IMAGE_BLOCK = "qwen_image_block"
-DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK, QWEN_IMAGE_BLOCK)
+#: Wan 2.x's WanAttentionBlock (its patches_replace key is "double_block" too)
+WAN_BLOCK = "wan_block"
+#: SD3.x's MMDiT JointBlock (its patches_replace key is "double_block" too)
+JOINT_BLOCK = "joint_block"
+DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK, QWEN_IMAGE_BLOCK, WAN_BLOCK, JOINT_BLOCK)
 KINDS = (RESBLOCK, ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION, *DIT_KINDS)
 #: the skipped "region" of a model that is no UNet at all (the whole diffusion model)
 NOT_A_UNET = "model"
@@ -158,10 +162,31 @@ def _dit_plan(model) -> Plan | None:
     for path, m in model.named_modules():
         for kind, cls in classes.items():
             if type(m) is cls:
-                plan.regions.append(Region(path, m, kind, "comfy", _leaves(m, any_comfy_op=True)))
+                why = _dit_block_unsupported(kind, m)
+                if why is None:
+                    plan.regions.append(Region(path, m, kind, "comfy", _leaves(m, any_comfy_op=True)))
+                else:
+                    plan.skipped.append((kind, path, why))
             elif isinstance(m, cls):
                 plan.skipped.append((kind, path, f"{type(m).__name__} overrides {cls.__name__} (runs as given)"))
     return plan if plan.regions else None
+
+
+def _dit_block_unsupported(kind, block) -> str | None:
+    """Why a block of a body's exact class still runs as given (a part the body reads is of another
+    class), or None."""
+    if kind == WAN_BLOCK:
+        parts = comfy_compat.wan_parts()
+        if type(block.self_attn) is not parts.get("self") or type(block.cross_attn) not in parts.get("cross", ()):
+            return (f"its attention ({type(block.self_attn).__name__}, {type(block.cross_attn).__name__}) is not "
+                    f"Wan's own self / text or image cross-attention (runs as given)")
+    if kind == JOINT_BLOCK:
+        halves = (block.context_block, block.x_block)
+        if any(getattr(h, "scale_mod_only", False) for h in halves):
+            return "scale-only modulation (MMDiT's scale_mod_only) has no body (runs as given)"
+        if type(block.context_block) is not type(block.x_block) or type(block.x_block).__name__ != "DismantledBlock":
+            return f"its halves ({type(block.context_block).__name__}) are not MMDiT's DismantledBlock (runs as given)"
+    return None
 
 
 #: why the temporal parts of ComfyUI's video UNet (SVD, SV3D) run as ComfyUI's own code: they mix

@@ -14,7 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .plan import ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, NORM_ACT, QWEN_IMAGE_BLOCK, RESBLOCK, SINGLE_BLOCK
+from .plan import (ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, JOINT_BLOCK, NORM_ACT, QWEN_IMAGE_BLOCK, RESBLOCK,
+                   SINGLE_BLOCK, WAN_BLOCK)
 
 
 class Ops:
@@ -43,8 +44,10 @@ class Ops:
         return conv(h) + residual
 
     def rope(self, x, freqs):
-        """Rotary embedding of (b, heads, n, d) ``x`` by Flux-style ``freqs`` (b or 1, 1, n, d/2, 2, 2):
-        each pair (x0, x1) becomes ``freqs[..., 0] * x0 + freqs[..., 1] * x1`` in freqs' dtype."""
+        """Rotary embedding of ``x`` (..., d) by Flux-style ``freqs`` (..., d/2, 2, 2) broadcast to it
+        (Flux: x (b, heads, n, d), freqs (b or 1, 1, n, d/2, 2, 2); Wan: x (b, n, heads, d), freqs
+        (1, n, 1, d/2, 2, 2)): each pair (x0, x1) becomes ``freqs[..., 0] * x0 + freqs[..., 1] * x1``
+        in freqs' dtype."""
         x_ = x.to(dtype=freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
         out = freqs[..., 0] * x_[..., 0] + freqs[..., 1] * x_[..., 1]
         return out.reshape(*x.shape).type_as(x)
@@ -268,6 +271,82 @@ def qwen_image_block(block, img, txt, temb, pe, *, ops: Ops = TORCH_OPS):
     return txt, img
 
 
+def wan_block(block, x, e, freqs, context, context_img, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's WanAttentionBlock.forward with Wan's own attention classes (the planner checks them)
+    and a modulation ``e`` of one step for all tokens ((b, 6, dim), or (b, 1 or n, 6, dim); the shim
+    sends per-frame modulation to the block's own forward). ``context_img``: the image tokens an
+    image-to-video block's cross-attention reads (the shim splits them off ``context``), None for
+    text-to-video. The block's ``modulation`` parameter is cast to x as ComfyUI's ``cast_to`` does."""
+    mod = block.modulation.to(device=x.device, dtype=x.dtype)
+    e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
+    x = x.contiguous()
+    sa = block.self_attn
+    b, n, heads, d = x.shape[0], x.shape[1], sa.num_heads, sa.head_dim
+    h = torch.addcmul(e[0], block.norm1(x), 1 + e[1])
+    q = ops.rope(sa.norm_q(sa.q(h)).view(b, n, heads, d), freqs)
+    k = ops.rope(sa.norm_k(sa.k(h)).view(b, n, heads, d), freqs)
+    v = sa.v(h).view(b, n, heads, d)
+    y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(b, n, heads * d)
+    x = torch.addcmul(x, sa.o(y), e[2])
+    ca = block.cross_attn
+    q = ca.norm_q(ca.q(block.norm3(x)))
+    y = attend(q, ca.norm_k(ca.k(context)), ca.v(context), ca.num_heads, ops=ops)
+    if context_img is not None:
+        y = y + attend(q, ca.norm_k_img(ca.k_img(context_img)), ca.v_img(context_img), ca.num_heads, ops=ops)
+    x = x + ca.o(y)
+    y = block.ffn(torch.addcmul(e[3], block.norm2(x), 1 + e[4]))
+    return torch.addcmul(x, y, e[5])
+
+
+def _mmdit_qkv(attn, x):
+    """MMDiT's SelfAttention.pre_attention: q, k, v as (b, n, heads, d), q and k normed per head."""
+    qkv = attn.qkv(x)
+    q, k, v = qkv.reshape(qkv.shape[0], qkv.shape[1], 3, -1, attn.head_dim).movedim(2, 0)
+    return attn.ln_q(q), attn.ln_k(k), v
+
+
+def _mmdit_mod(x, shift, scale):
+    """MMDiT's ``modulate``: ``x * (1 + scale) + shift`` per sample."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+def _heads_attention(qkvs, ops):
+    """Attention over (b, n, heads, d) q, k, v given as [(q, k, v), ...] joined along the tokens;
+    the result (b, n, heads * d)."""
+    q, k, v = (torch.cat(p, dim=1).transpose(1, 2) if len(p) > 1 else p[0].transpose(1, 2)
+               for p in zip(*qkvs, strict=True))
+    out = ops.attention(q, k, v).transpose(1, 2)
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+def mmdit_joint_block(block, context, x, c, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's MMDiT JointBlock.forward (``_block_mixing``; SD3 / SD3.5): the context and image
+    blocks' joint attention, SD3.5 Medium's second image self-attention, a last block whose context
+    half only feeds the attention (context None out). Blocks with scale-only modulation are not
+    the body's (the planner leaves them). Returns (context, x)."""
+    cb, xb = block.context_block, block.x_block
+    cm = cb.adaLN_modulation(c).chunk(2 if cb.pre_only else 6, dim=1)
+    ctx_qkv = _mmdit_qkv(cb.attn, _mmdit_mod(cb.norm1(context), cm[0], cm[1]))
+    xm = xb.adaLN_modulation(c).chunk(9 if xb.x_block_self_attn else 6, dim=1)
+    x_norm = xb.norm1(x)
+    attn = _heads_attention([ctx_qkv, _mmdit_qkv(xb.attn, _mmdit_mod(x_norm, xm[0], xm[1]))], ops)
+    n_ctx = context.shape[1]
+    ctx_attn, x_attn = attn[:, :n_ctx], attn[:, n_ctx:]
+    if cb.pre_only:
+        context = None
+    else:
+        context = context + cm[2].unsqueeze(1) * cb.attn.proj(ctx_attn)
+        context = context + cm[5].unsqueeze(1) * cb.mlp(_mmdit_mod(cb.norm2(context), cm[3], cm[4]))
+    if xb.x_block_self_attn:
+        attn2 = _heads_attention([_mmdit_qkv(xb.attn2, _mmdit_mod(x_norm, xm[6], xm[7]))], ops)
+        x = torch.stack([x, xm[2].unsqueeze(1) * xb.attn.proj(x_attn),
+                         xm[8].unsqueeze(1) * xb.attn2.proj(attn2)], dim=0).sum(dim=0)
+    else:
+        x = x + xm[2].unsqueeze(1) * xb.attn.proj(x_attn)
+    x = x + xm[5].unsqueeze(1) * xb.mlp(_mmdit_mod(xb.norm2(x), xm[3], xm[4]))
+    return context, x
+
+
 #: (family, region kind) -> body; every backend accelerates these same functions
 BODIES = {
     ("comfy", RESBLOCK): comfy_resblock,
@@ -277,6 +356,8 @@ BODIES = {
     ("comfy", DOUBLE_BLOCK): flux_double_block,
     ("comfy", SINGLE_BLOCK): flux_single_block,
     ("comfy", QWEN_IMAGE_BLOCK): qwen_image_block,
+    ("comfy", WAN_BLOCK): wan_block,
+    ("comfy", JOINT_BLOCK): mmdit_joint_block,
     ("diffusers", RESBLOCK): diffusers_resblock,
     ("diffusers", ATTENTION): diffusers_attention,
     ("diffusers", FEEDFORWARD): feedforward,

@@ -320,7 +320,7 @@ def _half_batch(label: str, warmed_shapes: list[str]) -> bool:
         s, box = parse_shapes(label)[0], parse_shapes(", ".join(warmed_shapes))
     except Exception:
         return False
-    return any(b.batch == 2 * s.batch and (b.width, b.height) == (s.width, s.height) for b in box)
+    return any(b.batch == 2 * s.batch and (b.width, b.height, b.frames) == (s.width, s.height, s.frames) for b in box)
 
 
 def _inside(label: str, warmed_shapes: list[str]) -> bool:
@@ -328,8 +328,11 @@ def _inside(label: str, warmed_shapes: list[str]) -> bool:
         s, box = parse_shapes(label)[0], parse_shapes(", ".join(warmed_shapes))
     except Exception:
         return False
-    return all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
-               for f in ("batch", "width", "height"))
+    def frames(x):
+        return x.frames or 1
+    return (all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
+                for f in ("batch", "width", "height"))
+            and min(map(frames, box)) <= frames(s) <= max(map(frames, box)))
 
 
 def accelerator_text(accel) -> str:

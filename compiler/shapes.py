@@ -1,5 +1,5 @@
-"""Warmup shapes: parse and validate ``BxWxH`` pixel entries, and build
-dummy UNet inputs for them."""
+"""Warmup shapes: parse and validate ``BxWxH`` pixel entries (``BxWxHxF`` with video frames), and
+build dummy UNet inputs for them."""
 from __future__ import annotations
 
 import re
@@ -9,6 +9,9 @@ import torch
 
 MAX_BATCH = 64
 MIN_SIDE, MAX_SIDE = 64, 8192
+#: video frames of one entry (``BxWxHxF``; ComfyUI's video latent nodes default to 81, step 4): the
+#: bound keeps one entry's warmup within reach of any machine's memory checks
+MAX_FRAMES = 4096
 LATENT_SCALE = 8
 #: each entry is one warmed UNet run (plus probes): more is a mistake, not a workflow (the box the
 #: entries span is covered anyway); the text bound keeps a pasted blob out of the parser and messages
@@ -16,7 +19,7 @@ MAX_ENTRIES = 32
 MAX_TEXT = 4096
 #: Warmup Shapes' context_tokens: 77 per CLIP chunk, at most 16 chunks (the widget's max)
 MAX_CONTEXT_TOKENS = 77 * 16
-_ENTRY = re.compile(r"^(\d+)\s*[xX×]\s*(\d+)\s*[xX×]\s*(\d+)$")
+_ENTRY = re.compile(r"^(\d+)\s*[xX×]\s*(\d+)\s*[xX×]\s*(\d+)(?:\s*[xX×]\s*(\d+))?$")
 _MAX_DIGITS = 9  # longer numbers are out of range whatever they are (and int() of >4300 digits raises)
 
 
@@ -25,19 +28,24 @@ class Shape:
     batch: int
     width: int
     height: int
+    #: video frames (a video model's ``length``); None: one image (a one-frame video)
+    frames: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.batch}x{self.width}x{self.height}"
+        return f"{self.batch}x{self.width}x{self.height}" + (f"x{self.frames}" if self.frames else "")
 
 
-def label_of(latent, scale: int = LATENT_SCALE) -> str | None:
+def label_of(latent, scale: int = LATENT_SCALE, time_scale: int = 1) -> str | None:
     """A model call's input latent ``[B, C, (t,) h, w]`` named as Warmup Shapes names it (``BxWxH``
-    px; ``scale``: pixels per latent cell, 8 for SD's VAE, 16 for Flux.2's)."""
+    px, ``BxWxHxF`` for t > 1 latent frames of a video model; ``scale``: pixels per latent cell, 8
+    for SD's VAE, 16 for Flux.2's; ``time_scale``: video frames per latent frame, 4 for Wan's)."""
     size = getattr(latent, "shape", None)
     if size is None or len(size) < 3:
         return None
-    return Shape(int(size[0]), int(size[-1]) * scale, int(size[-2]) * scale).label
+    t = int(size[2]) if len(size) == 5 else 1
+    frames = (t - 1) * time_scale + 1 if t > 1 and time_scale > 1 else None
+    return Shape(int(size[0]), int(size[-1]) * scale, int(size[-2]) * scale, frames).label
 
 
 #: the first shape traced when shapes are dynamic: batch 2, non-square, and at
@@ -60,6 +68,7 @@ def probe_shapes(shapes: list[Shape], size_one_sides: bool = True, levels: int =
     ws = [gen_w] * (w_hi > small) + [MIN_SIDE] * (w_lo <= small)
     hs = [gen_h] * (h_hi > small) + [MIN_SIDE] * (h_lo <= small)
     sides = [(w, h) for w in ws for h in hs]
+    # (a video's frames need no probe class: a DiT block sees frames x patches as one token axis)
     if not size_one_sides:
         sides = [(w, h) for w, h in sides if (w == MIN_SIDE) == (h == MIN_SIDE)]
         if not sides:          # (one side always small: its class is the only one in the box)
@@ -82,10 +91,11 @@ def _number(digits: str) -> int | None:
 
 
 def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
-    """Entries ``BxWxH`` (batch x width x height, in pixels) separated by
-    newlines or commas. Raises ShapeError naming the first bad entry. Every size is bounded
-    (batch 1..MAX_BATCH, sides MIN_SIDE..MAX_SIDE px, MAX_ENTRIES entries, MAX_TEXT characters)
-    here, before anything is allocated."""
+    """Entries ``BxWxH`` (batch x width x height, in pixels), or ``BxWxHxF`` with F video frames
+    (a video model's length; 1 frame is an image), separated by newlines or commas. Raises
+    ShapeError naming the first bad entry. Every size is bounded (batch 1..MAX_BATCH, sides
+    MIN_SIDE..MAX_SIDE px, frames 1..MAX_FRAMES, MAX_ENTRIES entries, MAX_TEXT characters) here,
+    before anything is allocated."""
     if not isinstance(text, str):
         raise ShapeError(f"{name}: expected text like '1x512x512', got {type(text).__name__}")
     if len(text) > MAX_TEXT:
@@ -102,8 +112,12 @@ def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
         m = _ENTRY.match(e)
         if not m:
             raise ShapeError(f"{name}: entry {_show(e)} is not BxWxH (batch x width x height in pixels, "
-                             f"e.g. 1x512x512)")
-        b, w, h = (_number(g) for g in m.groups())
+                             f"e.g. 1x512x512) or BxWxHxF (a video's frames too, e.g. 1x832x480x33)")
+        b, w, h = (_number(g) for g in m.groups()[:3])
+        f = None if m.group(4) is None else _number(m.group(4))
+        if m.group(4) is not None and (f is None or not 1 <= f <= MAX_FRAMES):
+            raise ShapeError(f"{name}: entry {_show(e)}: frames {f if f is not None else _show(m.group(4), 12)} "
+                             f"must be between 1 and {MAX_FRAMES}")
         if b is None or not 1 <= b <= MAX_BATCH:
             raise ShapeError(f"{name}: entry {_show(e)}: batch {b if b is not None else _show(m.group(1), 12)} "
                              f"must be between 1 and {MAX_BATCH}")
@@ -114,7 +128,7 @@ def parse_shapes(text: str, name: str = "shapes") -> list[Shape]:
             if v % LATENT_SCALE:
                 raise ShapeError(f"{name}: entry {_show(e)}: {side} {v} is not divisible by {LATENT_SCALE} "
                                  f"(the VAE works on 8x8 pixel blocks); use {v - v % 8} or {v - v % 8 + 8}")
-        out.append(Shape(b, w, h))
+        out.append(Shape(b, w, h, f if f and f > 1 else None))
     return out
 
 
@@ -126,12 +140,16 @@ def first_level_channels(unet) -> int | None:
     return c if isinstance(c, int) and c > 0 else None
 
 
-def activation_floor(shape: Shape, channels: int, itemsize: int) -> int:
-    """Bytes one UNet forward at ``shape`` needs at the least, beyond its weights: a ResBlock of the first
-    level holds its input, its hidden state and its output at once (3 tensors of batch x channels x the
-    latent). A floor, not an estimate (attention and feed-forward need several times more), so only a
-    shape that cannot run on any setting is refused."""
-    return 3 * shape.batch * channels * (shape.height // LATENT_SCALE) * (shape.width // LATENT_SCALE) * itemsize
+def activation_floor(shape: Shape, channels: int, itemsize: int, cell: int = LATENT_SCALE,
+                     frames_of=lambda frames: 1) -> int:
+    """Bytes one forward at ``shape`` needs at the least, beyond its weights: 3 tensors of batch x
+    ``channels`` x its grid at once (a UNet's first-level ResBlock: input, hidden state, output; a
+    DiT block's hidden width over its tokens). ``cell``: pixels per grid side (8 for a UNet's latent,
+    the VAE's scale x the patch for a DiT); ``frames_of(frames)``: the grid's frames (a video DiT's
+    latent frames). A floor, not an estimate (attention and feed-forward need several times more),
+    so only a shape that cannot run on any setting is refused."""
+    return (3 * shape.batch * channels * frames_of(shape.frames) * -(-shape.height // cell) * -(-shape.width // cell)
+            * itemsize)
 
 
 def device_free_bytes(device) -> int | None:
@@ -158,19 +176,29 @@ def _size(n: int) -> str:
 
 
 def check_memory(shapes: list[Shape], channels: int | None, itemsize: int, free_bytes: int | None,
-                 where: str, name: str = "shapes") -> None:
-    """ShapeError naming the first entry whose ``activation_floor`` exceeds ``free_bytes`` (what the
-    device has for activations with the model loaded), before anything is allocated for it. Unknown width or free
-    memory: nothing to check."""
+                 where: str, name: str = "shapes", **grid) -> None:
+    """ShapeError naming the first entry whose ``activation_floor`` (``grid``: its ``cell`` and
+    ``frames_of``) exceeds ``free_bytes`` (what the device has for activations with the model
+    loaded), before anything is allocated for it. Unknown width or free memory: nothing to check."""
     if channels is None or not free_bytes or free_bytes <= 0:
         return
     for s in shapes:
-        need = activation_floor(s, channels, itemsize)
+        need = activation_floor(s, channels, itemsize, **grid)
         if need > free_bytes:
             raise ShapeError(
                 f"{name}: entry {s.label} needs at least {_size(need)} of activations, {where} has "
                 f"{_size(free_bytes)} for them: warm the batch and size you sample "
                 f"at (a smaller batch, or tile the image with an upscaler), or free memory")
+
+
+def check_frames(shapes: list[Shape], video: bool, name: str = "shapes") -> None:
+    """ShapeError naming the first entry with video frames when the model makes images."""
+    if video:
+        return
+    for s in shapes:
+        if s.frames:
+            raise ShapeError(f"{name}: entry {s.label} gives {s.frames} video frames, but this model makes images "
+                             f"(its latent has no time axis): write it as {s.batch}x{s.width}x{s.height}")
 
 
 def validate_shapes_input(text, node: str = "Warmup Shapes"):
@@ -199,7 +227,7 @@ def check_context_tokens(tokens, name: str = "context_tokens") -> int:
 
 
 def as_shapes(shapes) -> list[Shape]:
-    """Accept a string, Shape objects or (batch, width, height) tuples."""
+    """Accept a string, Shape objects or (batch, width, height[, frames]) tuples."""
     if isinstance(shapes, str):
         return parse_shapes(shapes)
     out = []

@@ -10,10 +10,12 @@ from . import plan as P
 
 #: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
 DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe"),
-              P.QWEN_IMAGE_BLOCK: ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb")}
+              P.QWEN_IMAGE_BLOCK: ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb"),
+              P.WAN_BLOCK: ("x", "e", "freqs", "context"),
+              P.JOINT_BLOCK: ("context", "x", "c")}
 #: arguments a block takes that its computation does not read (Qwen-Image's attention ignores the
 #: text mask ComfyUI hands the block): any value is served
-DIT_UNREAD = {P.QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",)}
+DIT_UNREAD = {P.QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",), P.JOINT_BLOCK: ("use_checkpoint",)}
 
 
 def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
@@ -61,42 +63,81 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
 
 
 def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eager, cast_refused):
-    """A DiT block's gate. ComfyUI calls these blocks by keyword; the body serves calls whose
-    ``DIT_INPUTS`` are tensors (``pe`` may be None) and whose other arguments are at their defaults
-    (no attention mask, no per-token modulation dims); ``transformer_options`` may hold anything
-    but an attention override. Any other call runs the block's own forward."""
+    """A DiT block's gate. ComfyUI calls these blocks by keyword; the body serves the calls
+    ``_dit_inputs`` turns into its inputs, whose other arguments are at their defaults (no attention
+    mask, no per-token modulation dims); ``transformer_options`` may hold anything but an attention
+    override. Any other call runs the block's own forward."""
     sig = inspect.signature(original)
     self_name = next(iter(sig.parameters))
-    names = DIT_INPUTS[kind]
+    first = DIT_INPUTS[kind][0]
 
     def shim(*args, **kwargs):
         try:
-            bound = dict(sig.bind(module, *args, **kwargs).arguments)
-            bound.pop(self_name)
+            bound = _explicit(sig.bind(module, *args, **kwargs).arguments, self_name, DIT_INPUTS[kind])
         except TypeError:
             bound = None
         inputs = None
-        if bound is not None and kind not in failed:
+        if bound is not None and kind not in failed:      # (bound: the explicit arguments by name)
             given = dict(bound)
             opts = given.pop("transformer_options", None) or {}
             for n in DIT_UNREAD.get(kind, ()):
                 given.pop(n, None)
-            inputs = tuple(given.pop(n, None) for n in names)
-            handed = None if isinstance(inputs[-2], torch.Tensor) else _handed(kind, inputs[-2])
-            if handed is not None:          # modulation handed to the block: vec None, its tensors after pe
-                inputs = (*inputs[:-2], None, inputs[-1], *handed)
+            inputs = _dit_inputs(kind, module, given)
             if (given.pop("attn_mask", None) is not None or any(v is not None for v in given.values())
-                    or "optimized_attention_override" in opts
-                    or not all(isinstance(t, torch.Tensor) for t in inputs[:len(names) - 2])
-                    or (inputs[len(names) - 2] is None and handed is None)
-                    or not (inputs[len(names) - 1] is None or isinstance(inputs[len(names) - 1], torch.Tensor))):
+                    or "optimized_attention_override" in opts):
                 inputs = None
         if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
-        rest = {k: v for k, v in bound.items() if k != names[0]}      # the own forward's call, less its first input
+        rest = {k: v for k, v in bound.items() if k != first}      # the own forward's call, less its first input
         return run()(kind, impl, module, original, inputs, rest, casts)
     return shim
+
+
+def _explicit(arguments: dict, self_name: str, names: tuple) -> dict | None:
+    """A bound call's explicit arguments by name, less ``self``; a forward of ``*args, **kwargs``
+    (MMDiT's JointBlock) has its positional ones named by ``names``, in order (None: more of them)."""
+    out = {k: v for k, v in arguments.items() if k != self_name}
+    if "args" in out and isinstance(out["args"], tuple) and isinstance(out.get("kwargs", {}), dict):
+        positional, named = out.pop("args"), out.pop("kwargs", {})
+        if len(positional) > len(names) or set(names[:len(positional)]) & set(named):
+            return None
+        out.update(zip(names, positional, strict=False), **named)      # (fewer positional than names)
+    return out
+
+
+def _dit_inputs(kind, module, given) -> tuple | None:
+    """The body's inputs from a block call's explicit arguments ``given`` (what they read is popped
+    from it), or None when the body does not serve this call."""
+    names = DIT_INPUTS[kind]
+    inputs = tuple(given.pop(n, None) for n in names)
+    if kind == P.WAN_BLOCK:
+        return _wan_inputs(module, given, *inputs)
+    if kind == P.JOINT_BLOCK:
+        return inputs if all(isinstance(t, torch.Tensor) for t in inputs) else None
+    handed = None if isinstance(inputs[-2], torch.Tensor) else _handed(kind, inputs[-2])
+    if handed is not None:          # modulation handed to the block: vec None, its tensors after pe
+        inputs = (*inputs[:-2], None, inputs[-1], *handed)
+    if (not all(isinstance(t, torch.Tensor) for t in inputs[:len(names) - 2])
+            or (inputs[len(names) - 2] is None and handed is None)
+            or not (inputs[len(names) - 1] is None or isinstance(inputs[len(names) - 1], torch.Tensor))):
+        return None
+    return inputs
+
+
+def _wan_inputs(module, given, x, e, freqs, context) -> tuple | None:
+    """A Wan block's inputs (x, e, freqs, context, context_img): an image-to-video block's context
+    split at ``context_img_len`` as its cross-attention splits it. None for modulation per frame
+    (Wan 2.2 TI2V with an image: ``repeat_e`` spreads it over each frame's tokens)."""
+    n_img = given.pop("context_img_len", 257)
+    if not all(isinstance(t, torch.Tensor) for t in (x, e, freqs, context)) or x.dim() != 3:
+        return None
+    if e.ndim >= 4 and e.shape[1] not in (1, x.shape[1]):
+        return None
+    if hasattr(module.cross_attn, "k_img"):           # WanI2VCrossAttention (the planner checked the class)
+        # contiguous copies (a few hundred tokens): views at an offset would make their strides guards
+        return x, e, freqs, context[:, n_img:].contiguous(), context[:, :n_img].contiguous()
+    return x, e, freqs, context, None
 
 
 def _handed(kind, vec) -> tuple | None:

@@ -13,10 +13,11 @@ import weakref
 import torch
 
 from ..compiler.config import CompileConfig
-from ..compiler.compat.comfy import dit_context_width, is_interrupt, latent_frames, latent_scale
+from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, is_interrupt, is_video, latent_frames,
+                                     latent_scale, latent_time_scale)
 from ..compiler.runtime import Accelerator
-from ..compiler.shapes import (check_context_tokens, check_memory, context_dim, first_level_channels, label_of,
-                               memory_name, parse_shapes, unet_inputs)
+from ..compiler.shapes import (check_context_tokens, check_frames, check_memory, context_dim, first_level_channels,
+                               label_of, memory_name, parse_shapes, unet_inputs)
 from ..compiler.warmup import warmup_runs
 from . import feedback
 
@@ -38,7 +39,7 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
             accel.patches_seen[name] += 1
         epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0])
         x = args[0] if args else kwargs.get("x")
-        with accel.active(weight_epoch=epoch, shape=label_of(x, latent_scale(base))):
+        with accel.active(weight_epoch=epoch, shape=label_of(x, latent_scale(base), latent_time_scale(base))):
             return executor(*args, **kwargs)
     unet_compiler_apply_model.accelerator = accel
     return unet_compiler_apply_model
@@ -172,11 +173,18 @@ def patch_names(model_options: dict) -> list[str]:
     return names
 
 
+def dit_width(plan) -> int | None:
+    """A DiT's hidden width: what its first block's first linear reads."""
+    first = next((m for r in plan.regions for m in r.module.modules() if isinstance(m, torch.nn.Linear)), None)
+    return getattr(first, "in_features", None)
+
+
 def _fits(unet, x, c) -> bool:
     """Whether extra_conds' conditioning has the widths this UNet takes (a model built with
     non-standard widths, e.g. a test's tiny one, gets random tensors of its own sizes instead)."""
-    if not hasattr(unet, "input_blocks"):          # a DiT: its text width is what extra_conds may miss
-        return c["c_crossattn"].shape[-1] == dit_context_width(unet)
+    if not hasattr(unet, "input_blocks"):          # a DiT: its text widths are what extra_conds may miss
+        return (c["c_crossattn"].shape[-1] == dit_context_width(unet)
+                and ("y" not in c or c["y"].shape[-1] == (dit_pooled_width(unet) or c["y"].shape[-1])))
     concat = c.get("c_concat")
     if x.shape[1] + (concat.shape[1] if concat is not None else 0) != unet.in_channels:
         return False
@@ -235,13 +243,15 @@ class SamplingCall:
         latent_c = base.latent_format.latent_channels
         scale = latent_scale(base)       # 8, or Flux.2's 16
         lh, lw = shape.height // scale, shape.width // scale
-        x = torch.randn(shape.batch, latent_c, *latent_frames(base), lh, lw, generator=g).to(self.device, self.dtype)
+        x = torch.randn(shape.batch, latent_c, *latent_frames(base, shape.frames), lh, lw,
+                        generator=g).to(self.device, self.dtype)
         width = dit_context_width(unet) or context_dim(unet)
         ctx = torch.randn(shape.batch, self.tokens, width, generator=g).to(self.device, self.dtype)
         try:
             made = base.extra_conds(noise=x, device=self.device, width=shape.width, height=shape.height,
                                     prompt_type="positive", seed=0, cross_attn=ctx,
-                                    pooled_output=torch.randn(1, 1280, generator=g).to(self.device, self.dtype))
+                                    pooled_output=torch.randn(1, dit_pooled_width(unet) or 1280,
+                                                              generator=g).to(self.device, self.dtype))
             c = {k: v.process_cond(batch_size=shape.batch, device=self.device, area=None).cond for k, v in made.items()}
             if "c_crossattn" in c and _fits(unet, x, c):
                 return x, c
@@ -298,6 +308,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
         # nothing was compiled, so there is nothing to prime (and no UNet inputs to build for it)
         done = feedback.WarmupFeedback(accel, shapes, node_id).skipped()
         return accel.text() + f"\n  status: {done['text']}"
+    check_frames(shapes, is_video(model.model))
     comfy.model_management.load_models_gpu([model])
     base = model.model
     device = model.load_device
@@ -308,7 +319,12 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
     if device.type == "cuda":
         room += model.loaded_size()
         where += " (free, plus the model's weights ComfyUI can offload)"
-    check_memory(shapes, first_level_channels(base.diffusion_model), dtype.itemsize, room, where)
+    if accel.plan.arch == "dit":
+        check_memory(shapes, dit_width(accel.plan), dtype.itemsize, room, where,
+                     cell=latent_scale(base) * dit_patch(base.diffusion_model),
+                     frames_of=lambda frames: max((1, *latent_frames(base, frames))))
+    else:
+        check_memory(shapes, first_level_channels(base.diffusion_model), dtype.itemsize, room, where)
     total = len(shapes) + 1
     pbar = comfy.utils.ProgressBar(total, node_id=node_id)
     fb = feedback.WarmupFeedback(accel, shapes, node_id)

@@ -66,11 +66,11 @@ SELECT_BACKEND = Node(
 
 COMPILE_UNET = Node(
     "UNetCompiler_CompileUNet", "Compile UNet",
-    "Accelerate the diffusion model's leaf regions (a UNet's blocks, a Flux or Qwen-Image DiT's blocks); ComfyUI's "
-    "patches, ControlNet and LoRA keep working.",
+    "Accelerate the diffusion model's leaf regions (a UNet's blocks; a Flux, Qwen-Image or Wan DiT's blocks); "
+    "ComfyUI's patches, ControlNet and LoRA keep working.",
     inputs=(
-        Input("model", "MODEL", "The MODEL to accelerate (an SD1.5 / SDXL-family UNet, or a Flux-family or "
-              "Qwen-Image diffusion transformer). It is cloned, never modified."),
+        Input("model", "MODEL", "The MODEL to accelerate (an SD1.5 / SDXL-family UNet, or a Flux-family, "
+              "Qwen-Image or Wan 2.x diffusion transformer). It is cloned, never modified."),
         Input("backend", "UNET_BACKEND", "From Select Backend. Absent = auto, fp as loaded, dynamic shapes on.",
               optional=True),
     ),
@@ -84,8 +84,9 @@ WARMUP_SHAPES = Node(
     inputs=(
         Input("model", "MODEL", "The MODEL from Compile UNet."),
         Input("shapes", "STRING",
-              "Entries BxWxH in pixels (batch x width x height), one per line or comma separated. Batch and "
-              "resolution anywhere inside the listed range then run without recompiling. Remember CFG doubles the "
+              "Entries BxWxH in pixels (batch x width x height), one per line or comma separated; a video model "
+              "(Wan) takes BxWxHxF, F its frames (length), e.g. 1x832x480x81. Batch, resolution and frames "
+              "anywhere inside the listed range then run without recompiling. Remember CFG doubles the "
               "model batch.", widget={"multiline": True, "default": "1x512x512\n2x512x512"}),
         Input("context_tokens", "INT", "Prompt length in tokens used for warmup (77 per CLIP chunk; Flux.1's T5 "
               "prompts are at least 256 tokens: warm 256).", optional=True,

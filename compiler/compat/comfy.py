@@ -41,12 +41,39 @@ def dit_classes() -> dict:
         out.update(qwen_image_block=qwen.QwenImageTransformerBlock)
     except Exception:
         pass
+    try:
+        wan = importlib.import_module("comfy.ldm.wan.model")
+        out.update(wan_block=wan.WanAttentionBlock)
+    except Exception:
+        pass
+    try:
+        mmdit = importlib.import_module("comfy.ldm.modules.diffusionmodules.mmdit")
+        out.update(joint_block=mmdit.JointBlock)
+    except Exception:
+        pass
     return out
+
+
+def wan_parts() -> dict:
+    """The attention classes of a Wan block the pack's body reads: {"self": WanSelfAttention,
+    "cross": (WanT2VCrossAttention, WanI2VCrossAttention)}. Empty when ComfyUI lacks them."""
+    if "comfy" not in sys.modules:
+        return {}
+    try:
+        wan = importlib.import_module("comfy.ldm.wan.model")
+        return {"self": wan.WanSelfAttention, "cross": (wan.WanT2VCrossAttention, wan.WanI2VCrossAttention)}
+    except Exception:
+        return {}
 
 
 #: pixels per latent cell of the ComfyUI latent formats whose VAE is not SD's 8 (by class name:
 #: this ComfyUI's formats do not say it themselves; its Empty*Latent nodes divide by these)
-LATENT_SCALES = {"Flux2": 16, "HunyuanImage21": 32, "HunyuanImage21Refiner": 16, "ChromaRadiance": 1}
+LATENT_SCALES = {"Flux2": 16, "HunyuanImage21": 32, "HunyuanImage21Refiner": 16, "ChromaRadiance": 1, "Wan22": 16,
+                 "LTXV": 32}
+#: video frames per latent frame after the first, by latent format class name (ComfyUI's empty video
+#: latent nodes: ``((length - 1) // n) + 1`` latent frames for ``length`` frames)
+LATENT_TIME_SCALES = {"Wan21": 4, "Wan22": 4, "HunyuanVideo": 4, "HunyuanVideo15": 4, "Mochi": 6, "LTXV": 8,
+                      "Cosmos1CV8x8x8": 8}
 
 
 def latent_scale(base_model) -> int:
@@ -55,18 +82,49 @@ def latent_scale(base_model) -> int:
     return LATENT_SCALES.get(type(fmt).__name__, 8)
 
 
-def latent_frames(base_model) -> tuple:
-    """The size-1 time axis a ComfyUI BaseModel's latent has where its format has one (Qwen-Image's
-    Wan 2.1 format: ``(b, c, 1, h, w)``, as the sampler gives it), else ``()``: the dims between
-    channels and height for one image."""
+def latent_frames(base_model, frames: int | None = None) -> tuple:
+    """The dims between channels and height of a ComfyUI BaseModel's latent: ``()`` for a 2-D format;
+    for a video format ``(t,)``, the latent frames of ``frames`` video frames (None: one image, t = 1;
+    Qwen-Image's Wan 2.1 format is ``(b, c, 1, h, w)`` as the sampler gives it)."""
     fmt = getattr(base_model, "latent_format", None)
-    return (1,) * (getattr(fmt, "latent_dimensions", 2) - 2)
+    extra = getattr(fmt, "latent_dimensions", 2) - 2
+    if extra <= 0:
+        return ()
+    return ((frames - 1) // latent_time_scale(base_model) + 1 if frames else 1,) * extra
+
+
+def latent_time_scale(base_model) -> int:
+    """Video frames per latent frame of a ComfyUI BaseModel's latent (4 for Wan; 1 for an image format)."""
+    return LATENT_TIME_SCALES.get(type(getattr(base_model, "latent_format", None)).__name__, 1)
+
+
+def is_video(base_model) -> bool:
+    """Whether the model samples videos (its latent format has a time axis that takes several frames)."""
+    return latent_time_scale(base_model) > 1
 
 
 def dit_context_width(model) -> int | None:
     """The width of a DiT's text conditioning (``c_crossattn``'s last dim), or None when unknown."""
-    txt_in = getattr(model, "txt_in", None)
+    txt_in = getattr(model, "txt_in", None) or getattr(model, "context_embedder", None)    # Flux's, SD3's
+    if txt_in is None:                              # Wan: text_embedding = Sequential(Linear, GELU, Linear)
+        txt_in = next(iter(getattr(model, "text_embedding", None) or ()), None)
     width = getattr(txt_in, "in_features", None)
+    return width if isinstance(width, int) else None
+
+
+def dit_patch(model) -> int:
+    """Latent cells per token side of a DiT (its ``patch_size``: Flux 2, Flux.2 1, Wan (1, 2, 2))."""
+    p = getattr(model, "patch_size", None)
+    p = p[-1] if isinstance(p, (tuple, list)) and p else p
+    return p if isinstance(p, int) and p > 0 else 1
+
+
+def dit_pooled_width(model) -> int | None:
+    """The width of a DiT's pooled text vector (the ``y`` its model's ``encode_adm`` hands it: SD3's
+    2048, Flux's 768), or None when it takes none."""
+    y = getattr(model, "y_embedder", None)          # SD3: y_embedder.mlp = Sequential(Linear, SiLU, Linear)
+    first = y.mlp[0] if hasattr(y, "mlp") else getattr(getattr(model, "vector_in", None), "in_layer", None)
+    width = getattr(first, "in_features", None)
     return width if isinstance(width, int) else None
 
 
@@ -85,7 +143,7 @@ def not_a_unet_reason(module) -> str:
     return (f"running eager: {t.__module__}.{t.__name__} is neither ComfyUI's openaimodel.UNetModel (the SD1.x / "
             f"SD2.x / SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler "
             f"accelerates) nor a diffusion transformer with blocks it has a body for (Flux's double and single "
-            f"stream blocks, Qwen-Image's blocks); nothing in it is rewritten")
+            f"stream blocks, SD3's joint blocks, Qwen-Image's and Wan's blocks); nothing in it is rewritten")
 
 
 def current_prompt() -> str | None:

@@ -10,8 +10,10 @@ from unet_compiler.compiler.shapes import (
     ShapeError,
     activation_floor,
     check_context_tokens,
+    check_frames,
     check_memory,
     first_level_channels,
+    label_of,
     parse_shapes,
     probe_shapes,
     validate_shapes_input,
@@ -34,6 +36,9 @@ BAD = [
     ("1x64x100000", "height 100000 must be between 64 and 8192 px"),
     ("None", "not BxWxH"),       # a JSON null, as ComfyUI's STRING conversion hands it over
     ("['1x64x64']", "not BxWxH"),  # a list in {"__value__": [...]}, likewise
+    ("1x832x480x0", "frames 0 must be between 1 and"),
+    ("1x832x480x5000", "frames 5000 must be between 1 and"),
+    ("1x832x480x33x2", "not BxWxH"),
 ]
 
 
@@ -53,6 +58,20 @@ def test_malformed_shapes_rejected_naming_the_entry(text, why):
 def test_good_shapes_parse():
     assert parse_shapes("1x512x512\n2x768x512, 4X64x64") == [Shape(1, 512, 512), Shape(2, 768, 512), Shape(4, 64, 64)]
     assert validate_shapes_input("1x512x512") is True
+
+
+def test_video_entries_carry_frames_and_name_them():
+    """``BxWxHxF``: a video's frames; one frame is an image (the same entry as ``BxWxH``)."""
+    assert parse_shapes("1x832x480x33, 2x64x64x1") == [Shape(1, 832, 480, 33), Shape(2, 64, 64)]
+    assert Shape(1, 832, 480, 33).label == "1x832x480x33" and Shape(2, 64, 64).label == "2x64x64"
+    # a call's latent named back in pixels and frames: Wan's 4 frames a latent frame, 8 px a cell
+    assert label_of(torch.zeros(2, 16, 9, 60, 104), 8, 4) == "2x832x480x33"
+    assert label_of(torch.zeros(1, 16, 1, 8, 8), 8, 4) == "1x64x64"          # one frame: an image
+    assert label_of(torch.zeros(1, 16, 1, 8, 8)) == "1x64x64"                # Qwen-Image's 5-D image latent
+    check_frames([Shape(1, 832, 480, 33)], video=True)
+    with pytest.raises(ShapeError, match=r"entry 1x512x512x33 gives 33 video frames, but this model makes images.*"
+                                         r"write it as 1x512x512"):
+        check_frames([Shape(1, 64, 64), Shape(1, 512, 512, 33)], video=False)
 
 
 def test_probe_shapes_cover_specialisations_generic_first():

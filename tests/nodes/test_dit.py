@@ -1,4 +1,5 @@
-"""Diffusion transformers (issue 32): Flux's double and single stream blocks as regions.
+"""Diffusion transformers (issue 32): Flux's double and single stream blocks, SD3's joint blocks,
+Qwen-Image's and Wan's blocks as regions.
 
 Tiny Flux models built by ComfyUI's own ``supported_models`` classes from the config its
 checkpoint detection derives (``bench/families.py``'s DiT section: widths and depths shrunk),
@@ -103,9 +104,10 @@ def test_every_family_through_its_shims_uncompiled(comfy, monkeypatch, key):
     mp = F.build_dit(F.DIT_FAMILIES[key])
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     accel = patcher.accelerator_of(cm)
+    frames = 9 if F.DIT_FAMILIES[key].video else None      # a video: 3 latent frames
     for b, h, w in CASES[1:3]:
-        out = F.dit_apply(cm, b, h, w, seed=3)
-        _close(out, F.dit_apply(mp, b, h, w, seed=3), 1e-5)
+        out = F.dit_apply(cm, b, h, w, seed=3, frames=frames)
+        _close(out, F.dit_apply(mp, b, h, w, seed=3, frames=frames), 1e-5)
     n = sum(F.dit_tiny_config(F.DIT_FAMILIES[key])[k] for _, k in F.DIT_FAMILIES[key].blocks)
     assert accel.stats["region_eager"] == 0 and accel.ran_compiled() == (n, n), accel.stats
 
@@ -138,6 +140,9 @@ def test_flux_compiled_is_eager_with_no_recompiles(compiled_flux):
             ref = F.dit_apply(cm, b, h, w, seed=3)
         _close(out, ref)
         _close(out, F.dit_apply(mp, b, h, w, seed=3))      # the model without the pack
+    # prompts of another length than the warmup's 7 tokens (Flux.1's T5 prompts: 256 and more)
+    for tokens in (77, 300):
+        _close(F.dit_apply(cm, 2, 12, 16, seed=3, tokens=tokens), F.dit_apply(mp, 2, 12, 16, seed=3, tokens=tokens))
     assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
     assert accel.ran_compiled() == (4, 4)
 
@@ -215,10 +220,11 @@ def test_flux_block_replace_and_the_calls_its_body_declines(comfy, compiled_flux
     _close(got[0], want[0], 1e-5)
 
 
-@pytest.mark.parametrize("key", ["chroma", "qwen_image"])
+@pytest.mark.parametrize("key", ["chroma", "qwen_image", "sd35_medium"])
 def test_the_other_block_calls_compiled(comfy, key):
-    """Chroma (modulation handed to each Flux block) and Qwen-Image (its own block, a 5-D latent)
-    compiled: the model's own output over 2 sizes x 2 batches after a warmup of that box, nothing
+    """Chroma (modulation handed to each Flux block), Qwen-Image (its own block, a 5-D latent) and
+    SD3.5 Medium (joint blocks called positionally: one with a second image self-attention, the last
+    one's context half only feeding the attention) compiled: the model's own output over 2 sizes x 2 batches after a warmup of that box, nothing
     compiled after it."""
     fam = F.DIT_FAMILIES[key]
     mp = F.build_dit(fam)
@@ -281,3 +287,156 @@ def test_fp8_flux_runs_compiled_with_comfyuis_cast(comfy):
     assert len(background.BACKGROUND.failures) == failures, background.BACKGROUND.failures
     _close(F.dit_apply(bg, 2, 8, 12, seed=3), F.dit_apply(mp, 2, 8, 12, seed=3))
     assert not patcher.accelerator_of(bg).failed, patcher.accelerator_of(bg).text()
+
+
+def test_an_image_model_refuses_video_frames_before_work(compiled_flux):
+    from unet_compiler.compiler.shapes import ShapeError
+    _, cm, _, _ = compiled_flux
+    with pytest.raises(ShapeError, match="1x64x64x9 gives 9 video frames, but this model makes images"):
+        patcher.warmup_model(cm, "1x64x64, 1x64x64x9", 7)
+
+
+def _wan_block_inputs(block, seed=0, batch=2, n=24, n_txt=7, e_dims=4):
+    g = torch.Generator().manual_seed(seed)
+    d, head = block.dim, block.self_attn.head_dim
+    e = torch.randn(batch, *(1,) * (e_dims - 3), 6, d, generator=g)
+    freqs = torch.randn(1, n, 1, head // 2, 2, 2, generator=g)
+    return torch.randn(batch, n, d, generator=g), e, freqs, torch.randn(batch, 257 + n_txt, d, generator=g)
+
+
+@pytest.mark.parametrize("key", ["wan21_t2v", "wan21_i2v"])
+def test_wan_body_is_the_blocks_own_forward(comfy, key):
+    """Wan's body (uncompiled, behind its shim's split of an image-to-video block's context) gives the
+    block's own forward: modulation of one step as (b, 6, dim) and as (b, 1, 6, dim), and per token."""
+    from unet_compiler.compiler import shims
+    block = F.build_dit(F.DIT_FAMILIES[key]).model.diffusion_model.blocks[0]
+    x, e, freqs, context = _wan_block_inputs(block)
+    per_token = torch.randn(x.shape[0], x.shape[1], 6, block.dim)
+    with torch.inference_mode():
+        for mod in (e, e[:, 0], per_token):
+            want = type(block).forward(block, x.clone(), e=mod, freqs=freqs, context=context, context_img_len=257)
+            given = {"x": x, "e": mod, "freqs": freqs, "context": context, "context_img_len": 257}
+            inputs = shims._dit_inputs(P.WAN_BLOCK, block, given)
+            assert not given and (inputs[-1] is None) == (key == "wan21_t2v")
+            _close(R.wan_block(block, *inputs), want, 1e-5)
+
+
+def test_wan_per_frame_modulation_runs_the_blocks_own_code(comfy):
+    """Modulation per frame (Wan 2.2 TI2V with a start image: ``repeat_e`` spreads each frame's over
+    its tokens) is not the body's: the call runs the block's own forward, counted."""
+    mp = F.build_dit(F.DIT_FAMILIES["wan22_ti2v"])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))      # (nothing compiles: declined)
+    accel = patcher.accelerator_of(cm)
+    block = mp.model.diffusion_model.blocks[0]
+    x, _, freqs, context = _wan_block_inputs(block)
+    e = torch.randn(x.shape[0], 3, 6, block.dim)          # 3 frames of 8 tokens
+    eager0 = accel.stats["region_eager"]
+    with torch.inference_mode(), accel.active():
+        got = block(x.clone(), e=e, freqs=freqs, context=context[:, 257:], context_img_len=None)
+    assert accel.stats["region_eager"] == eager0 + 1
+    with torch.inference_mode():
+        want = type(block).forward(block, x.clone(), e=e, freqs=freqs, context=context[:, 257:], context_img_len=None)
+    _close(got, want, 1e-6)
+
+
+def test_wan_compiled_over_frames_sizes_and_batches(comfy):
+    """Wan 2.1 image-to-video (text and image cross-attention) compiled, Warmup Shapes over
+    ``1x64x64x1, 2x128x96x9`` (a video box: 1 to 9 frames): the model's own output at 2 sizes x 2
+    batches x 3 frame counts inside it, nothing compiled after the warmup, calls named in frames."""
+    fam = F.DIT_FAMILIES["wan21_i2v"]
+    mp = F.build_dit(fam)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    warm = patcher.warmup_model(cm, "1x64x64x1, 2x128x96x9", 7)
+    assert "warmed 1x64x64:" in warm and "warmed 2x128x96x9:" in warm and "recompiles after warmup: 0" in warm, warm
+    g0 = _graphs(accel)
+    for (b, h, w), frames in [(c, f) for c in CASES for f in (None, 5, 9)]:
+        _close(F.dit_apply(cm, b, h, w, seed=3, frames=frames), F.dit_apply(mp, b, h, w, seed=3, frames=frames))
+    assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    assert accel.ran_compiled() == (2, 2)
+
+
+@pytest.mark.parametrize("key", ["sd3_medium", "sd35_medium"])
+def test_joint_body_is_the_blocks_own_forward(comfy, key):
+    """SD3's joint-block body (uncompiled) gives the block's own forward for every block of the model:
+    the plain one, the second image self-attention (SD3.5 Medium's first), the last (no context out)."""
+    dm = F.build_dit(F.DIT_FAMILIES[key]).model.diffusion_model
+    g = torch.Generator().manual_seed(0)
+    width = dm.joint_blocks[0].x_block.attn.qkv.in_features
+    ctx, x, c = (torch.randn(2, 7, width, generator=g), torch.randn(2, 16, width, generator=g),
+                 torch.randn(2, width, generator=g))
+    kinds = set()
+    with torch.inference_mode():
+        for block in dm.joint_blocks:
+            kinds.add((block.context_block.pre_only, block.x_block.x_block_self_attn))
+            want = type(block).forward(block, ctx, x, c=c)
+            got = R.mmdit_joint_block(block, ctx, x, c)
+            assert (got[0] is None) == (want[0] is None)
+            if want[0] is not None:
+                _close(got[0], want[0], 1e-5)
+            _close(got[1], want[1], 1e-5)
+    assert (True, False) in kinds and ((False, True) in kinds) == (key == "sd35_medium")
+
+
+def _flux_sample(model, steps=8, seed=5, reference=False):
+    """KSampler's path (``comfy.sample.sample``, euler / simple, cfg 1: Flux dev's) on an 8x8 latent
+    with a random text embedding, pooled vector and guidance; ``reference``: a Flux Kontext-style
+    reference latent in the conditioning (its tokens join the image's in every block)."""
+    import comfy.sample
+    g = torch.Generator().manual_seed(seed)
+    extra = {"pooled_output": torch.randn(1, 768, generator=g), "guidance": 3.5}
+    if reference:
+        extra["reference_latents"] = [torch.randn(1, 16, 8, 8, generator=g)]
+    pos = [[torch.randn(1, 7, 64, generator=g), extra]]
+    latent = torch.zeros(1, 16, 8, 8)
+    noise = comfy.sample.prepare_noise(latent, seed)
+    with torch.inference_mode():
+        return comfy.sample.sample(model, noise, steps, 1.0, "euler", "simple", pos, pos, latent, seed=seed,
+                                   disable_pbar=True)
+
+
+def test_flux_controlnet_residuals_reference_latents_and_step_caches(comfy, compiled_flux):
+    """What Flux workflows put around the blocks keeps working on the compiled model, inside the warmed
+    range with nothing compiled: ControlNet residuals (ComfyUI's block loop adds them to the compiled
+    blocks' outputs), a Kontext reference latent (longer image token sequences) and the step caches
+    EasyCache and LazyCache (ComfyUI's own nodes; they skip some steps' blocks: fewer block calls)."""
+    from comfy_extras import nodes_easycache as ec
+    mp, cm, _, _ = compiled_flux
+    accel = patcher.accelerator_of(cm)
+    g0 = _graphs(accel)
+    x, sigma, kw = F.dit_inputs(cm, 2, 8, 8, seed=3)
+    g = torch.Generator().manual_seed(4)
+    control = {"input": [torch.randn(2, 16, 32, generator=g), None],
+               "output": [torch.randn(2, 16, 32, generator=g)] * 2}
+    outs = []
+    for m in (cm, mp):
+        F.dit_apply(m, 2, 8, 8)                      # loaded as KSampler loads it
+        with torch.inference_mode():
+            outs.append(m.model.apply_model(x, sigma, control=control,
+                                            transformer_options=patcher.sampling_transformer_options(m), **kw))
+    _close(*outs)
+    with torch.inference_mode():
+        plain = mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
+    assert (outs[1] - plain).abs().max() > 1e-3, "the residuals must change the output"
+    _close(_flux_sample(cm, reference=True), _flux_sample(mp, reference=True))
+    for node in (ec.EasyCacheNode, ec.LazyCacheNode):
+        cached, ref = (node.execute(m, 3.0, 0.15, 0.95, False).result[0] for m in (cm, mp))   # (random weights: reuse a lot)
+        ran = accel.stats["ran_double_block"]
+        _close(_flux_sample(cached), _flux_sample(ref))
+        assert accel.stats["ran_double_block"] - ran < 8 * 2, f"{node.__name__} skipped no step"
+        assert accel.stats["ran_double_block"] > ran, "the steps it ran went through the compiled blocks"
+    assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+
+
+def test_a_video_entry_no_memory_holds_is_refused_before_work(comfy, monkeypatch):
+    """Warmup Shapes' memory floor for a DiT: 3 x its hidden width over the entry's tokens (Wan: 4
+    frames a latent frame, 8 px a cell, 2x2 cells a token), naming the entry, before anything runs."""
+    import comfy.model_management
+    from unet_compiler.compiler.shapes import ShapeError
+    mp = F.build_dit(F.DIT_FAMILIES["wan21_t2v"])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    monkeypatch.setattr(comfy.model_management, "get_free_memory", lambda *a, **k: 64 * 2**20)
+    # 81 frames of 1280x720: 21 latent frames x 45 x 80 tokens x 256 wide x 3 x fp32 = 221 MiB
+    with pytest.raises(ShapeError, match=r"entry 1x1280x720x81 needs at least 221 MiB of activations"):
+        patcher.warmup_model(cm, "1x64x64, 1x1280x720x81", 7)
+    assert patcher.accelerator_of(cm).stats["graphs_compiled"] == 0
