@@ -502,6 +502,13 @@ _SD3_MEDIUM = {"in_channels": 16, "patch_size": 2, "out_channels": 16, "depth": 
 TINY_SD3 = {"depth": 2, "num_patches": 256, "pos_embed_max_size": 16,
             "context_embedder_config": {"target": "torch.nn.Linear", "params": {"in_features": 4096, "out_features": 128}}}
 
+#: HunyuanVideo (t2v) as detect_unet_config derives it (Flux's stream blocks, 3-D patches)
+_HUNYUAN_VIDEO = {"image_model": "hunyuan_video", "in_channels": 16, "patch_size": [1, 2, 2], "out_channels": 16,
+                  "vec_in_dim": 768, "axes_dim": [16, 56, 56], "meanflow": False, "context_in_dim": 4096,
+                  "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 20, "depth_single_blocks": 40,
+                  "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True,
+                  "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+
 DIT_FAMILIES = {f.key: f for f in [
     DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance", tiny=TINY_FLUX),
     DitFamily("flux_schnell", "Flux.1 schnell", "FluxSchnell", dict(_FLUX_DEV, guidance_embed=False),
@@ -527,6 +534,9 @@ DIT_FAMILIES = {f.key: f for f in [
                                                           x_block_self_attn_layers=list(range(13))),
               conds="CLIP-L/G + T5 text, pooled CLIP; a second image self-attention in the first 13 blocks",
               tiny=dict(TINY_SD3, x_block_self_attn_layers=[0]), constants=(), blocks=(("joint_block", "depth"),)),
+    DitFamily("hunyuan_video", "HunyuanVideo", "HunyuanVideo", _HUNYUAN_VIDEO,
+              conds="LLaVA-Llama text + CLIP pooled + guidance", video=True, constants=("axes_dim",),
+              tiny={"hidden_size": 256, "num_heads": 2, "depth": 2, "depth_single_blocks": 2}),
     DitFamily("wan21_t2v", "Wan 2.1 T2V", "WAN21_T2V", _WAN21_T2V, conds="UMT5 text", tiny=TINY_WAN,
               constants=(), blocks=(("wan_block", "num_layers"),), video=True),
     DitFamily("wan21_i2v", "Wan 2.1 I2V", "WAN21_I2V", dict(_WAN21_T2V, in_dim=36, model_type="i2v"),
@@ -599,8 +609,10 @@ DIT_NOT_YET = (
     ("Wan 2.x VACE, S2V, HuMo, Animate", "comfy.ldm.wan", "their main blocks are Wan's own (regions, untested); "
                                                         "the extra blocks (VACE's, audio ones) override its forward "
                                                         "and run as given"),
-    ("HunyuanVideo", "comfy.ldm.hunyuan_video", "its Flux stream blocks are regions (not tested yet: no tiny "
-                                                "build of it here); its token refiner and the rest run as given"),
+    ("HunyuanVideo I2V, 1.5", "comfy.ldm.hunyuan_video", "the stream blocks are regions (HunyuanVideo's row); "
+                                                        "image conditioning per token (modulation_dims) and a "
+                                                        "padded prompt's text mask run the block's own code; "
+                                                        "untested"),
     ("AuraFlow, Lumina 2, HiDream, LTX-Video, Cosmos, PixArt, HunyuanDiT, Kandinsky 5, Omnigen 2, ACE",
      "comfy.ldm.*", "no body for their blocks yet"),
 )

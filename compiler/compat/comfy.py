@@ -106,6 +106,7 @@ def is_video(base_model) -> bool:
 def dit_context_width(model) -> int | None:
     """The width of a DiT's text conditioning (``c_crossattn``'s last dim), or None when unknown."""
     txt_in = getattr(model, "txt_in", None) or getattr(model, "context_embedder", None)    # Flux's, SD3's
+    txt_in = getattr(txt_in, "input_embedder", txt_in)     # HunyuanVideo: a token refiner
     if txt_in is None:                              # Wan: text_embedding = Sequential(Linear, GELU, Linear)
         txt_in = next(iter(getattr(model, "text_embedding", None) or ()), None)
     width = getattr(txt_in, "in_features", None)

@@ -180,6 +180,13 @@ def test_flux_lora_after_compile_and_a_strength_change(comfy, compiled_flux):
         _close(F.dit_apply(after, 2, 8, 8), want)
     assert _graphs(accel) == g0, "a LoRA or its strength compiles nothing"
     _close(F.dit_apply(cm, 2, 8, 8), plain)           # and the model without it is back
+    before = mp.clone()                               # a LoRA before Compile UNet
+    before.add_patches(patches, 0.5)
+    compiled_after, _ = patcher.compile_model(before, CompileConfig(backend="inductor"))
+    ref = mp.clone()
+    ref.add_patches(patches, 0.5)
+    _close(F.dit_apply(compiled_after, 2, 8, 8), F.dit_apply(ref, 2, 8, 8))
+    assert patcher.accelerator_of(compiled_after).ran_compiled() == (4, 4)
 
 
 def test_flux_block_replace_and_the_calls_its_body_declines(comfy, compiled_flux):
@@ -352,8 +359,27 @@ def test_wan_compiled_over_frames_sizes_and_batches(comfy):
     g0 = _graphs(accel)
     for (b, h, w), frames in [(c, f) for c in CASES for f in (None, 5, 9)]:
         _close(F.dit_apply(cm, b, h, w, seed=3, frames=frames), F.dit_apply(mp, b, h, w, seed=3, frames=frames))
+    # ComfyUI's ScaleROPE node (RoPE positions scaled / shifted: other freqs, same shapes) and a
+    # patches_replace["dit"] block replace around the compiled block
+    from comfy_extras.nodes_rope import ScaleROPE
+
+    def replace(args, extra):
+        return {"img": extra["original_block"](args)["img"] * 0.9}
+    plain = F.dit_apply(mp, 2, 8, 8, seed=3, frames=9)
+    for patch in (lambda m: ScaleROPE.execute(m, 1.5, 2.0, 1.0, 0.0, 0.5, 1.0).result[0],
+                  lambda m: _replaced(m, replace, block=0)):   # (Wan's head norms the last block's scale away)
+        patched, ref = patch(cm), patch(mp)
+        want = F.dit_apply(ref, 2, 8, 8, seed=3, frames=9)
+        assert (want - plain).abs().max() > 1e-4, "the patch must change the output"
+        _close(F.dit_apply(patched, 2, 8, 8, seed=3, frames=9), want)
     assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
-    assert accel.ran_compiled() == (2, 2)
+    assert accel.ran_compiled() == (2, 2) and accel.stats["region_eager"] == 0, accel.stats
+
+
+def _replaced(model, replace, block=1):
+    m = model.clone()
+    m.set_model_patch_replace(replace, "dit", "double_block", block)
+    return m
 
 
 @pytest.mark.parametrize("key", ["sd3_medium", "sd35_medium"])
