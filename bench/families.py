@@ -569,10 +569,12 @@ def build_dit(fam: DitFamily, seed: int = 0, dtype=torch.float32, **over):
     return comfy.model_patcher.ModelPatcher(base, load_device=dev, offload_device=dev)
 
 
-def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, frames: int | None = None):
+def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, frames: int | None = None,
+               reference: bool = False):
     """(x, sigma, kwargs for apply_model) at latent size h x w (and ``frames`` video frames), with the
     conds the model's own ``extra_conds`` builds from a random text embedding, pooled vector and
-    CLIP vision tokens (an image-to-video model reads them), batched as the sampler does."""
+    CLIP vision tokens (an image-to-video model reads them), batched as the sampler does;
+    ``reference``: a reference latent of the same size too (Flux Kontext's, Qwen-Image edit's)."""
     from types import SimpleNamespace
 
     from ..compiler.compat.comfy import dit_context_width, dit_pooled_width, latent_frames
@@ -582,7 +584,8 @@ def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, f
     with torch.inference_mode():
         x = torch.randn(batch, base.latent_format.latent_channels, *latent_frames(base, frames), h, w, generator=g)
         vision = SimpleNamespace(penultimate_hidden_states=torch.randn(batch, 257, 1280, generator=g))
-        conds = base.extra_conds(noise=x, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8,
+        more = {"reference_latents": [torch.randn(x[:1].shape, generator=g)]} if reference else {}
+        conds = base.extra_conds(**more, noise=x, device=torch.device("cpu"), seed=seed, width=w * 8, height=h * 8,
                                  cross_attn=torch.randn(batch, tokens, width, generator=g),
                                  pooled_output=torch.randn(batch, dit_pooled_width(base.diffusion_model) or 768,
                                                            generator=g), clip_vision_output=vision)
@@ -590,13 +593,14 @@ def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, f
     return x, torch.full((batch,), 0.7), out
 
 
-def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None = None, tokens: int = 7):
+def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None = None, tokens: int = 7,
+              reference: bool = False):
     """One sampling-style apply_model call of a DiT, loaded as KSampler loads it (its weight patches
     applied) and with the patcher's wrappers merged in as KSampler does."""
     import comfy.model_management
     from ..nodes import patcher
     comfy.model_management.load_models_gpu([mp])
-    x, sigma, kw = dit_inputs(mp, batch, h, w, seed, tokens=tokens, frames=frames)
+    x, sigma, kw = dit_inputs(mp, batch, h, w, seed, tokens=tokens, frames=frames, reference=reference)
     with torch.inference_mode():
         return mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
 

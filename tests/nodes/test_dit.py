@@ -243,6 +243,10 @@ def test_the_other_block_calls_compiled(comfy, key):
     g0 = _graphs(accel)
     for b, h, w in CASES:
         _close(F.dit_apply(cm, b, h, w, seed=3), F.dit_apply(mp, b, h, w, seed=3))
+    if key == "qwen_image":        # Qwen-Image edit: a reference latent's tokens join the image's
+        want = F.dit_apply(mp, 2, 8, 8, seed=3, reference=True)
+        assert (want - F.dit_apply(mp, 2, 8, 8, seed=3)).abs().max() > 1e-3
+        _close(F.dit_apply(cm, 2, 8, 8, seed=3, reference=True), want)
     assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
 
 
