@@ -47,7 +47,10 @@ class Ops:
         """Rotary embedding of ``x`` (..., d) by Flux-style ``freqs`` (..., d/2, 2, 2) broadcast to it
         (Flux: x (b, heads, n, d), freqs (b or 1, 1, n, d/2, 2, 2); Wan: x (b, n, heads, d), freqs
         (1, n, 1, d/2, 2, 2)): each pair (x0, x1) becomes ``freqs[..., 0] * x0 + freqs[..., 1] * x1``
-        in freqs' dtype."""
+        in freqs' dtype. Freqs longer than x's tokens on dim 2 are cut to them, as ComfyUI's
+        ``apply_rope1`` (comfy-kitchen) does."""
+        if x.ndim > 2 and freqs.ndim > 2 and x.shape[2] != 1 and freqs.shape[2] > x.shape[2]:
+            freqs = freqs[:, :, :x.shape[2]]
         x_ = x.to(dtype=freqs.dtype).reshape(*x.shape[:-1], -1, 1, 2)
         out = freqs[..., 0] * x_[..., 0] + freqs[..., 1] * x_[..., 1]
         return out.reshape(*x.shape).type_as(x)

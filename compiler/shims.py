@@ -90,6 +90,9 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         rest = {k: v for k, v in bound.items() if k != first}      # the own forward's call, less its first input
+        # contiguous copies of strided views (Wan's first block gets its tokens transposed, a patch may
+        # hand a slice): their strides would be guards, another stride another variant to compile
+        inputs = tuple(t.contiguous() if isinstance(t, torch.Tensor) else t for t in inputs)
         return run()(kind, impl, module, original, inputs, rest, casts)
     return shim
 
@@ -135,8 +138,7 @@ def _wan_inputs(module, given, x, e, freqs, context) -> tuple | None:
     if e.ndim >= 4 and e.shape[1] not in (1, x.shape[1]):
         return None
     if hasattr(module.cross_attn, "k_img"):           # WanI2VCrossAttention (the planner checked the class)
-        # contiguous copies (a few hundred tokens): views at an offset would make their strides guards
-        return x, e, freqs, context[:, n_img:].contiguous(), context[:, :n_img].contiguous()
+        return x, e, freqs, context[:, n_img:], context[:, :n_img]
     return x, e, freqs, context, None
 
 

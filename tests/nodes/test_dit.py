@@ -428,8 +428,9 @@ def _flux_sample(model, steps=8, seed=5, reference=False):
 def test_flux_controlnet_residuals_reference_latents_and_step_caches(comfy, compiled_flux):
     """What Flux workflows put around the blocks keeps working on the compiled model, inside the warmed
     range with nothing compiled: ControlNet residuals (ComfyUI's block loop adds them to the compiled
-    blocks' outputs), a Kontext reference latent (longer image token sequences) and the step caches
-    EasyCache and LazyCache (ComfyUI's own nodes; they skip some steps' blocks: fewer block calls)."""
+    blocks' outputs), a Kontext reference latent (longer image token sequences), a "post_input"
+    patch (a shorter text) and the step caches EasyCache and LazyCache (ComfyUI's own nodes; they
+    skip some steps' blocks: fewer block calls)."""
     from comfy_extras import nodes_easycache as ec
     mp, cm, _, _ = compiled_flux
     accel = patcher.accelerator_of(cm)
@@ -449,6 +450,17 @@ def test_flux_controlnet_residuals_reference_latents_and_step_caches(comfy, comp
         plain = mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
     assert (outs[1] - plain).abs().max() > 1e-3, "the residuals must change the output"
     _close(_flux_sample(cm, reference=True), _flux_sample(mp, reference=True))
+    # a transformer_options patch Flux's loop runs before its blocks (PuLID-style "post_input")
+
+    def post_input(args):
+        return dict(args, img=args["img"] * 1.1, txt=args["txt"][:, :5], txt_ids=args["txt_ids"][:, :5])
+    patched = []
+    for m in (cm, mp):
+        m = m.clone()
+        m.set_model_patch(post_input, "post_input")
+        patched.append(F.dit_apply(m, 2, 8, 8, seed=3))
+    assert (patched[1] - F.dit_apply(mp, 2, 8, 8, seed=3)).abs().max() > 1e-3
+    _close(*patched)
     for node in (ec.EasyCacheNode, ec.LazyCacheNode):
         cached, ref = (node.execute(m, 3.0, 0.15, 0.95, False).result[0] for m in (cm, mp))   # (random weights: reuse a lot)
         ran = accel.stats["ran_double_block"]
@@ -470,3 +482,15 @@ def test_a_video_entry_no_memory_holds_is_refused_before_work(comfy, monkeypatch
     with pytest.raises(ShapeError, match=r"entry 1x1280x720x81 needs at least 221 MiB of activations"):
         patcher.warmup_model(cm, "1x64x64, 1x1280x720x81", 7)
     assert patcher.accelerator_of(cm).stats["graphs_compiled"] == 0
+
+
+def test_rope_cuts_longer_freqs_as_comfyuis_does(comfy):
+    """Ops.rope gives ComfyUI's ``apply_rope1``, also where freqs hold more positions than x (cut)."""
+    from comfy.ldm.flux.math import apply_rope1
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 10, 16, generator=g)
+    for n in (10, 14):
+        freqs = torch.randn(2, 1, n, 8, 2, 2, generator=g)
+        if n > 10 and not getattr(apply_rope1, "__module__", "").startswith("comfy_kitchen"):
+            continue        # (ComfyUI's own fallback raises there)
+        _close(R.TORCH_OPS.rope(x, freqs), apply_rope1(x, freqs), 1e-6)
