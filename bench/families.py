@@ -613,12 +613,23 @@ DIT_NOT_YET = (
     ("Wan 2.x VACE, S2V, HuMo, Animate", "comfy.ldm.wan", "their main blocks are Wan's own (regions, untested); "
                                                         "the extra blocks (VACE's, audio ones) override its forward "
                                                         "and run as given"),
-    ("HunyuanVideo I2V, 1.5", "comfy.ldm.hunyuan_video", "the stream blocks are regions (HunyuanVideo's row); "
+    ("HunyuanVideo I2V", "comfy.ldm.hunyuan_video", "the stream blocks are regions (HunyuanVideo's row); "
                                                         "image conditioning per token (modulation_dims) and a "
                                                         "padded prompt's text mask run the block's own code; "
                                                         "untested"),
-    ("AuraFlow, Lumina 2, HiDream, LTX-Video, Cosmos, PixArt, HunyuanDiT, Kandinsky 5, Omnigen 2, ACE",
-     "comfy.ldm.*", "no body for their blocks yet"),
+    ("AuraFlow", "comfy.ldm.aura", "no body for its MMDiT / DiT blocks yet"),
+    ("Lumina 2, Z-Image", "comfy.ldm.lumina", "no body for its JointTransformerBlock yet"),
+    ("HiDream", "comfy.ldm.hidream", "no body for its blocks yet (mixture-of-experts feed-forward)"),
+    ("LTX-Video", "comfy.ldm.lightricks", "no body for its BasicTransformerBlock yet"),
+    ("Mochi", "comfy.ldm.genmo", "no body for its AsymmetricJointBlock yet"),
+    ("Cosmos, Cosmos Predict 2", "comfy.ldm.cosmos", "no body for its blocks yet"),
+    ("PixArt, HunyuanDiT", "comfy.ldm.pixart, comfy.ldm.hydit", "no body for their blocks yet"),
+    ("Kandinsky 5", "comfy.ldm.kandinsky5", "no body for its blocks yet"),
+    ("Omnigen 2", "comfy.ldm.omnigen", "no body for its blocks yet"),
+    ("HunyuanImage 2.1, HunyuanVideo 1.5", "comfy.ldm.hunyuan_video",
+     "their stream blocks are regions, untested (byT5 / vision inputs around them)"),
+    ("ACE-Step, Stable Audio, Hunyuan3D", "comfy.ldm.ace, comfy.ldm.audio, comfy.ldm.hunyuan3d*",
+     "audio and 3-D models: no body for their blocks; Warmup Shapes' BxWxH(xF) entries are image and video shapes"),
 )
 
 

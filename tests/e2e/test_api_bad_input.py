@@ -8,9 +8,9 @@ Each case ends one of three ways, the earliest that can know:
 - ``fail``: the prompt runs and fails in the pack's node with a message naming the input and the fix
   (values ComfyUI does not check: a link's value, a value typed where a link belongs), before any
   tensor is allocated;
-- ``eager``: the prompt runs and the model runs as loaded (a model family the pack does not
-  accelerate: "nothing to compile, running eager"; an SD UNet of unusual shape on the eager
-  backend), with the same latent as without the pack.
+- ``eager``: the prompt runs and the model runs as loaded (an SD UNet of unusual shape on the eager
+  backend), with the same latent as without the pack; the tiny SD3 the cases load runs compiled
+  (Compile UNet at its defaults), with the latent of plain ComfyUI.
 
 After them the server is alive and a plain eager txt2img gives the latent it gave before them.
 Executing cases use tiny models (a depth-1 SD3 MMDiT and a one-level SD1.5 UNet, built once with
@@ -41,6 +41,8 @@ _helpers = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_helpers)
 txt2img_prompt, the_latent, relative_l2 = _helpers.txt2img_prompt, _helpers.the_latent, _helpers.relative_l2
 MAX_EAGER_RERUN_REL_L2 = _helpers.MAX_EAGER_RERUN_REL_L2   # 1e-6
+#: compiled vs plain ComfyUI's latent (fp16 weights, fp32 compute on CPU; one sampler step)
+MAX_COMPILED_REL_L2 = 1e-4
 
 SD3_NAME = "unet_compiler_tiny_sd3_mmdit.safetensors"
 ONE_LEVEL_NAME = "unet_compiler_tiny_sd15_one_level.safetensors"
@@ -350,20 +352,19 @@ def _text(entry, node) -> str:
     return "\n".join(map(str, (entry.get("outputs") or {}).get(node, {}).get("text") or []))
 
 
-def test_a_model_family_the_pack_does_not_know_runs_eager(comfy_server, sd15_checkpoint, tiny_models):
-    """SD3's MMDiT (UNETLoader): Compile UNet (auto) says "nothing to compile, running eager" and
-    Warmup Shapes has nothing to warm; KSampler gives the latent it gives without the pack."""
+def test_sd3_from_unetloader_runs_compiled(comfy_server, sd15_checkpoint, tiny_models):
+    """SD3's MMDiT (UNETLoader, one joint block): Compile UNet (auto) picks inductor for the DiT,
+    Warmup Shapes compiles its block, and KSampler gives the latent it gives without the pack.
+    (A family the pack has no body for runs eager, saying so: tests/nodes/test_families.py.)"""
     ckpt, unet = sd15_checkpoint.name, tiny_models["sd3"]
     _, plain = _ran(comfy_server, tiny_prompt(ckpt, unet, "sd3_plain", pack=False))
     entry, packed = _ran(comfy_server, tiny_prompt(ckpt, unet, "sd3_pack", pack=True, backend=None))
     compiled, warmed = _text(entry, COMPILE), _text(entry, WARMUP)
-    assert "status: eager: nothing to compile, running eager: comfy.ldm.modules.diffusionmodules.mmdit." in compiled, (
-        compiled)
-    assert compiled.startswith("UNet Compiler: backend eager (asked auto)"), compiled   # no compiler resolved
-    assert "is neither ComfyUI's openaimodel.UNetModel" in compiled and "Fix:" not in compiled, compiled
-    assert "nothing to warm up (1 shape(s) skipped)" in warmed, warmed
+    assert compiled.startswith("UNet Compiler: backend inductor (asked auto)") and "comfy DiT" in compiled, compiled
+    assert "accelerated regions: joint_block x1" in compiled, compiled
+    assert "1 of 1 regions ran compiled code" in warmed and "recompiles after warmup: 0" in warmed, warmed
     assert plain.shape == packed.shape == (1, 16, 8, 8), (plain.shape, packed.shape)
-    assert relative_l2(packed, plain) <= MAX_EAGER_RERUN_REL_L2
+    assert relative_l2(packed, plain) <= MAX_COMPILED_REL_L2, relative_l2(packed, plain)
 
 
 def test_an_sd_unet_of_unusual_shape_runs(comfy_server, sd15_checkpoint, tiny_models):

@@ -215,21 +215,17 @@ def _inductor_family(fam, cases, backend="inductor"):
 
 
 def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
-    """A ComfyUI diffusion model that is not openaimodel.UNetModel (here SD3's MMDiT) is no
-    crash: the clone runs eager and the report says so and why."""
+    """A ComfyUI diffusion model the pack has no body for (here AuraFlow's MMDiT) is no crash: the
+    clone runs eager and the report says so and why."""
     import comfy.model_patcher
     import comfy.supported_models as sm
-    cfg = sm.SD3({"in_channels": 16, "out_channels": 16, "patch_size": 2, "depth": 2, "num_patches": 64,
-                  "pos_embed_max_size": 8, "adm_in_channels": 32, "pos_embed_scaling_factor": None,
-                  "context_embedder_config": {"target": "torch.nn.Linear",
-                                              "params": {"in_features": 32, "out_features": 128}}})
+    cfg = sm.AuraFlow({"cond_seq_dim": 32, "max_seq": 64, "n_double_layers": 1, "n_layers": 2, "dim": 64,
+                       "n_heads": 2, "global_conddim": 64})
     base = cfg.get_model({})
     F.init_random(base.diffusion_model)
-    with torch.no_grad():
-        base.diffusion_model.pos_embed.copy_(0.1 * torch.randn(base.diffusion_model.pos_embed.shape))  # left empty
     mp = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
-    x, ctx, y = torch.randn(1, 16, 8, 8, generator=g), torch.randn(1, 7, 32, generator=g), torch.randn(1, 32, generator=g)
+    x, ctx, y = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 7, 32, generator=g), None
 
     def run(m):
         with torch.inference_mode():
@@ -239,7 +235,7 @@ def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
     cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     _close(run(cm), ref, tol=0)
     assert "accelerated regions: none (everything runs eager)" in text
-    assert "comfy.ldm.modules.diffusionmodules.mmdit." in text
+    assert "comfy.ldm.aura.mmdit." in text
     assert "is neither ComfyUI's openaimodel.UNetModel" in text
     # eager by design, not a fallback: no backend resolved, nothing for the user to fix
     assert "UNet Compiler: backend eager (asked inductor)" in text
