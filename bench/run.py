@@ -397,8 +397,9 @@ def compat(args):
                                                   log=log)))
     if getattr(args, "only", "") != "patches" and not getattr(args, "families", None):
         print(f"\nCompatibility: ComfyUI's diffusion transformers at tiny widths, random weights, {backend}, Warmup "
-              f"Shapes over 1x64x64 and 2x128x96, then batches 1 and 2 at both sizes, compiled vs the model's own "
-              f"code on the same inputs; recompiles counted over those four calls")
+              f"Shapes over 1x64x64 and 2x128x96 (video: 1x64x64x1 and 2x128x96x9), then batches 1 and 2 at both "
+              f"sizes (video: each at 1 and 9 frames), compiled vs the model's own code on the same inputs; "
+              f"recompiles counted over those calls")
         print(families.table(families.dit_compat_rows(backend, log=log)))
         print(families.dit_not_yet_table())
     if getattr(args, "only", "") != "families":
