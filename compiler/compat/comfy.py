@@ -25,45 +25,38 @@ def classes() -> dict:
     }
 
 
+def _loaded(load) -> dict:
+    """``load()`` (a dict of ComfyUI classes, imported by literal names), or {} where this ComfyUI lacks
+    them or cannot import them here."""
+    if "comfy" not in sys.modules:
+        return {}
+    try:
+        return load()
+    except Exception:
+        return {}
+
+
 def dit_classes() -> dict:
     """ComfyUI's DiT block classes whose forward the pack has a body for, by region kind:
     {kind: class}. Empty when ComfyUI is not loaded (or this ComfyUI lacks them)."""
-    if "comfy" not in sys.modules:
-        return {}
-    out = {}
-    try:
-        flux = importlib.import_module("comfy.ldm.flux.layers")
-        out.update(double_block=flux.DoubleStreamBlock, single_block=flux.SingleStreamBlock)
-    except Exception:      # this ComfyUI lacks it, or cannot import it here
-        pass
-    try:
-        qwen = importlib.import_module("comfy.ldm.qwen_image.model")
-        out.update(qwen_image_block=qwen.QwenImageTransformerBlock)
-    except Exception:
-        pass
-    try:
-        wan = importlib.import_module("comfy.ldm.wan.model")
-        out.update(wan_block=wan.WanAttentionBlock)
-    except Exception:
-        pass
-    try:
-        mmdit = importlib.import_module("comfy.ldm.modules.diffusionmodules.mmdit")
-        out.update(joint_block=mmdit.JointBlock)
-    except Exception:
-        pass
-    return out
+    def flux():
+        m = importlib.import_module("comfy.ldm.flux.layers")
+        return {"double_block": m.DoubleStreamBlock, "single_block": m.SingleStreamBlock}
+    return {**_loaded(flux),
+            **_loaded(lambda: {"qwen_image_block": importlib.import_module(
+                "comfy.ldm.qwen_image.model").QwenImageTransformerBlock}),
+            **_loaded(lambda: {"wan_block": importlib.import_module("comfy.ldm.wan.model").WanAttentionBlock}),
+            **_loaded(lambda: {"joint_block": importlib.import_module(
+                "comfy.ldm.modules.diffusionmodules.mmdit").JointBlock})}
 
 
 def wan_parts() -> dict:
     """The attention classes of a Wan block the pack's body reads: {"self": WanSelfAttention,
     "cross": (WanT2VCrossAttention, WanI2VCrossAttention)}. Empty when ComfyUI lacks them."""
-    if "comfy" not in sys.modules:
-        return {}
-    try:
+    def load():
         wan = importlib.import_module("comfy.ldm.wan.model")
         return {"self": wan.WanSelfAttention, "cross": (wan.WanT2VCrossAttention, wan.WanI2VCrossAttention)}
-    except Exception:
-        return {}
+    return _loaded(load)
 
 
 #: pixels per latent cell of the ComfyUI latent formats whose VAE is not SD's 8 (by class name:
