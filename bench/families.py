@@ -594,13 +594,18 @@ def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, f
 
 
 def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None = None, tokens: int = 7,
-              reference: bool = False):
+              reference: bool = False, **more):
     """One sampling-style apply_model call of a DiT, loaded as KSampler loads it (its weight patches
-    applied) and with the patcher's wrappers merged in as KSampler does."""
+    applied) and with the patcher's wrappers merged in as KSampler does; ``more``: further
+    conditioning (``denoise_mask=True``: image-to-video's mask of the latent's size, its first frame 0)."""
     import comfy.model_management
     from ..nodes import patcher
     comfy.model_management.load_models_gpu([mp])
     x, sigma, kw = dit_inputs(mp, batch, h, w, seed, tokens=tokens, frames=frames, reference=reference)
+    if more.get("denoise_mask") is True:      # image-to-video's: the first latent frame is the given image
+        more["denoise_mask"] = torch.ones_like(x[:, :1])
+        more["denoise_mask"][:, :, :1] = 0
+    kw.update(more)
     with torch.inference_mode():
         return mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
 

@@ -276,8 +276,8 @@ def qwen_image_block(block, img, txt, temb, pe, *, ops: Ops = TORCH_OPS):
 
 def wan_block(block, x, e, freqs, context, context_img, *, ops: Ops = TORCH_OPS):
     """ComfyUI's WanAttentionBlock.forward with Wan's own attention classes (the planner checks them)
-    and a modulation ``e`` of one step for all tokens ((b, 6, dim), or (b, 1 or n, 6, dim); the shim
-    sends per-frame modulation to the block's own forward). ``context_img``: the image tokens an
+    and a modulation ``e`` of one step for all tokens ((b, 6, dim), or (b, 1 or n, 6, dim)) or one
+    per frame ((b, frames, 6, dim): Wan 2.2 TI2V with a start image; frames divide the tokens). ``context_img``: the image tokens an
     image-to-video block's cross-attention reads (the shim splits them off ``context``), None for
     text-to-video. The block's ``modulation`` parameter is cast to x as ComfyUI's ``cast_to`` does."""
     mod = block.modulation.to(device=x.device, dtype=x.dtype)
@@ -285,20 +285,38 @@ def wan_block(block, x, e, freqs, context, context_img, *, ops: Ops = TORCH_OPS)
     x = x.contiguous()
     sa = block.self_attn
     b, n, heads, d = x.shape[0], x.shape[1], sa.num_heads, sa.head_dim
-    h = torch.addcmul(e[0], block.norm1(x), 1 + e[1])
+    frames, tokens = _wan_frames(e[0].shape[1], b, n)
+    if frames is not None:           # one modulation per frame: each over its frame's tokens
+        e = [t.unsqueeze(2) for t in e]
+    else:
+        frames = tokens = _same
+    h = tokens(torch.addcmul(e[0], frames(block.norm1(x)), 1 + e[1]))
     q = ops.rope(sa.norm_q(sa.q(h)).view(b, n, heads, d), freqs)
     k = ops.rope(sa.norm_k(sa.k(h)).view(b, n, heads, d), freqs)
     v = sa.v(h).view(b, n, heads, d)
     y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(b, n, heads * d)
-    x = torch.addcmul(x, sa.o(y), e[2])
+    x = tokens(torch.addcmul(frames(x), frames(sa.o(y)), e[2]))
     ca = block.cross_attn
     q = ca.norm_q(ca.q(block.norm3(x)))
     y = attend(q, ca.norm_k(ca.k(context)), ca.v(context), ca.num_heads, ops=ops)
     if context_img is not None:
         y = y + attend(q, ca.norm_k_img(ca.k_img(context_img)), ca.v_img(context_img), ca.num_heads, ops=ops)
     x = x + ca.o(y)
-    y = block.ffn(torch.addcmul(e[3], block.norm2(x), 1 + e[4]))
-    return torch.addcmul(x, y, e[5])
+    y = block.ffn(tokens(torch.addcmul(e[3], frames(block.norm2(x)), 1 + e[4])))
+    return tokens(torch.addcmul(frames(x), frames(y), e[5]))
+
+
+def _same(t):
+    return t
+
+
+def _wan_frames(m, b, n):
+    """For a Wan modulation of ``m`` rows over ``n`` tokens: (None, None) when it is one row or one per
+    token; else m frames of n / m tokens each (the shim checks m divides n; ComfyUI's ``repeat_e``
+    repeats each row over its frame's tokens): views (b, n, c) -> (b, m, n / m, c) and back."""
+    if m == 1 or m == n:
+        return None, None
+    return (lambda t: t.view(b, m, n // m, t.shape[-1])), (lambda t: t.reshape(b, n, t.shape[-1]))
 
 
 def _mmdit_qkv(attn, x):

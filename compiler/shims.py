@@ -130,12 +130,12 @@ def _dit_inputs(kind, module, given) -> tuple | None:
 
 def _wan_inputs(module, given, x, e, freqs, context) -> tuple | None:
     """A Wan block's inputs (x, e, freqs, context, context_img): an image-to-video block's context
-    split at ``context_img_len`` as its cross-attention splits it. None for modulation per frame
-    (Wan 2.2 TI2V with an image: ``repeat_e`` spreads it over each frame's tokens)."""
+    split at ``context_img_len`` as its cross-attention splits it. None for modulation rows that do
+    not divide the tokens (``repeat_e`` then cuts its last frame short: the block's own code)."""
     n_img = given.pop("context_img_len", 257)
     if not all(isinstance(t, torch.Tensor) for t in (x, e, freqs, context)) or x.dim() != 3:
         return None
-    if e.ndim >= 4 and e.shape[1] not in (1, x.shape[1]):
+    if e.ndim >= 4 and x.shape[1] % e.shape[1]:
         return None
     if hasattr(module.cross_attn, "k_img"):           # WanI2VCrossAttention (the planner checked the class)
         return x, e, freqs, context[:, n_img:], context[:, :n_img]

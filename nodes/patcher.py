@@ -284,10 +284,25 @@ class SamplingCall:
             c["transformer_options"] = to
             timestep = torch.cat([sigma] * chunks)
             wrapper = self.model.model_options.get("model_function_wrapper") if patched else None
-            if wrapper is not None:
-                return wrapper(base.apply_model, {"input": x, "timestep": timestep, "c": c,
-                                                  "cond_or_uncond": cond_or_uncond})
-            return base.apply_model(x, timestep, **c)
+
+            def call(**more):
+                if wrapper is not None:
+                    return wrapper(base.apply_model, {"input": x, "timestep": timestep, "c": dict(c, **more),
+                                                      "cond_or_uncond": cond_or_uncond})
+                return base.apply_model(x, timestep, **c, **more)
+            if _per_frame_timesteps(base, x):
+                # image-to-video's per-frame timesteps (its denoise mask; Wan 2.2 TI2V): another variant
+                # of the blocks, warmed too (the mask's values do not matter, its shape does)
+                call(denoise_mask=torch.ones_like(x[:, :1]))
+            return call()
+
+
+def _per_frame_timesteps(base, x) -> bool:
+    """Whether the model turns a denoise mask into a timestep per latent frame (its own
+    ``process_timestep``, as Wan 2.2's) and ``x`` has several frames."""
+    import comfy.model_base
+    own = getattr(type(base), "process_timestep", None) is not comfy.model_base.BaseModel.process_timestep
+    return own and x.dim() == 5 and x.shape[2] > 1
 
 
 def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False):

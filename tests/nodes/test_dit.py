@@ -318,13 +318,15 @@ def _wan_block_inputs(block, seed=0, batch=2, n=24, n_txt=7, e_dims=4):
 @pytest.mark.parametrize("key", ["wan21_t2v", "wan21_i2v"])
 def test_wan_body_is_the_blocks_own_forward(comfy, key):
     """Wan's body (uncompiled, behind its shim's split of an image-to-video block's context) gives the
-    block's own forward: modulation of one step as (b, 6, dim) and as (b, 1, 6, dim), and per token."""
+    block's own forward: modulation of one step as (b, 6, dim) and as (b, 1, 6, dim), per token, and
+    per frame (Wan 2.2 TI2V's image-to-video: each frame's over its tokens)."""
     from unet_compiler.compiler import shims
     block = F.build_dit(F.DIT_FAMILIES[key]).model.diffusion_model.blocks[0]
     x, e, freqs, context = _wan_block_inputs(block)
     per_token = torch.randn(x.shape[0], x.shape[1], 6, block.dim)
+    per_frame = torch.randn(x.shape[0], 3, 6, block.dim)          # 3 frames of 8 tokens
     with torch.inference_mode():
-        for mod in (e, e[:, 0], per_token):
+        for mod in (e, e[:, 0], per_token, per_frame):
             want = type(block).forward(block, x.clone(), e=mod, freqs=freqs, context=context, context_img_len=257)
             given = {"x": x, "e": mod, "freqs": freqs, "context": context, "context_img_len": 257}
             inputs = shims._dit_inputs(P.WAN_BLOCK, block, given)
@@ -332,15 +334,29 @@ def test_wan_body_is_the_blocks_own_forward(comfy, key):
             _close(R.wan_block(block, *inputs), want, 1e-5)
 
 
-def test_wan_per_frame_modulation_runs_the_blocks_own_code(comfy):
-    """Modulation per frame (Wan 2.2 TI2V with a start image: ``repeat_e`` spreads each frame's over
-    its tokens) is not the body's: the call runs the block's own forward, counted."""
+def test_wan22_per_frame_timesteps_compiled_and_warmed(comfy):
+    """Wan 2.2 TI2V with a start image samples with a denoise mask: a timestep per latent frame, so
+    each block gets one modulation per frame. Warmup Shapes warms that call too (a video model whose
+    timesteps follow the mask): both kinds of call give the model's own output with nothing compiled
+    after warmup. Modulation rows that do not divide the tokens run the block's own code, counted."""
     mp = F.build_dit(F.DIT_FAMILIES["wan22_ti2v"])
-    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))      # (nothing compiles: declined)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     accel = patcher.accelerator_of(cm)
+    warm = patcher.warmup_model(cm, "1x128x128x5, 2x256x192x9", 7)
+    assert "recompiles after warmup: 0" in warm and "2 of 2 regions ran compiled code" in warm, warm
+    g0, ran = _graphs(accel), accel.stats["ran_wan_block"]
+    for b, frames in ((1, 5), (2, 9)):
+        for mask in (False, True):
+            extra = {"denoise_mask": True} if mask else {}
+            want = F.dit_apply(mp, b, 8, 12, seed=3, frames=frames, **extra)
+            _close(F.dit_apply(cm, b, 8, 12, seed=3, frames=frames, **extra), want)
+    assert (want - F.dit_apply(mp, 2, 8, 12, seed=3, frames=9)).abs().max() > 1e-4, "the mask must matter"
+    assert _graphs(accel) == g0 and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    assert accel.stats["ran_wan_block"] == ran + 8 and accel.stats["region_eager"] == 0, accel.stats
+
     block = mp.model.diffusion_model.blocks[0]
     x, _, freqs, context = _wan_block_inputs(block)
-    e = torch.randn(x.shape[0], 3, 6, block.dim)          # 3 frames of 8 tokens
+    e = torch.randn(x.shape[0], 5, 6, block.dim)          # 5 rows for 24 tokens: not whole frames
     eager0 = accel.stats["region_eager"]
     with torch.inference_mode(), accel.active():
         got = block(x.clone(), e=e, freqs=freqs, context=context[:, 257:], context_img_len=None)
