@@ -1,14 +1,17 @@
 """Diffusion transformers (issue 32): Flux's double and single stream blocks, SD3's joint blocks,
 Qwen-Image's and Wan's blocks as regions.
 
-Tiny Flux models built by ComfyUI's own ``supported_models`` classes from the config its
+Tiny models built by ComfyUI's own ``supported_models`` classes from the config its
 checkpoint detection derives (``bench/families.py``'s DiT section: widths and depths shrunk),
 random weights, a real ModelPatcher, driven through ``apply_model`` with the conditioning the
 model's own ``extra_conds`` builds. The bodies are checked against the blocks' own forward
 uncompiled (every variant the body covers, and those it declines); one module-scoped inductor
-compile then carries a warmup over 2 resolutions x 2 batches (0 recompiles after it), a LoRA
-after compile with a strength change, a ``patches_replace["dit"]`` block replace and the calls
-the shim sends to the block's own code.
+compile of Flux then carries a warmup over 2 resolutions x 2 batches (0 recompiles after it), LoRA
+before and after compile with a strength change, a ``patches_replace["dit"]`` block replace, the
+calls the shim sends to the block's own code, and what workflows put around the blocks (ControlNet
+residuals, a post_input patch, reference latents, step caches). Other families compile once each:
+Chroma, Qwen-Image, SD3.5 Medium, Flux.2 (its latent scale), Wan 2.1 I2V (frames), Wan 2.2 TI2V
+(per-frame timesteps).
 """
 from __future__ import annotations
 
@@ -231,8 +234,8 @@ def test_flux_block_replace_and_the_calls_its_body_declines(comfy, compiled_flux
 def test_the_other_block_calls_compiled(comfy, key):
     """Chroma (modulation handed to each Flux block), Qwen-Image (its own block, a 5-D latent) and
     SD3.5 Medium (joint blocks called positionally: one with a second image self-attention, the last
-    one's context half only feeding the attention) compiled: the model's own output over 2 sizes x 2 batches after a warmup of that box, nothing
-    compiled after it."""
+    one's context half only feeding the attention) compiled: the model's own output over 2 sizes x
+    2 batches after a warmup of that box, nothing compiled after it."""
     fam = F.DIT_FAMILIES[key]
     mp = F.build_dit(fam)
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
