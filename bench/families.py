@@ -457,6 +457,9 @@ class DitFamily:
     constants: tuple = ("num_heads", "axes_dim")
     #: a video model: its latent has frames (the table's cases take 2 frame counts)
     video: bool = False
+    #: the class ComfyUI's detection picks for the tiny build, where its width is not the family's
+    #: (Z-Image is told from Lumina 2 by its 3840 width alone), else ``cls``
+    detected_as: str | None = None
 
 
 #: Flux.1 dev as detect_unet_config derives it from the checkpoint (guidance_in present)
@@ -509,6 +512,25 @@ _HUNYUAN_VIDEO = {"image_model": "hunyuan_video", "in_channels": 16, "patch_size
                   "theta": 256, "qkv_bias": True, "byt5": False, "guidance_embed": True,
                   "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
 
+#: Lumina 2 as detect_unet_config derives it (its constants for width 2304; Gemma 2 2B's 2304-wide text)
+_LUMINA2 = {"image_model": "lumina2", "patch_size": 2, "in_channels": 16, "dim": 2304, "cap_feat_dim": 2304,
+            "n_layers": 26, "qk_norm": True, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
+            "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0, "n_refiner_layers": 2}
+#: Z-Image as detect_unet_config derives it (width 3840; Qwen3 4B's 2560-wide text; pad tokens)
+_Z_IMAGE = dict(_LUMINA2, dim=3840, cap_feat_dim=2560, n_layers=30, n_heads=30, n_kv_heads=30, axes_dims=[32, 48, 48],
+                axes_lens=[1536, 512, 512], rope_theta=256.0, ffn_dim_multiplier=8.0 / 3.0, z_image_modulation=True,
+                time_scale=1000.0, pad_tokens_multiple=32)
+#: the tiny Lumina blocks: 2 query heads of 128 over 1 key/value head (grouped-query attention), text
+#: width 64, 2 layers (and the 2 + 2 refiner blocks every NextDiT has); detection leaves the
+#: family's constants to the model's defaults at a width it does not know (the table's config)
+TINY_LUMINA = {"dim": 256, "n_heads": 2, "n_kv_heads": 1, "cap_feat_dim": 64, "n_layers": 2,
+               "axes_dims": [32, 48, 48]}
+_LUMINA_CONSTANTS = ("n_heads", "n_kv_heads", "axes_dims", "axes_lens", "rope_theta", "ffn_dim_multiplier",
+                     "n_refiner_layers")
+#: a NextDiT's blocks: its layers, then noise and context refiners of n_refiner_layers each
+_LUMINA_BLOCKS = (("lumina_block", "n_layers"), ("lumina_block", "n_refiner_layers"),
+                  ("lumina_block", "n_refiner_layers"))
+
 DIT_FAMILIES = {f.key: f for f in [
     DitFamily("flux_dev", "Flux.1 dev", "Flux", _FLUX_DEV, conds="T5 text + CLIP pooled + guidance", tiny=TINY_FLUX),
     DitFamily("flux_schnell", "Flux.1 schnell", "FluxSchnell", dict(_FLUX_DEV, guidance_embed=False),
@@ -534,6 +556,12 @@ DIT_FAMILIES = {f.key: f for f in [
                                                           x_block_self_attn_layers=list(range(13))),
               conds="CLIP-L/G + T5 text, pooled CLIP; a second image self-attention in the first 13 blocks",
               tiny=dict(TINY_SD3, x_block_self_attn_layers=[0]), constants=(), blocks=(("joint_block", "depth"),)),
+    DitFamily("lumina2", "Lumina 2", "Lumina2", _LUMINA2, conds="Gemma 2 text", tiny=TINY_LUMINA,
+              constants=_LUMINA_CONSTANTS, blocks=_LUMINA_BLOCKS),
+    DitFamily("z_image", "Z-Image", "ZImage", _Z_IMAGE, conds="Qwen3 text, pad tokens to 32, its own modulation",
+              tiny=TINY_LUMINA, blocks=_LUMINA_BLOCKS,
+              constants=(*_LUMINA_CONSTANTS, "z_image_modulation", "time_scale", "pad_tokens_multiple"),
+              detected_as="Lumina2"),
     DitFamily("hunyuan_video", "HunyuanVideo", "HunyuanVideo", _HUNYUAN_VIDEO,
               conds="LLaVA-Llama text + CLIP pooled + guidance", video=True, constants=("axes_dim",),
               tiny={"hidden_size": 256, "num_heads": 2, "depth": 2, "depth_single_blocks": 2}),
@@ -623,7 +651,9 @@ DIT_NOT_YET = (
                                                         "padded prompt's text mask run the block's own code; "
                                                         "untested"),
     ("AuraFlow", "comfy.ldm.aura", "no body for its MMDiT / DiT blocks yet"),
-    ("Lumina 2, Z-Image", "comfy.ldm.lumina", "no body for its JointTransformerBlock yet"),
+    ("NewBie (Lumina 2 with pooled CLIP)", "comfy.ldm.lumina", "its blocks are regions, untested; a padded "
+                                                               "prompt's mask in the context refiner runs its "
+                                                               "own code"),
     ("HiDream", "comfy.ldm.hidream", "no body for its blocks yet (mixture-of-experts feed-forward)"),
     ("LTX-Video", "comfy.ldm.lightricks", "no body for its BasicTransformerBlock yet"),
     ("Mochi", "comfy.ldm.genmo", "no body for its AsymmetricJointBlock yet"),

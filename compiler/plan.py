@@ -31,7 +31,9 @@ QWEN_IMAGE_BLOCK = "qwen_image_block"
 WAN_BLOCK = "wan_block"
 #: SD3.x's MMDiT JointBlock (its patches_replace key is "double_block" too)
 JOINT_BLOCK = "joint_block"
-DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK, QWEN_IMAGE_BLOCK, WAN_BLOCK, JOINT_BLOCK)
+#: Lumina 2's / Z-Image's JointTransformerBlock (its main layers, noise and context refiners)
+LUMINA_BLOCK = "lumina_block"
+DIT_KINDS = (DOUBLE_BLOCK, SINGLE_BLOCK, QWEN_IMAGE_BLOCK, WAN_BLOCK, JOINT_BLOCK, LUMINA_BLOCK)
 KINDS = (RESBLOCK, ATTENTION, FEEDFORWARD, NORM_ACT, PROJECTION, *DIT_KINDS)
 #: the skipped "region" of a model that is no UNet at all (the whole diffusion model)
 NOT_A_UNET = "model"

@@ -14,8 +14,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from .plan import (ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, JOINT_BLOCK, NORM_ACT, QWEN_IMAGE_BLOCK, RESBLOCK,
-                   SINGLE_BLOCK, WAN_BLOCK)
+from .plan import (ATTENTION, DOUBLE_BLOCK, FEEDFORWARD, JOINT_BLOCK, LUMINA_BLOCK, NORM_ACT, QWEN_IMAGE_BLOCK,
+                   RESBLOCK, SINGLE_BLOCK, WAN_BLOCK)
 
 
 class Ops:
@@ -277,9 +277,10 @@ def qwen_image_block(block, img, txt, temb, pe, *, ops: Ops = TORCH_OPS):
 def wan_block(block, x, e, freqs, context, context_img, *, ops: Ops = TORCH_OPS):
     """ComfyUI's WanAttentionBlock.forward with Wan's own attention classes (the planner checks them)
     and a modulation ``e`` of one step for all tokens ((b, 6, dim), or (b, 1 or n, 6, dim)) or one
-    per frame ((b, frames, 6, dim): Wan 2.2 TI2V with a start image; frames divide the tokens). ``context_img``: the image tokens an
-    image-to-video block's cross-attention reads (the shim splits them off ``context``), None for
-    text-to-video. The block's ``modulation`` parameter is cast to x as ComfyUI's ``cast_to`` does."""
+    per frame ((b, frames, 6, dim): Wan 2.2 TI2V with a start image; frames divide the tokens).
+    ``context_img``: the image tokens an image-to-video block's cross-attention reads (the shim
+    splits them off ``context``), None for text-to-video. The block's ``modulation`` parameter is
+    cast to x as ComfyUI's ``cast_to`` does."""
     mod = block.modulation.to(device=x.device, dtype=x.dtype)
     e = (mod + e).chunk(6, dim=1) if e.ndim < 4 else (mod.unsqueeze(0) + e).unbind(2)
     x = x.contiguous()
@@ -368,6 +369,34 @@ def mmdit_joint_block(block, context, x, c, *, ops: Ops = TORCH_OPS):
     return context, x
 
 
+def lumina_block(block, x, freqs, adaln, *, ops: Ops = TORCH_OPS):
+    """ComfyUI's Lumina 2 / Z-Image JointTransformerBlock.forward without a mask (the shim sends a
+    masked call to the block's own forward): grouped-query attention with per-head RMS-normed q and
+    k and RoPE, a SwiGLU feed-forward; modulated by ``adaln`` (tanh gates), or not (None: the
+    context refiner's blocks)."""
+    attn = block.attention
+    b, n = x.shape[0], x.shape[1]
+    heads, kv, d = attn.n_local_heads, attn.n_local_kv_heads, attn.head_dim
+
+    def attention(h):
+        q, k, v = torch.split(attn.qkv(h), [heads * d, kv * d, kv * d], dim=-1)
+        q = ops.rope(attn.q_norm(q.view(b, n, heads, d)), freqs)
+        k = ops.rope(attn.k_norm(k.view(b, n, kv, d)), freqs)
+        v = v.view(b, n, kv, d)
+        if heads // kv >= 1:
+            k, v = (t.unsqueeze(3).repeat(1, 1, 1, heads // kv, 1).flatten(2, 3) for t in (k, v))
+        out = ops.attention(q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2)).transpose(1, 2)
+        return attn.out(out.reshape(b, n, heads * d))
+    if block.modulation:
+        scale_msa, gate_msa, scale_mlp, gate_mlp = block.adaLN_modulation(adaln).chunk(4, dim=1)
+        x = x + gate_msa.unsqueeze(1).tanh() * block.attention_norm2(
+            _fp16_clamp(attention(block.attention_norm1(x) * (1 + scale_msa.unsqueeze(1)))))
+        return x + gate_mlp.unsqueeze(1).tanh() * block.ffn_norm2(
+            _fp16_clamp(block.feed_forward(block.ffn_norm1(x) * (1 + scale_mlp.unsqueeze(1)))))
+    x = x + block.attention_norm2(_fp16_clamp(attention(block.attention_norm1(x))))
+    return x + block.ffn_norm2(block.feed_forward(block.ffn_norm1(x)))
+
+
 #: (family, region kind) -> body; every backend accelerates these same functions
 BODIES = {
     ("comfy", RESBLOCK): comfy_resblock,
@@ -379,6 +408,7 @@ BODIES = {
     ("comfy", QWEN_IMAGE_BLOCK): qwen_image_block,
     ("comfy", WAN_BLOCK): wan_block,
     ("comfy", JOINT_BLOCK): mmdit_joint_block,
+    ("comfy", LUMINA_BLOCK): lumina_block,
     ("diffusers", RESBLOCK): diffusers_resblock,
     ("diffusers", ATTENTION): diffusers_attention,
     ("diffusers", FEEDFORWARD): feedforward,

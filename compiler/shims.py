@@ -12,7 +12,8 @@ from . import plan as P
 DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe"),
               P.QWEN_IMAGE_BLOCK: ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb"),
               P.WAN_BLOCK: ("x", "e", "freqs", "context"),
-              P.JOINT_BLOCK: ("context", "x", "c")}
+              P.JOINT_BLOCK: ("context", "x", "c"),
+              P.LUMINA_BLOCK: ("x", "freqs_cis", "adaln_input")}
 #: arguments a block takes that its computation does not read (Qwen-Image's attention ignores the
 #: text mask ComfyUI hands the block): any value is served
 DIT_UNREAD = {P.QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",), P.JOINT_BLOCK: ("use_checkpoint",)}
@@ -118,6 +119,11 @@ def _dit_inputs(kind, module, given) -> tuple | None:
         return _wan_inputs(module, given, *inputs)
     if kind == P.JOINT_BLOCK:
         return inputs if all(isinstance(t, torch.Tensor) for t in inputs) else None
+    if kind == P.LUMINA_BLOCK:       # no mask (a padded prompt's, in the context refiner: its own code)
+        x, freqs, adaln = inputs
+        ok = (given.pop("x_mask", None) is None and isinstance(x, torch.Tensor) and isinstance(freqs, torch.Tensor)
+              and (adaln is None) == (not module.modulation) and (adaln is None or isinstance(adaln, torch.Tensor)))
+        return inputs if ok else None
     handed = None if isinstance(inputs[-2], torch.Tensor) else _handed(kind, inputs[-2])
     if handed is not None:          # modulation handed to the block: vec None, its tensors after pe
         inputs = (*inputs[:-2], None, inputs[-1], *handed)

@@ -66,11 +66,11 @@ SELECT_BACKEND = Node(
 
 COMPILE_UNET = Node(
     "UNetCompiler_CompileUNet", "Compile UNet",
-    "Accelerate the diffusion model's leaf regions (a UNet's blocks; a Flux, SD3, Qwen-Image or Wan DiT's blocks); "
-    "ComfyUI's patches, ControlNet and LoRA keep working.",
+    "Accelerate the diffusion model's leaf regions (a UNet's blocks; a Flux, SD3, Z-Image, Qwen-Image or Wan "
+    "DiT's blocks); ComfyUI's patches, ControlNet and LoRA keep working.",
     inputs=(
         Input("model", "MODEL", "The MODEL to accelerate (an SD1.5 / SDXL-family UNet, or a Flux-family, "
-              "SD3.x, Qwen-Image or Wan 2.x diffusion transformer). It is cloned, never modified."),
+              "SD3.x, Lumina 2 / Z-Image, Qwen-Image or Wan 2.x diffusion transformer). It is cloned, never modified."),
         Input("backend", "UNET_BACKEND", "From Select Backend. Absent = auto, fp as loaded, dynamic shapes on.",
               optional=True),
     ),

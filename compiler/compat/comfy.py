@@ -47,7 +47,9 @@ def dit_classes() -> dict:
                 "comfy.ldm.qwen_image.model").QwenImageTransformerBlock}),
             **_loaded(lambda: {"wan_block": importlib.import_module("comfy.ldm.wan.model").WanAttentionBlock}),
             **_loaded(lambda: {"joint_block": importlib.import_module(
-                "comfy.ldm.modules.diffusionmodules.mmdit").JointBlock})}
+                "comfy.ldm.modules.diffusionmodules.mmdit").JointBlock}),
+            **_loaded(lambda: {"lumina_block": importlib.import_module(
+                "comfy.ldm.lumina.model").JointTransformerBlock})}
 
 
 def wan_parts() -> dict:
@@ -102,6 +104,8 @@ def dit_context_width(model) -> int | None:
     txt_in = getattr(txt_in, "input_embedder", txt_in)     # HunyuanVideo: a token refiner
     if txt_in is None:                              # Wan: text_embedding = Sequential(Linear, GELU, Linear)
         txt_in = next(iter(getattr(model, "text_embedding", None) or ()), None)
+    if txt_in is None:                              # Lumina 2: cap_embedder = Sequential(RMSNorm, Linear)
+        txt_in = next((m for m in getattr(model, "cap_embedder", None) or () if hasattr(m, "in_features")), None)
     width = getattr(txt_in, "in_features", None)
     return width if isinstance(width, int) else None
 
@@ -137,7 +141,7 @@ def not_a_unet_reason(module) -> str:
     return (f"running eager: {t.__module__}.{t.__name__} is neither ComfyUI's openaimodel.UNetModel (the SD1.x / "
             f"SD2.x / SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler "
             f"accelerates) nor a diffusion transformer with blocks it has a body for (Flux's double and single "
-            f"stream blocks, SD3's joint blocks, Qwen-Image's and Wan's blocks); nothing in it is rewritten")
+            f"stream blocks, SD3's joint blocks, Qwen-Image's, Wan's and Lumina 2's blocks); nothing in it is rewritten")
 
 
 def current_prompt() -> str | None:

@@ -1,5 +1,5 @@
 """Diffusion transformers (issue 32): Flux's double and single stream blocks, SD3's joint blocks,
-Qwen-Image's and Wan's blocks as regions.
+Qwen-Image's, Wan's and Lumina 2's (Z-Image's) blocks as regions.
 
 Tiny models built by ComfyUI's own ``supported_models`` classes from the config its
 checkpoint detection derives (``bench/families.py``'s DiT section: widths and depths shrunk),
@@ -10,10 +10,12 @@ compile of Flux then carries a warmup over 2 resolutions x 2 batches (0 recompil
 before and after compile with a strength change, a ``patches_replace["dit"]`` block replace, the
 calls the shim sends to the block's own code, and what workflows put around the blocks (ControlNet
 residuals, a post_input patch, reference latents, step caches). Other families compile once each:
-Chroma, Qwen-Image, SD3.5 Medium, Flux.2 (its latent scale), Wan 2.1 I2V (frames), Wan 2.2 TI2V
+Z-Image, Qwen-Image, SD3.5 Medium, Flux.2 (its latent scale), Wan 2.1 I2V (frames), Wan 2.2 TI2V
 (per-frame timesteps).
 """
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -60,13 +62,18 @@ def test_the_tiny_flux_is_what_comfyui_loads(comfy):
             {k: v for k, v in tiny.items() if k not in fam.constants}, fam.key
         # (or leaves them to the model's defaults: Qwen-Image's widths)
         assert [det.get(k, fam.config[k]) for k in fam.constants] == [fam.config[k] for k in fam.constants], fam.key
-        assert type(md.model_config_from_unet_config(det, sd)).__name__ == fam.cls
+        assert type(md.model_config_from_unet_config(det, sd)).__name__ == (fam.detected_as or fam.cls)
         plan = P.build_plan(mp.model.diffusion_model)
         assert plan.arch == "dit" and plan.not_a_unet is None
-        kinds = [r.kind for r in plan.regions]
-        assert {k: kinds.count(k) for k in set(kinds)} == {kind: tiny[key] for kind, key in fam.blocks}, fam.key
+        assert Counter(r.kind for r in plan.regions) == _blocks(fam), fam.key
         # a leaf is every module whose weights ComfyUI may cast per call (the QK RMSNorm's scale is the block's own)
         assert all(any(type(m).__name__ == "Linear" for m in r.leaves) for r in plan.regions)
+
+
+def _blocks(fam) -> Counter:
+    """The regions a tiny build of ``fam`` has, by kind (its config's block counts)."""
+    tiny = F.dit_tiny_config(fam)
+    return sum((Counter({kind: tiny[key]}) for kind, key in fam.blocks), Counter())
 
 
 def _block_inputs(block, seed=0, batch=2, n_img=12, n_txt=5):
@@ -111,7 +118,7 @@ def test_every_family_through_its_shims_uncompiled(comfy, monkeypatch, key):
     for b, h, w in CASES[1:3]:
         out = F.dit_apply(cm, b, h, w, seed=3, frames=frames)
         _close(out, F.dit_apply(mp, b, h, w, seed=3, frames=frames), 1e-5)
-    n = sum(F.dit_tiny_config(F.DIT_FAMILIES[key])[k] for _, k in F.DIT_FAMILIES[key].blocks)
+    n = sum(_blocks(F.DIT_FAMILIES[key]).values())
     assert accel.stats["region_eager"] == 0 and accel.ran_compiled() == (n, n), accel.stats
 
 
@@ -230,18 +237,20 @@ def test_flux_block_replace_and_the_calls_its_body_declines(comfy, compiled_flux
     _close(got[0], want[0], 1e-5)
 
 
-@pytest.mark.parametrize("key", ["chroma", "qwen_image", "sd35_medium"])
+@pytest.mark.parametrize("key", ["z_image", "qwen_image", "sd35_medium"])
 def test_the_other_block_calls_compiled(comfy, key):
-    """Chroma (modulation handed to each Flux block), Qwen-Image (its own block, a 5-D latent) and
-    SD3.5 Medium (joint blocks called positionally: one with a second image self-attention, the last
-    one's context half only feeding the attention) compiled: the model's own output over 2 sizes x
-    2 batches after a warmup of that box, nothing compiled after it."""
+    """Z-Image (Lumina 2's blocks: grouped-query attention, refiners with and without modulation,
+    tokens padded to 32), Qwen-Image (its own block, a 5-D latent) and SD3.5 Medium (joint blocks
+    called positionally: one with a second image self-attention, the last one's context half only
+    feeding the attention) compiled: the model's own output over 2 sizes x 2 batches after a warmup
+    of that box, nothing compiled after it. (Chroma's handed modulation: Flux.2's test and the
+    table.)"""
     fam = F.DIT_FAMILIES[key]
     mp = F.build_dit(fam)
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     accel = patcher.accelerator_of(cm)
     warm = patcher.warmup_model(cm, WARMUP, 7)
-    n = sum(F.dit_tiny_config(fam)[k] for _, k in fam.blocks)
+    n = sum(_blocks(fam).values())
     assert "recompiles after warmup: 0" in warm and f"{n} of {n} regions ran compiled code" in warm, warm
     g0 = _graphs(accel)
     for b, h, w in CASES:
