@@ -295,7 +295,7 @@ def wan_block(block, x, e, freqs, context, context_img, *, ops: Ops = TORCH_OPS)
     q = ops.rope(sa.norm_q(sa.q(h)).view(b, n, heads, d), freqs)
     k = ops.rope(sa.norm_k(sa.k(h)).view(b, n, heads, d), freqs)
     v = sa.v(h).view(b, n, heads, d)
-    y = ops.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2).reshape(b, n, heads * d)
+    y = _heads_attention([(q, k, v)], ops)
     x = tokens(torch.addcmul(frames(x), frames(sa.o(y)), e[2]))
     ca = block.cross_attn
     q = ca.norm_q(ca.q(block.norm3(x)))
@@ -338,7 +338,8 @@ def _heads_attention(qkvs, ops):
     q, k, v = (torch.cat(p, dim=1).transpose(1, 2) if len(p) > 1 else p[0].transpose(1, 2)
                for p in zip(*qkvs, strict=True))
     out = ops.attention(q, k, v).transpose(1, 2)
-    return out.reshape(out.shape[0], out.shape[1], -1)
+    b, n, heads, d = out.shape             # explicit sizes (see split_heads)
+    return out.reshape(b, n, heads * d)
 
 
 def mmdit_joint_block(block, context, x, c, *, ops: Ops = TORCH_OPS):
@@ -385,8 +386,7 @@ def lumina_block(block, x, freqs, adaln, *, ops: Ops = TORCH_OPS):
         v = v.view(b, n, kv, d)
         if heads // kv >= 1:
             k, v = (t.unsqueeze(3).repeat(1, 1, 1, heads // kv, 1).flatten(2, 3) for t in (k, v))
-        out = ops.attention(q.movedim(1, 2), k.movedim(1, 2), v.movedim(1, 2)).transpose(1, 2)
-        return attn.out(out.reshape(b, n, heads * d))
+        return attn.out(_heads_attention([(q, k, v)], ops))
     if block.modulation:
         scale_msa, gate_msa, scale_mlp, gate_mlp = block.adaLN_modulation(adaln).chunk(4, dim=1)
         x = x + gate_msa.unsqueeze(1).tanh() * block.attention_norm2(

@@ -184,7 +184,7 @@ def _fits(unet, x, c) -> bool:
     non-standard widths, e.g. a test's tiny one, gets random tensors of its own sizes instead)."""
     if not hasattr(unet, "input_blocks"):          # a DiT: its text widths are what extra_conds may miss
         return (c["c_crossattn"].shape[-1] == dit_context_width(unet)
-                and ("y" not in c or c["y"].shape[-1] == (dit_pooled_width(unet) or c["y"].shape[-1])))
+                and ("y" not in c or dit_pooled_width(unet) in (None, c["y"].shape[-1])))
     concat = c.get("c_concat")
     if x.shape[1] + (concat.shape[1] if concat is not None else 0) != unet.in_channels:
         return False
