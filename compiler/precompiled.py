@@ -66,7 +66,7 @@ class Precompiled:
             if background.BACKGROUND.running:
                 # plain torch.compile would compile here, beside the thread (and a dynamo-compiled
                 # function called while the thread traces raises: FX's tracing flag is process-wide)
-                return self.body(module, *args)
+                return self.uncompiled(module, *args)
             return self.fallback(module, *args)
         found = variants.VARIANTS.candidates(key)
         for fn in found:
@@ -85,11 +85,21 @@ class Precompiled:
             background.BACKGROUND.add(self, key, module, args, struct[1], owner)
             if owner is not None:
                 owner.eager_calls += 1
-            return self.body(module, *args)
+            return self.uncompiled(module, *args)
         # dynamic shapes on: symbolic from the start; off: static always; one warmup shape (None):
         # static first, then symbolic once a key misses (torch's automatic-dynamic rule)
         dynamic = self.dynamic if self.dynamic is not None else bool(found)
         return self._compile(key, module, args, dynamic=dynamic)
+
+    def uncompiled(self, module, *args):
+        """The body's own code, for a call no variant serves yet: on CPU with the options' prepacked
+        convs (``passes.prepack_conv.PackedConvs``), the packed copies compiled code uses too."""
+        if self.options and self.options[0] and any(isinstance(a, torch.Tensor) and a.device.type == "cpu"
+                                                    for a in args):
+            from .passes import prepack_conv
+            with prepack_conv.PackedConvs():
+                return self.body(module, *args)
+        return self.body(module, *args)
 
     def _first_use(self, key, fn, module, args):
         """A variant from the compile cache, called the first time: if it raises (something it calls

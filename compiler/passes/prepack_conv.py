@@ -97,6 +97,27 @@ def conv_module_forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
         x, conv.weight, conv.bias, _pair(conv.stride), _pair(conv.padding), _pair(conv.dilation), conv.groups)
 
 
+class PackedConvs(torch.overrides.TorchFunctionMode):
+    """Inside this mode each ``conv2d`` on a module's own weight (a Parameter: not a copy cast for
+    the call) that ``check`` accepts runs ``conv2d_prepacked``, the op compiled regions call, with
+    the same packed copy; everything else runs as called. What a region's uncompiled code runs on
+    CPU while its variant compiles in the background (a 2x64x64 SD1.5 step: 0.85 s -> 0.35 s)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.conv2d:
+            call = dict(_CONV_DEFAULTS)
+            call.update(zip(_CONV_ARGS, args, strict=False))
+            call.update(kwargs)
+            x, w = call["input"], call["weight"]
+            if isinstance(w, torch.nn.Parameter) and check(x, w, call["padding"]):
+                stats["packed_mode_fired"] += 1
+                return torch.ops.unet_compiler.conv2d_prepacked(
+                    x, w, call["bias"], _pair(call["stride"]), _pair(call["padding"]), _pair(call["dilation"]),
+                    int(call["groups"]))
+        return func(*args, **kwargs)
+
+
 # ---- FX rewrite inside a dynamo graph ---------------------------------------
 
 _CONV_TARGETS = (torch.conv2d, torch.nn.functional.conv2d)

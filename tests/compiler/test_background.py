@@ -79,9 +79,13 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     text = api.warmup(unet, "2x64x64", background=True)
     assert "recorded for the background compile" in text and "background compile: running" in text, text
     assert accel.stats["graphs_compiled"] == 0 and fresh.active
+    from unet_compiler.compiler.passes import prepack_conv
+    packed = prepack_conv.stats["packed_mode_fired"]
     _check(unet, _inputs())                       # meanwhile: the model's own code, same numbers
     owner = accel.background.owner
     assert owner.eager_calls > 0
+    # on CPU with the regions' convs packed (what compiled code runs them with too)
+    assert prepack_conv.stats["packed_mode_fired"] > packed
     fresh.gate.set()
     assert api.wait_for_background(300)
     assert owner.variants == fresh.compiled > 0 and owner.graphs >= owner.variants and not fresh.failures

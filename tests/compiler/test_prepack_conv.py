@@ -67,3 +67,29 @@ def test_one_scratch_buffer_serves_every_weight_and_goes_when_released():
     PC._reorder(torch.randn(16, 8, 1, 1), [0, 0], [1, 1], [1, 1], 1, [1, 8, 8, 8])  # 1x1: needs none
     weights.release_scratch()
     assert weights.SCRATCH._buf is None
+
+
+def test_packed_convs_mode_runs_module_weights_packed_and_leaves_cast_copies():
+    """``PackedConvs`` (what a region's uncompiled code runs under on CPU): a conv on a module's own
+    weight runs the packed op, the same numbers as the plain conv and re-packed after an in-place
+    change (a LoRA); a weight that is a per-call copy (not a Parameter: ComfyUI's cast) runs as called."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad():
+        ref = conv(x)
+        fired = PC.stats["packed_mode_fired"]
+        with PC.PackedConvs():
+            out = conv(x)
+        assert PC.stats["packed_mode_fired"] == fired + 1
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+        conv.weight.mul_(2)
+        with PC.PackedConvs():
+            out = conv(x)
+        torch.testing.assert_close(out, F.conv2d(x, conv.weight, conv.bias, padding=1), rtol=1e-4, atol=1e-4)
+        with PC.PackedConvs():
+            copy = F.conv2d(x, conv.weight.clone(), conv.bias, padding=1)
+            same = F.conv2d(x, conv.weight, conv.bias, padding="same")     # a str padding: not packed
+        assert PC.stats["packed_mode_fired"] == fired + 2
+        torch.testing.assert_close(copy, out, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(same, out, rtol=1e-4, atol=1e-4)
