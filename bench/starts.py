@@ -302,15 +302,22 @@ def session_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, 
     return row
 
 
+#: the setting that makes a CPU model's background compile run beside sampling (default: when idle)
+BESIDE = "UNET_COMPILER_BACKGROUND_CPU"
+
+
 def measure_session(args, home: Path, ckpt: Path, log=print) -> list[SessionRow]:
     """The session table's rows, each on a fresh server with cold caches: eager, TorchCompileModel,
-    the pack with every input at its default (one shape), and the same with background off."""
+    the pack with every input at its default (one shape), the same compiling beside sampling, and
+    the same with background off."""
     one = _one_shape(args)
     log(f"session: {max(SESSION_IMAGES)} prompts queued at once per row, each row a fresh ComfyUI process")
     return [session_row("eager", home / "s_eager", ckpt, "eager", args, {}, log=log),
             session_row("TorchCompileModel (inductor)", home / "s_tcm", ckpt, "tcm", args, {}, log=log),
             session_row(f"Compile UNet + Warmup Shapes {one}, defaults", home / "s_pack", ckpt, "pack", args,
                         pack_env(home / "s_pack"), one, log=log),
+            session_row(f"the same, compiling beside sampling ({BESIDE}=beside)", home / "s_beside", ckpt,
+                        "pack", args, {**pack_env(home / "s_beside"), BESIDE: "beside"}, one, log=log),
             session_row("the same, background off", home / "s_off", ckpt, "pack", args, pack_env(home / "s_off"), one,
                         background=False, log=log)]
 

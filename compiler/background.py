@@ -3,8 +3,10 @@
 Warmup Shapes' ``background`` records every region call that has no variant yet (its module and its
 inputs' shapes, strides, dtypes and dispatch state); one daemon thread (``BACKGROUND``, one per
 process) compiles those signatures on stand-in tensors. Until a variant is ready its calls run the
-model's own code; while a model is in background mode (``BackgroundMode``, held by its
-Accelerator) its misses are queued for the thread, never compiled in the sampling thread.
+model's own code (on CPU with prepacked convs); while a model is in background mode
+(``BackgroundMode``, held by its Accelerator) its misses are queued for the thread, never compiled
+in the sampling thread. A CPU job waits until nothing samples (``ACTIVITY``): beside sampling it
+would share the same cores and Python's GIL, slowing every image while it compiles.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import weakref
 
 import torch
 
-from . import cast, variants
+from . import cast, settings, variants
 from .variants import guard_marks
 from .report import error_summary
 
@@ -137,6 +139,60 @@ def queueing(owner: Owner):
         _OWNER.reset(token)
 
 
+#: seconds with no model call and no prompt pending before a CPU compile job starts
+QUIET_SECONDS = 1.0
+
+
+class Activity:
+    """Whether anything samples now: model calls in flight (the runtime enters ``call()`` around
+    each) and the ``signals`` a host registers (ComfyUI: prompts queued or running), each a callable
+    returning True while busy. ``idle()``: none of them for ``QUIET_SECONDS``."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.busy_until = 0.0            # monotonic time the last busy moment was seen
+        self.signals: list = []
+
+    @contextlib.contextmanager
+    def call(self):
+        with self.lock:
+            self.calls += 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.calls -= 1
+                self.busy_until = time.monotonic()
+
+    def _signalled(self) -> bool:
+        for signal in list(self.signals):
+            try:
+                if signal():
+                    return True
+            except Exception:   # a host signal that fails says nothing
+                log.debug("activity signal failed", exc_info=True)
+        return False
+
+    def idle(self) -> bool:
+        now = time.monotonic()
+        busy = self.calls > 0 or self._signalled()
+        with self.lock:
+            if busy:
+                self.busy_until = now
+            return not busy and now - self.busy_until >= QUIET_SECONDS
+
+
+ACTIVITY = Activity()
+
+
+def waits_for_idle(device_type: str) -> bool:
+    """Whether a compile job for a model on ``device_type`` waits until nothing samples: on CPU
+    (``UNET_COMPILER_BACKGROUND_CPU``: idle, the default), where the compile and sampling share the
+    cores; not on a GPU, whose sampling leaves the CPU to the compile."""
+    return device_type == "cpu" and settings.choice("BACKGROUND_CPU") == "idle"
+
+
 class Background:
     """Region variants compiled in a daemon thread while calls run the bodies' own code (see the
     module docstring). Process-wide, like ``VARIANTS``; ``listeners`` are told when the queue empties."""
@@ -145,6 +201,7 @@ class Background:
         self.lock = threading.Lock()
         self.recording = False
         self.running = False
+        self.waiting = False             # a CPU job waits for sampling to stop (``ACTIVITY``)
         self.queue: list[tuple] = []
         self._seen: set = set()
         self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
@@ -211,6 +268,13 @@ class Background:
     def _work(self) -> None:
         _THREAD.compiling = True
         while True:
+            with self.lock:
+                wait = bool(self.queue) and waits_for_idle(self.queue[0][7][2])
+            if wait and not ACTIVITY.idle():
+                self.waiting = True
+                time.sleep(0.2)
+                continue
+            self.waiting = False
             with self.lock:
                 if not self.queue:
                     # still running until the listeners have counted and saved what it compiled:
@@ -378,9 +442,11 @@ class BackgroundMode:
         owner = self.owner
         failed = f"; failed: {'; '.join(owner.failures[-2:])}" if owner.failures else ""
         if self.done is None:
-            return (f"background compile: running, {owner.variants} region variant(s) compiled ({owner.graphs} "
-                    f"graph(s)), {BACKGROUND.queued} to go, {time.perf_counter() - self.t0:.0f} s so far; region "
-                    f"calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
+            waiting = (", waiting until no prompt runs (on CPU it would slow sampling)" if BACKGROUND.waiting
+                       else "")
+            return (f"background compile: running{waiting}, {owner.variants} region variant(s) compiled "
+                    f"({owner.graphs} graph(s)), {BACKGROUND.queued} to go, {time.perf_counter() - self.t0:.0f} s "
+                    f"so far; region calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
         return (f"background compile: done in {self.done:.1f} s, {owner.variants} region variant(s) "
                 f"({owner.graphs} graph(s)); {owner.eager_calls} region call(s) ran the model's own code "
                 f"meanwhile{failed}")

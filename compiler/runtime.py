@@ -123,6 +123,8 @@ class Accelerator:
             p = next(unet.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
         self.model_dtype = next((p.dtype for p in unet.parameters()), torch.float32)
+        #: "cpu", "cuda", ...: where the model runs (a CPU model's background compile waits for idle time)
+        self.device_type = torch.device(device).type
 
         rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
                                    precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
@@ -315,10 +317,16 @@ class Accelerator:
     def active(self, weight_epoch=None, shape: str | None = None):
         """One UNet call through the regions. ``shape``: the call's label (``BxWxH`` px), named if it
         compiles after warmup."""
-        if self._bypass or not self._shims:
-            self.stats["eager_calls"] += 1
-            yield
-            return
+        with background.ACTIVITY.call():
+            if self._bypass or not self._shims:
+                self.stats["eager_calls"] += 1
+                yield
+            else:
+                with self._through_regions(weight_epoch, shape):
+                    yield
+
+    @contextlib.contextmanager
+    def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
         installed = []
         before, hits_before, loads_before = self._compiled(), cache_hits(), variants.VARIANTS.from_cache

@@ -41,6 +41,9 @@ SETTINGS = {s.name: s for s in (
                                     "that reach a 1x1 deepest level)", ("on", "off")),
     Setting("CPU_ISA_RECORD", "on", "off: inductor's CPU vector-ISA probe runs in every process instead of "
                                     "being replayed from its record in the cache folder", ("on", "off")),
+    Setting("BACKGROUND_CPU", "idle", "when a CPU model's background compile runs: idle (only while no prompt "
+                                      "runs: beside sampling it slows every image on the same cores) or beside "
+                                      "(at once)", ("idle", "beside")),
     Setting("KERNEL_CHOICE", "measure", "triton: the triton backend always runs its kernels instead of "
                                         "measuring each against torch per input signature (CUDA)",
             ("measure", "triton")),

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 
+from ..compiler import background
 from ..compiler.report import compile_facts, runtime_fallback, status_line, warmup_facts
 from ..compiler.warmup import warmup_probes
 
@@ -45,6 +46,21 @@ def send(event: str, data: dict) -> None:
         log.debug("UNet Compiler: event %s not sent", event, exc_info=True)
     if event in HISTORY_EVENTS:
         _keep_for_history(srv, EVENT_PREFIX + event, data)
+
+
+def prompts_pending() -> bool:
+    """Whether ComfyUI's queue has a prompt queued or running (False without a server): a CPU
+    model's background compile waits while it has (``background.ACTIVITY``)."""
+    queue = getattr(_server(), "prompt_queue", None)
+    remaining = getattr(queue, "get_tasks_remaining", None)
+    return bool(remaining()) if remaining is not None else False
+
+
+def watch_the_queue() -> None:
+    """Tell the background compile when ComfyUI's queue is busy (once per process)."""
+    from ..compiler.background import ACTIVITY
+    if prompts_pending not in ACTIVITY.signals:
+        ACTIVITY.signals.append(prompts_pending)
 
 
 # ---- run-time events into the prompt's /history ------------------------------------
@@ -248,7 +264,9 @@ class WarmupFeedback:
             text = f"eager: {self.total} shape(s) in {secs:.1f} s, no rewrites: {reason}."
         elif accel.background is not None and accel.background.done is None and state == "compiled":
             state = "compiling"
-            text = (f"{accel.backend.name}: compiling in the background, {self.total} shape(s) recorded in "
+            when = (" once no prompt runs (on CPU, compiling beside sampling slows it)"
+                    if background.waits_for_idle(accel.device_type) else "")
+            text = (f"{accel.backend.name}: compiling in the background{when}, {self.total} shape(s) recorded in "
                     f"{secs:.1f} s; until each region's code is ready it runs the model's own code")
             accel.background.on_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
                                                         total=self.total, t0=self._t0)

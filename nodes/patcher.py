@@ -349,6 +349,8 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
         pbar.update_absolute(i + 1, total)
         fb.shape_done(i, shape, secs)
 
+    if background:
+        feedback.watch_the_queue()
     fb.start()
     stopped = None
     try:

@@ -86,8 +86,16 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     assert owner.eager_calls > 0
     # on CPU with the regions' convs packed (what compiled code runs them with too)
     assert prepack_conv.stats["packed_mode_fired"] > packed
+    # a CPU job waits while anything samples (here: a host's signal, as ComfyUI's queue with a prompt)
+    busy = [True]
+    monkeypatch.setattr(B.ACTIVITY, "signals", [lambda: busy[0]])
     fresh.gate.set()
+    time.sleep(B.QUIET_SECONDS + 0.5)
+    assert fresh.waiting and fresh.compiled == 0 and fresh.queue, "a CPU job must not start while sampling goes on"
+    assert "waiting until no prompt runs" in accel.text(), accel.text()
+    busy[0] = False
     assert api.wait_for_background(300)
+    assert not fresh.waiting
     assert owner.variants == fresh.compiled > 0 and owner.graphs >= owner.variants and not fresh.failures
     assert accel.stats["graphs_compiled"] == owner.graphs, accel.text()
     assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
@@ -286,9 +294,10 @@ def test_size_one_dims_get_standard_strides_so_recorded_and_compiled_inputs_agre
     assert P._canonical((y,)) == (y,)
 
 
-def test_the_thread_primes_every_module_a_variant_serves(tiny_unet, fresh, monkeypatch):
+def test_the_first_compiled_call_finds_every_block_packed(tiny_unet, fresh, monkeypatch):
     """A variant serves every block of its structure; the compile thread calls it once for each
-    (packing their weights), so the sampling thread's first compiled call packs only the
+    it has not seen run (packing their weights), and the recorded calls' uncompiled code packed
+    theirs already (the same copies), so the sampling thread's first compiled call packs only the
     free-standing convs no region body holds (the projection regions, which run in that thread)."""
     from unet_compiler.compiler import plan, weights
     packed = []
@@ -302,12 +311,12 @@ def test_the_thread_primes_every_module_a_variant_serves(tiny_unet, fresh, monke
     monkeypatch.setattr(weights.DerivedCache, "derived", spy)
     unet, accel = _compiled(tiny_unet, monkeypatch)
     _done(fresh, unet)
-    in_thread = {o for name, o in packed if name == "unet-compiler-background"}
+    before = {o for _, o in packed}
     packed.clear()
     _check(unet, _inputs(seed=3))
     projections = {id(p) for r in accel.plan.regions if r.kind == plan.PROJECTION for p in r.module.parameters()}
     in_sampling = {o for name, o in packed if name == "MainThread"}
-    assert in_thread and in_sampling <= projections, (len(in_sampling - projections), len(in_thread))
+    assert before and in_sampling <= projections, (len(in_sampling - projections), len(before))
 
 
 def test_a_foreground_warmup_ends_background_mode(tiny_unet, fresh, monkeypatch):
@@ -448,3 +457,28 @@ def test_a_background_restart_counts_what_it_took_from_the_compile_cache(tiny_un
     accel = api.accelerator_of(again)
     assert accel.stats["graphs_from_cache"] == accel.stats["graphs_compiled"] == compiled, text
     assert f"graphs compiled: {compiled} ({compiled} from the compile cache)" in text, text
+
+
+def test_activity_is_idle_after_a_quiet_second_and_only_cpu_jobs_wait_for_it(monkeypatch):
+    """``ACTIVITY.idle()``: no model call in flight, no host signal busy, for ``QUIET_SECONDS``.
+    Only a CPU model's jobs wait for it, unless ``UNET_COMPILER_BACKGROUND_CPU=beside``."""
+    act = B.Activity()
+    monkeypatch.setattr(B, "QUIET_SECONDS", 0.2)
+    assert act.idle()
+    with act.call():
+        assert not act.idle()
+    assert not act.idle()                       # a call just ended: not yet quiet long enough
+    time.sleep(0.3)
+    assert act.idle()
+    busy = [True]
+    act.signals.append(lambda: busy[0])
+    assert not act.idle()
+    busy[0] = False
+    assert not act.idle()
+    time.sleep(0.3)
+    assert act.idle()
+    act.signals.append(lambda: 1 / 0)           # a failing signal says nothing
+    assert act.idle()
+    assert B.waits_for_idle("cpu") and not B.waits_for_idle("cuda")
+    monkeypatch.setenv("UNET_COMPILER_BACKGROUND_CPU", "beside")
+    assert not B.waits_for_idle("cpu")

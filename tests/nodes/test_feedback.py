@@ -73,6 +73,24 @@ def test_unrelated_server_module_is_ignored(monkeypatch):
     feedback.progress_text("hello", "3")
 
 
+def test_a_cpu_background_compile_is_told_when_comfyuis_queue_is_busy(server, monkeypatch):
+    """``prompts_pending``: ComfyUI's queue has a prompt queued or running; ``watch_the_queue``
+    makes it one of the background compile's activity signals, once."""
+    from unet_compiler.compiler import background
+    assert feedback.prompts_pending() is False                     # a server without a queue
+    remaining = [2]
+    server.prompt_queue = SimpleNamespace(get_tasks_remaining=lambda: remaining[0])
+    assert feedback.prompts_pending() is True
+    remaining[0] = 0
+    assert feedback.prompts_pending() is False
+    monkeypatch.setattr(background.ACTIVITY, "signals", [])
+    feedback.watch_the_queue()
+    feedback.watch_the_queue()
+    assert background.ACTIVITY.signals == [feedback.prompts_pending]
+    remaining[0] = 1
+    assert not background.ACTIVITY.idle()
+
+
 def test_compiled_event_text_and_target(server):
     facts = feedback.compiled(fake_accel(why=["ipex: not installed", "inductor: chosen (regional torch.compile)"]), 11)
     (data,) = server.named("compile")
