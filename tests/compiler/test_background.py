@@ -74,13 +74,15 @@ def _done(fresh, unet, shapes="2x64x64", timeout=300):
 
 
 def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, monkeypatch):
+    from unet_compiler.compiler.passes import prepack_conv
     unet, accel = _compiled(tiny_unet, monkeypatch)
     seen = _traced()
+    packed = prepack_conv.stats["packed_mode_fired"]
     text = api.warmup(unet, "2x64x64", background=True)
     assert "recorded for the background compile" in text and "background compile: running" in text, text
     assert accel.stats["graphs_compiled"] == 0 and fresh.active
-    from unet_compiler.compiler.passes import prepack_conv
-    packed = prepack_conv.stats["packed_mode_fired"]
+    # recording packs nothing (a copy is for one input size: a range's probes would each re-pack)
+    assert prepack_conv.stats["packed_mode_fired"] == packed
     _check(unet, _inputs())                       # meanwhile: the model's own code, same numbers
     owner = accel.background.owner
     assert owner.eager_calls > 0
