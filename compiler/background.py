@@ -356,10 +356,12 @@ def first_calls(fn, modules, args) -> None:
     """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming: a
     first call loads the variant's kernels and packs CPU conv weights). Not on CUDA: there it would
     hold a second set of activations beside sampling's (an 8 GB card runs out), and what it does
-    there (loading kernels) costs the sampling thread's first call milliseconds."""
+    there (loading kernels) costs the sampling thread's first call milliseconds. A conv weight
+    sampling already packed keeps its copy (``prepack_conv.keeping_packed``)."""
     if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
         return
-    with torch.no_grad():
+    from .passes.prepack_conv import keeping_packed
+    with torch.no_grad(), keeping_packed():
         for m in modules:
             # a module whose weights are cast per call: the sampling thread may be showing them now
             if cast.busy(m) or cast.needs_cast(m):

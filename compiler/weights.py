@@ -81,6 +81,14 @@ class DerivedCache:
         ``key``: what else the copy depends on; a new key re-derives the one copy)."""
         return self.derived(w, signature(w) + key, lambda: derive(w.detach()))
 
+    def held(self, w: torch.Tensor):
+        """The copy derived from ``w`` as it is now, whatever else it was keyed on (None: none)."""
+        hit = self._cache.get(id(w))
+        sig = signature(w)
+        if hit is None or hit[0][:len(sig)] != sig or hit[0][-1] != _epoch:
+            return None
+        return hit[1]
+
     def values(self) -> list:
         return [v for _, v in self._cache.values()]
 

@@ -9,7 +9,9 @@ the weight stays a graph input (never a constant).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from collections import Counter
 from typing import Optional
 
@@ -27,10 +29,31 @@ stats: Counter = Counter()
 _cache = weights.DerivedCache(stats)
 
 
+_PRIMING = threading.local()
+
+
+@contextlib.contextmanager
+def keeping_packed():
+    """Inside (this thread only), a weight already packed for another input size runs with that
+    copy: a priming call (the compile thread's first call of a variant), whose output nobody
+    uses, must not re-pack the copy sampling packed for its own size (a range's recorded sizes
+    did: the first compiled prompt packed every weight again)."""
+    prev, _PRIMING.on = getattr(_PRIMING, "on", False), True
+    try:
+        yield
+    finally:
+        _PRIMING.on = prev
+
+
 def _packed(w: torch.Tensor, padding, stride, dilation, groups, x_shape):
     """The weight in the blocked layout oneDNN picks for this input size. The input shape is part
     of the key: a copy packed for another size can run slower than plain aten. One copy per
-    weight is kept: a shape change re-packs it once."""
+    weight is kept: a shape change re-packs it once (not inside ``keeping_packed``)."""
+    if getattr(_PRIMING, "on", False):
+        held = _cache.held(w)
+        if held is not None:
+            stats["priming_kept"] += 1
+            return held
     shape = [int(s) for s in x_shape]
     return _cache.get(w, lambda t: _reorder(t, list(padding), list(stride), list(dilation), groups, shape),
                       key=(tuple(shape),))

@@ -398,7 +398,9 @@ def test_out_of_memory_while_compiling_is_never_for_good(monkeypatch):
 
 
 def test_the_thread_makes_no_first_call_on_cuda(monkeypatch):
-    """On CUDA a first call in the thread would hold a second set of activations beside sampling's."""
+    """On CUDA a first call in the thread would hold a second set of activations beside sampling's.
+    On CPU the first call keeps conv copies sampling packed (``keeping_packed``)."""
+    from unet_compiler.compiler.passes import prepack_conv
     called = []
 
     class Variant:
@@ -406,10 +408,10 @@ def test_the_thread_makes_no_first_call_on_cuda(monkeypatch):
             return True
 
         def fn(self, *a):
-            called.append(a)
+            called.append(getattr(prepack_conv._PRIMING, "on", False))
     x = torch.zeros(2)
     B.first_calls(Variant(), [torch.nn.Identity()], (x,))
-    assert len(called) == 1
+    assert called == [True] and not getattr(prepack_conv._PRIMING, "on", False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
     B.first_calls(Variant(), [torch.nn.Identity()], (x,))
     assert len(called) == 1

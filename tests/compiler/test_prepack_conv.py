@@ -93,3 +93,35 @@ def test_packed_convs_mode_runs_module_weights_packed_and_leaves_cast_copies():
         assert PC.stats["packed_mode_fired"] == fired + 2
         torch.testing.assert_close(copy, out, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(same, out, rtol=1e-4, atol=1e-4)
+
+
+def test_a_priming_call_keeps_the_copy_packed_for_another_size():
+    """The compile thread's first call of a variant (``keeping_packed``, its thread only) runs with
+    a copy already packed for another input size rather than re-packing the one sampling uses;
+    outside it a new size re-packs. The numbers stay the conv's either way."""
+    import threading
+    torch.manual_seed(0)
+    w, b = torch.randn(16, 8, 3, 3), torch.randn(16)
+    small, large = torch.randn(2, 8, 8, 8), torch.randn(4, 8, 16, 16)
+
+    def conv(x):
+        return torch.ops.unet_compiler.conv2d_prepacked(x, w, b, [1, 1], [1, 1], [1, 1], 1)
+    conv(small)                                   # sampling packed it for its size
+    packs = PC.stats["packs"]
+    with PC.keeping_packed():
+        out = conv(large)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(getattr(PC._PRIMING, "on", False)))
+        t.start()
+        t.join()
+    assert PC.stats["packs"] == packs and seen == [False]
+    torch.testing.assert_close(out, F.conv2d(large, w, b, padding=1), rtol=1e-4, atol=1e-4)
+    conv(small)
+    assert PC.stats["packs"] == packs             # still the copy for sampling's size
+    conv(large)
+    assert PC.stats["packs"] == packs + 1         # outside priming a new size re-packs
+    with PC.keeping_packed(), torch.no_grad():
+        w.mul_(2)                                 # a changed weight is never kept
+        out = conv(small)
+    assert PC.stats["packs"] == packs + 2
+    torch.testing.assert_close(out, F.conv2d(small, w, b, padding=1), rtol=1e-4, atol=1e-4)
