@@ -100,7 +100,8 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
     (batch, width, height) tuples) under ``torch.inference_mode``. After this,
     batch / resolution changes inside the warmed range do not recompile.
     ``background=True``: return at once and compile in a background thread (calls run the model's
-    own code in each region until its code is ready; ``wait_for_background()`` waits).
+    own code in each region until its code is ready; on a CPU the thread compiles once no call ran
+    for a second; ``wait_for_background()`` waits).
     Returns the report text."""
     if not isinstance(background, bool):
         raise TypeError(f"warmup: background must be True or False, got {background!r}")

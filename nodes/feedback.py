@@ -58,9 +58,8 @@ def prompts_pending() -> bool:
 
 def watch_the_queue() -> None:
     """Tell the background compile when ComfyUI's queue is busy (once per process)."""
-    from ..compiler.background import ACTIVITY
-    if prompts_pending not in ACTIVITY.signals:
-        ACTIVITY.signals.append(prompts_pending)
+    if prompts_pending not in background.ACTIVITY.signals:
+        background.ACTIVITY.signals.append(prompts_pending)
 
 
 # ---- run-time events into the prompt's /history ------------------------------------

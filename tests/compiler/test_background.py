@@ -298,9 +298,9 @@ def test_size_one_dims_get_standard_strides_so_recorded_and_compiled_inputs_agre
 
 def test_the_first_compiled_call_finds_every_block_packed(tiny_unet, fresh, monkeypatch):
     """A variant serves every block of its structure; the compile thread calls it once for each
-    it has not seen run (packing their weights), and the recorded calls' uncompiled code packed
-    theirs already (the same copies), so the sampling thread's first compiled call packs only the
-    free-standing convs no region body holds (the projection regions, which run in that thread)."""
+    (packing their weights, or keeping a copy sampling's uncompiled calls packed: the same copies),
+    so the sampling thread's first compiled call packs only the free-standing convs no region body
+    holds (the projection regions, which run in that thread)."""
     from unet_compiler.compiler import plan, weights
     packed = []
     derived = weights.DerivedCache.derived
