@@ -28,6 +28,7 @@ def fresh(monkeypatch):
     """A fresh variant store and background queue (what a new process has), whose thread starts only
     at ``fresh.gate.set()`` (so a test sees the running state)."""
     monkeypatch.setattr(V, "VARIANTS", V.Variants())
+    monkeypatch.setattr(B, "QUIET_SECONDS", 0.2)     # (a CPU job waits this long after the last call)
     bg = B.Background()
     bg.gate = threading.Event()
     work = bg._work
