@@ -129,15 +129,10 @@ class PackedConvs(torch.overrides.TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.conv2d:
-            call = dict(_CONV_DEFAULTS)
-            call.update(zip(_CONV_ARGS, args, strict=False))
-            call.update(kwargs)
-            x, w = call["input"], call["weight"]
-            if isinstance(w, torch.nn.Parameter) and check(x, w, call["padding"]):
+            call = _named(args, kwargs)
+            if isinstance(call["weight"], torch.nn.Parameter) and check(call["input"], call["weight"], call["padding"]):
                 stats["packed_mode_fired"] += 1
-                return torch.ops.unet_compiler.conv2d_prepacked(
-                    x, w, call["bias"], _pair(call["stride"]), _pair(call["padding"]), _pair(call["dilation"]),
-                    int(call["groups"]))
+                return torch.ops.unet_compiler.conv2d_prepacked(*_op_args(call))
         return func(*args, **kwargs)
 
 
@@ -148,18 +143,28 @@ _CONV_ARGS = ("input", "weight", "bias", "stride", "padding", "dilation", "group
 _CONV_DEFAULTS = {"bias": None, "stride": 1, "padding": 0, "dilation": 1, "groups": 1}
 
 
+def _named(args, kwargs) -> dict:
+    """A ``conv2d`` call's arguments by name, its defaults filled in (trailing args may be left out)."""
+    call = dict(_CONV_DEFAULTS)
+    call.update(zip(_CONV_ARGS, args, strict=False))
+    call.update(kwargs)
+    return call
+
+
+def _op_args(call: dict) -> tuple:
+    """``conv2d_prepacked``'s arguments for a named ``conv2d`` call."""
+    return (call["input"], call["weight"], call["bias"], _pair(call["stride"]), _pair(call["padding"]),
+            _pair(call["dilation"]), int(call["groups"]))
+
+
 def _replacement(node):
-    args = dict(_CONV_DEFAULTS)
-    args.update(zip(_CONV_ARGS, node.args, strict=False))  # trailing args may be defaulted
-    args.update(node.kwargs)
+    args = _named(node.args, node.kwargs)
     x, w = example_value(args["input"]), example_value(args["weight"])
     if x is None or w is None or not check(x, w, args["padding"]):
         return None
     if not all(isinstance(args[k], (int, tuple, list)) for k in ("stride", "padding", "dilation", "groups")):
         return None
-    return (torch.ops.unet_compiler.conv2d_prepacked.default,
-            (args["input"], args["weight"], args["bias"], _pair(args["stride"]), _pair(args["padding"]),
-             _pair(args["dilation"]), int(args["groups"])))
+    return torch.ops.unet_compiler.conv2d_prepacked.default, _op_args(args)
 
 
 def rewrite_graph(gm: torch.fx.GraphModule) -> int:
