@@ -384,7 +384,7 @@ def lumina_block(block, x, freqs, adaln, *, ops: Ops = TORCH_OPS):
         q = ops.rope(attn.q_norm(q.view(b, n, heads, d)), freqs)
         k = ops.rope(attn.k_norm(k.view(b, n, kv, d)), freqs)
         v = v.view(b, n, kv, d)
-        if heads // kv >= 1:
+        if heads > kv:         # (ComfyUI's n_rep >= 1 repeats by 1 too: the same values, copied)
             k, v = (t.unsqueeze(3).repeat(1, 1, 1, heads // kv, 1).flatten(2, 3) for t in (k, v))
         return attn.out(_heads_attention([(q, k, v)], ops))
     if block.modulation:
