@@ -19,6 +19,7 @@ import functools
 import inspect
 import sys
 import threading
+from collections import Counter
 
 import torch
 
@@ -30,6 +31,8 @@ _PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout
 _MISSING = object()
 _BUSY: set[int] = set()          # region modules whose leaves show cast weights now (the sampling thread)
 _BUSY_LOCK = threading.Lock()
+#: what the per-call casts did (tests read it): ``copied``, views of reused buffers copied before the region ran
+STATS: Counter = Counter()
 
 
 def _ops():
@@ -55,8 +58,26 @@ def _has_weights(leaf) -> bool:
 
 
 def quantized(leaf) -> bool:
-    """A ComfyUI mixed-precision leaf that multiplies in its quantized format (no cast)."""
-    return leaf.__dict__.get("layout_type") is not None and not per_call(leaf)
+    """A ComfyUI mixed-precision leaf that multiplies in its quantized format: its weights are not
+    dequantized per call (``_full_precision_mm``), not patched per call (weight functions, a forced
+    cast) and, where its forward still honours it (ComfyUI < 0.15: a partial load), not flagged
+    ``comfy_cast_weights``. Newer forwards ignore that flag, which Dynamic VRAM sets on every op."""
+    d = leaf.__dict__
+    if d.get("layout_type") is None or getattr(leaf, "_full_precision_mm", False):
+        return False
+    if getattr(leaf, "weight_function", None) or getattr(leaf, "bias_function", None):
+        return False
+    if getattr(leaf, "comfy_force_cast_weights", False):
+        return False
+    return not (getattr(leaf, "comfy_cast_weights", False) and _honours_cast_flag(type(leaf).forward))
+
+
+@functools.lru_cache(maxsize=None)
+def _honours_cast_flag(forward) -> bool:
+    """Whether a mixed-precision ``forward`` reads ``comfy_cast_weights`` (ComfyUI < 0.15 dequantizes
+    then; its newer ``_use_quantized`` reads only ``comfy_force_cast_weights``)."""
+    code = getattr(forward, "__code__", None)
+    return code is None or "comfy_cast_weights" in code.co_names or "comfy_cast_weights" in code.co_consts
 
 
 def _other_ops(name: str) -> Reason:
@@ -107,15 +128,31 @@ def compute_of(args) -> tuple[torch.dtype, torch.device] | None:
     return None if t is None else (t.dtype, t.device)
 
 
-def _cast(leaf, dtype, device, offload: bool = True):
-    """ComfyUI's cast of ``leaf``'s weight and bias: (weight, bias, offload handle or None); with
-    ``offload``, on ComfyUI's offload stream where it has one (the handle then goes to
-    ``uncast_bias_weight`` after the region's work is queued)."""
+def _cast(leaf, dtype, device):
+    """ComfyUI's cast of ``leaf``'s weight and bias, held for the whole region: (weight, bias, offload
+    handle or None). On ComfyUI's offload stream where it has one (the handle goes to
+    ``uncast_bias_weight`` after the region's work is queued: a Dynamic VRAM slot stays pinned till
+    then). A weight handed out as a view of a buffer the next cast reuses (Dynamic VRAM's per-stream
+    cast buffer, newer ComfyUI's offload cast buffers) is copied first: the region reads every leaf
+    at once, after all of them were cast."""
     ops = _ops()
-    if offload and _takes_offloadable(ops.cast_bias_weight):
-        return ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
-    w, b = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype)
-    return w, b, None
+    if _takes_offloadable(ops.cast_bias_weight):
+        w, b, handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
+    else:
+        (w, b), handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype), None
+    return _held(leaf, w, "weight"), _held(leaf, b, "bias"), handle
+
+
+def _held(leaf, t, name):
+    """``t`` (a cast weight of ``leaf``) or a copy of it that no later cast overwrites: a tensor that
+    owns its memory, and the leaf's own VBAR slot (pinned until uncast), are kept as they are; a view
+    into a larger buffer is copied."""
+    if t is None or t is leaf.__dict__.get(f"_v_{name}"):
+        return t
+    if t._base is None and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    STATS["copied"] += 1
+    return t.clone()
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,9 +240,13 @@ def needs_cast(module) -> bool:
 
 
 def stand_in(module, args):
-    """A copy of ``module`` whose cast leaves show their cast weights for a call on ``args`` (cast as
-    :func:`applied` casts them, in ``args``' inference mode; shallow: untouched submodules and
-    tensors are shared), for a thread that must not change the model another thread runs."""
+    """A copy of ``module`` whose cast leaves show zeros of the weights :func:`applied` shows for a call
+    on ``args`` (their shape, the compute dtype and device, ``args``' inference mode; shallow:
+    untouched submodules and tensors are shared), for a thread that must not change the model
+    another thread runs. ComfyUI's cast is not called: it pins memory, reads the per-call state the
+    sampling thread's casts use (Dynamic VRAM's ``_prefetch``, ``_v_signature``) and allocates a
+    second copy of the weights; the compiled code depends on the weights' shape, dtype and device
+    only."""
     todo = {id(m) for m in module.modules() if per_call(m) and _has_weights(m)}
     if not todo:
         return module
@@ -224,8 +265,8 @@ def stand_in(module, args):
         new._modules = {k: (copy(c, f"{name}.{k}" if name else k) if (f"{name}.{k}" if name else k) in keep else c)
                         for k, c in m._modules.items()}
         if id(m) in todo:
-            w, b, _ = _cast(m, dtype, device, offload=False)
-            _show(new, w, b)
+            _show(new, *(None if t is None else torch.zeros(tuple(t.shape), dtype=dtype, device=device)
+                         for t in (getattr(m, "weight", None), getattr(m, "bias", None))))
         return new
     with torch.inference_mode(inference):
         return copy(module, "")

@@ -340,7 +340,8 @@ class Accelerator:
             if self.background is not None:
                 stack.enter_context(background.queueing(self.background.owner))
             if self._autocast is not None:
-                dev = next(self.root.parameters()).device.type
+                # the load device's autocast: under Dynamic VRAM the parameters stay on the CPU
+                dev = self.device_type
                 # no autocast weight-cast cache under graphs: a cast cached inside one region's capture
                 # lives in the graph pool and would be read by other graphs after it is freed
                 stack.enter_context(torch.autocast(dev, dtype=self._autocast, cache_enabled=self.graphs is None))

@@ -128,3 +128,15 @@ def tiny_unet():
         return diffusers.UNet2DConditionModel(**config(**over)).eval()
     make.config = config
     return make
+
+
+@pytest.fixture
+def dynamic_vram(comfy):
+    """The newest ComfyUI's Dynamic VRAM over this ComfyUI (``tests/_dynamic_vram.py``): installed for
+    the test; ``dynamic_vram.patcher(mp, budget, small)`` makes a dynamic patcher over ``mp``'s model."""
+    from tests._dynamic_vram import DynamicVRAM, make_dynamic
+    double = DynamicVRAM(comfy.ops)
+    double.patcher = lambda mp, budget=0.5, small=256: make_dynamic(comfy, mp, budget, small)
+    with double.installed():
+        yield double
+    comfy.mm.unload_all_models()

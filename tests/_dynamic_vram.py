@@ -1,0 +1,430 @@
+"""A CPU double of the newest ComfyUI's Dynamic VRAM (comfy-aimdo), over ComfyUI 0.8.0's real model
+classes and patcher: the contract the pack meets on a GPU with ComfyUI >= 0.15, run here.
+
+Each behaviour is read from the newest ComfyUI's files (Comfy-Org/ComfyUI; commits in
+docs/comfyui-versions.md) and comfy-aimdo 0.6.0, and rewritten, not copied:
+- ``comfy/ops.py`` (0271a469) ``cast_bias_weight``'s VBAR branch: a leaf with ``_v`` faults its VBAR
+  slot. A slot still resident (same signature) hands out the views it handed out before
+  (``_v_weight``); a slot just faulted in is filled from the CPU weight and keeps the LoRA-patched
+  weight (``update_weight``); a fault that finds no room (signature None) copies the weight into
+  the offload stream's one cast buffer at offset 0 (``cast_modules_with_vbar`` with one module), so
+  the next cast on that stream overwrites it. ``uncast_bias_weight`` unpins the slot; a cast with
+  ``offloadable=False`` returns no handle, so its pin is never released.
+- ``comfy/model_management.py`` (02b2b388) ``get_offload_stream`` (2 streams, used in turn) and
+  ``get_aimdo_cast_buffer`` (one buffer per stream).
+- ``comfy/model_patcher.py`` (08d0e510) ``ModelPatcherDynamic``: ``load`` sets ``comfy_cast_weights``,
+  ``seed_key``, ``_pin_state``, ``_v_signature`` (None when the patches changed) on every comfy op,
+  gives ops over 16 KiB a VBAR slot ``_v`` and their LoRA as ``weight_lowvram_function``, and loads
+  the small ones with the LoRA merged; ``partially_load`` returns None; ``patch_model(load_weights=True)``
+  asserts; ``clone(disable_dynamic=True)`` is a plain ``ModelPatcher`` over another copy of the model
+  (the checkpoint loaded again); ``get_non_dynamic_delegate`` returns one.
+- comfy-aimdo's ``model_vbar.vbar_fault``, ``vbar_unpin`` and ``vbar_signature_compare`` are the real
+  functions, called on :class:`CpuVBAR` (its ``ModelVBAR`` needs CUDA).
+
+Left out: pinned host memory, the prefetch queue (no UNet opts in to ``prefetch_dynamic_vbars``),
+stream asynchrony (a CPU runs in order: the double shows which memory is reused, not when).
+The CPU plays the GPU: the VBAR branch is taken whatever the device (ComfyUI's own CPU branch
+returns copies, and ``ModelPatcherDynamic`` is never made for a CPU load device).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import ctypes
+import itertools
+import threading
+
+import torch
+
+SMALL = 16 * 1024      # ModelPatcherDynamic.load: ops of at most this many bytes are loaded, not given a slot
+ALIGN = 512            # ModelVBAR.alloc's alignment, and the gathered weight/bias layout's here
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(t) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def gathered_size(tensors) -> int:
+    return sum(_aligned(_nbytes(t)) for t in tensors)
+
+
+class CpuVBAR:
+    """comfy-aimdo's ``ModelVBAR`` over CPU memory: ``alloc`` hands out ``(vbar, address, size)``;
+    ``fault`` makes a range resident and pins it, returning a signature (the same while the range
+    stayed resident, a new one after it was evicted) or None when ``budget`` bytes are resident
+    (aimdo's policy lives in its native library: the double takes the simplest one its Python
+    side allows, a resident set up to the budget and the rest streamed); ``unpin``;
+    ``free_memory`` / ``set_budget`` evict what is not pinned. An evicted range is
+    overwritten with NaN bytes, so a view kept past its pin reads garbage."""
+
+    def __init__(self, size: int, budget: int):
+        self.storage = torch.zeros(size, dtype=torch.uint8)
+        self.max_size, self.offset, self.budget = size, 0, budget
+        self.resident: collections.OrderedDict = collections.OrderedDict()   # address -> (size, generation)
+        self.pins: collections.Counter = collections.Counter()
+        self._gen = itertools.count(1)
+        self.faults = self.unpins = self.evictions = 0
+
+    def alloc(self, num_bytes: int):
+        self.offset = _aligned(self.offset)
+        if self.offset + num_bytes > self.max_size:
+            raise MemoryError("VBAR OOM")
+        alloc = (self, self.offset, num_bytes)
+        self.offset += num_bytes
+        return alloc
+
+    def used(self) -> int:
+        return sum(size for size, _ in self.resident.values())
+
+    def _evict(self, address: int) -> int:
+        size, _ = self.resident.pop(address)
+        self.storage[address:address + size].fill_(0xFF)
+        self.evictions += 1
+        return size
+
+    def _make_room(self) -> None:
+        for address in list(self.resident):
+            if self.used() <= self.budget:
+                return
+            if not self.pins[address]:
+                self._evict(address)
+
+    def fault(self, address: int, size: int):
+        self.faults += 1
+        if address not in self.resident:
+            if self.used() + size > self.budget:
+                return None
+            self.resident[address] = (size, next(self._gen))
+        self.resident.move_to_end(address)
+        self.pins[address] += 1
+        sig = (ctypes.c_uint32 * (size // (32 * 1024 ** 2) + 2))()
+        sig[0], sig[1] = self.resident[address][1], address & 0xFFFFFFFF
+        return sig
+
+    def unpin(self, address: int, size: int) -> None:
+        if not self.pins[address]:
+            raise RuntimeError("VBAR unpin failed")
+        self.pins[address] -= 1
+        self.unpins += 1
+
+    def free_memory(self, size_bytes: float) -> int:
+        freed = 0
+        for address in list(self.resident):
+            if freed >= size_bytes:
+                break
+            if not self.pins[address]:
+                freed += self._evict(address)
+        return freed
+
+    def set_budget(self, budget: int) -> None:
+        """Another model took (or gave back) room: evict down to ``budget``."""
+        self.budget = budget
+        self._make_room()
+
+    def loaded_size(self) -> int:
+        return self.used()
+
+    def tensor(self, alloc) -> torch.Tensor:
+        _, address, size = alloc
+        return self.storage[address:address + size]
+
+    def pinned(self) -> int:
+        return sum(self.pins.values())
+
+
+class DynamicVRAM:
+    """The double, installed over ``comfy`` (0.8.0): ``comfy.ops.cast_bias_weight`` /
+    ``uncast_bias_weight`` become the newest ones' VBAR branch for leaves with ``_v``; the plain
+    path stays 0.8.0's. ``casts`` logs (thread id, leaf) per cast; ``shared_casts`` counts casts
+    that went through a stream's shared buffer."""
+
+    STREAMS = 2
+
+    def __init__(self, comfy_ops):
+        self.ops = comfy_ops
+        self.original = (comfy_ops.cast_bias_weight, comfy_ops.uncast_bias_weight)
+        self.buffers: dict[int, torch.Tensor] = {}
+        self._stream = 0
+        self.casts: list = []
+        self.shared_casts = 0
+        self.lock = threading.Lock()
+
+    # -- comfy.model_management: get_offload_stream, get_aimdo_cast_buffer ------------------
+    def offload_stream(self) -> int:
+        self._stream = (self._stream + 1) % self.STREAMS
+        return self._stream
+
+    def cast_buffer(self, stream: int, size: int) -> torch.Tensor:
+        buf = self.buffers.get(stream)
+        if buf is None or buf.numel() < size:
+            buf = self.buffers[stream] = torch.empty(max(size, 1 << 20), dtype=torch.uint8)
+        return buf
+
+    # -- comfy.ops --------------------------------------------------------------------------
+    @staticmethod
+    def _write(tensors, dest: torch.Tensor) -> None:
+        at = 0
+        for t in tensors:
+            if t is None:
+                continue
+            n = _nbytes(t)
+            dest[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            at += _aligned(n)
+
+    @staticmethod
+    def _read(like, dest: torch.Tensor) -> list:
+        out, at = [], 0
+        for t in like:
+            if t is None:
+                out.append(None)
+                continue
+            n = _nbytes(t)
+            out.append(dest[at:at + n].view(t.dtype).view(t.shape))
+            at += _aligned(n)
+        return out
+
+    def cast_modules(self, leaves, device):
+        """``cast_modules_with_vbar``: fault each leaf's slot; copy what is not resident into its
+        slot, or into one stream's cast buffer from offset 0 when the fault found no room."""
+        import comfy_aimdo.model_vbar as vbar
+        stream, offset = None, 0
+        for s in leaves:
+            signature = vbar.vbar_fault(s._v)
+            resident = vbar.vbar_signature_compare(signature, s.__dict__.get("_v_signature"))
+            prefetch = {"signature": signature, "resident": resident}
+            if not resident:
+                src = [s.weight, s.bias]
+                size = gathered_size(src)
+                if signature is not None:
+                    dest = s._v[0].tensor(s._v)
+                else:
+                    stream = self.offload_stream() if stream is None else stream
+                    dest = self.cast_buffer(stream, offset + size)[offset:offset + size]
+                    offset += size
+                    self.shared_casts += 1
+                self._write(src, dest)
+                prefetch["dest"] = dest
+            s._prefetch = prefetch
+        return stream
+
+    def resolve(self, s, dtype, bias_dtype, compute_dtype):
+        """``resolve_cast_module_with_vbar``: the views of what ``cast_modules`` placed, each cast to
+        the compute dtype, its LoRA applied when the slot was (re)filled and written back to it."""
+        prefetch = s._prefetch
+        if prefetch["resident"]:
+            weight, bias = s._v_weight, s._v_bias
+        else:
+            weight, bias = self._read([s.weight, s.bias], prefetch["dest"])
+            if prefetch["signature"] is not None:
+                s._v_weight, s._v_bias = weight, bias
+            s._v_signature = prefetch["signature"]
+
+        def post(key, x, dt):
+            if x is None:
+                return None
+            lowvram = getattr(s, key + "_lowvram_function", None)
+            fns = getattr(s, key + "_function", [])
+            orig = x
+            if orig.dtype != dt or fns:
+                x = x.to(dt)
+            if not prefetch["resident"] and lowvram is not None:
+                x = lowvram(x.to(dt if compute_dtype is None else compute_dtype))
+                if prefetch["signature"] is not None:
+                    orig.copy_(x.to(orig.dtype))
+            for f in fns:
+                x = f(x)
+            return x
+        weight = post("weight", weight, dtype)
+        bias = post("bias", bias, bias_dtype)
+        if prefetch["signature"] is not None:
+            prefetch["resident"] = True
+        return weight, bias
+
+    def cast_bias_weight(self, s, input=None, dtype=None, device=None, bias_dtype=None, offloadable=False,
+                         compute_dtype=None, want_requant=False):
+        if input is not None:
+            dtype = input.dtype if dtype is None else dtype
+            bias_dtype = dtype if bias_dtype is None else bias_dtype
+            device = input.device if device is None else device
+        if "_v" not in s.__dict__:       # a loaded op (no slot): ComfyUI's plain path
+            return self.original[0](s, input, dtype=dtype, device=device, bias_dtype=bias_dtype,
+                                    offloadable=offloadable)
+        with self.lock:
+            self.casts.append((threading.get_ident(), s))
+        prefetched = "_prefetch" in s.__dict__
+        stream = None if prefetched else self.cast_modules([s], device)
+        weight, bias = self.resolve(s, dtype, bias_dtype, compute_dtype)
+        handle = (stream, None, None)
+        if not prefetched:
+            if s._prefetch["signature"] is not None:
+                handle = (stream, device, None)      # the device in weight_a's place: "unpin the slot"
+            del s._prefetch
+        return (weight, bias, handle) if offloadable else (weight, bias)
+
+    def uncast_bias_weight(self, s, weight, bias, offload_stream):
+        if offload_stream is None:
+            return
+        _, weight_a, _ = offload_stream
+        if weight_a is not None and not isinstance(weight_a, torch.Tensor):
+            import comfy_aimdo.model_vbar as vbar
+            vbar.vbar_unpin(s._v)
+            return
+        if "_v" not in s.__dict__:
+            self.original[1](s, weight, bias, offload_stream)
+
+    @contextlib.contextmanager
+    def installed(self):
+        self.ops.cast_bias_weight, self.ops.uncast_bias_weight = self.cast_bias_weight, self.uncast_bias_weight
+        try:
+            yield self
+        finally:
+            self.ops.cast_bias_weight, self.ops.uncast_bias_weight = self.original
+
+
+def dynamic_patcher_class(comfy):
+    """``ModelPatcherDynamic``'s contract as a subclass of this ComfyUI's ``ModelPatcher``."""
+    import comfy.model_patcher as mp
+    import comfy.utils
+
+    class DynamicPatcher(mp.ModelPatcher):
+        #: the VBAR's room as a fraction of the slotted bytes (1: all resident; 0: every cast shared)
+        budget = 0.5
+        small = SMALL
+
+        def is_dynamic(self):
+            return True
+
+        def vbar(self) -> CpuVBAR:
+            vbars = self.model.__dict__.setdefault("dynamic_vbars", {})
+            if "cpu" not in vbars:
+                vbars["cpu"] = CpuVBAR(2 * self.model_size() + (1 << 20), 0)
+            return vbars["cpu"]
+
+        def _restore_loaded(self) -> None:
+            for key in list(self.backup):
+                comfy.utils.set_attr_param(self.model, key, self.backup.pop(key).weight)
+            self.model.model_loaded_weight_memory = 0
+
+        def load(self, device_to=None, lowvram_model_memory=0, force_patch_weights=False, full_load=False,
+                 dirty=False):
+            assert not force_patch_weights and not full_load
+            self._restore_loaded()
+            vbar = self.vbar()
+            slotted = 0
+            for n, m in self.model.named_modules():
+                if not hasattr(m, "comfy_cast_weights"):
+                    continue
+                m.comfy_cast_weights = True
+                m.seed_key = n
+                m._pin_state = {"fast_disk": False}
+                if dirty or not hasattr(m, "_v_signature"):
+                    m._v_signature = None
+                own = [(k, p) for k, p in (("weight", m.weight), ("bias", getattr(m, "bias", None))) if p is not None]
+                if sum(_nbytes(p) for _, p in own) > self.small:
+                    for key, _ in own:
+                        full = f"{n}.{key}"
+                        setattr(m, key + "_lowvram_function",
+                                mp.LowVramPatch(full, self.patches) if full in self.patches else None)
+                        setattr(m, key + "_function", list(self.weight_wrapper_patches.get(full, [])))
+                    if "_v" not in m.__dict__:
+                        m._v = vbar.alloc(gathered_size([p for _, p in own]))
+                    slotted += m._v[2]
+                else:
+                    for key, _ in own:
+                        self.patch_weight_to_device(f"{n}.{key}", device_to)
+                        setattr(m, key + "_function", list(self.weight_wrapper_patches.get(f"{n}.{key}", [])))
+                    self.model.model_loaded_weight_memory += sum(_nbytes(p) for _, p in own)
+            vbar.set_budget(int(self.budget * slotted))
+            self.model.device = device_to
+            self.model.current_weight_patches_uuid = self.patches_uuid
+            for callback in self.get_all_callbacks(mp.CallbacksMP.ON_LOAD):
+                callback(self, device_to, lowvram_model_memory, force_patch_weights, full_load)
+
+        def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+            assert not force_patch_weights
+            uuid = self.model.current_weight_patches_uuid
+            dirty = uuid is not None and uuid != self.patches_uuid
+            self.unpatch_model(self.offload_device, unpatch_weights=False)
+            self.patch_model(load_weights=False)
+            self.load(device_to, dirty=dirty)
+            return None
+
+        def patch_model(self, device_to=None, lowvram_model_memory=0, load_weights=True, force_patch_weights=False):
+            assert not load_weights
+            return super().patch_model(load_weights=False, force_patch_weights=force_patch_weights)
+
+        def unpatch_model(self, device_to=None, unpatch_weights=True):
+            super().unpatch_model(None, unpatch_weights=False)
+            if unpatch_weights:
+                self.vbar().free_memory(1e32)
+                self._restore_loaded()
+
+        def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+            freed = self.vbar().free_memory(memory_to_free)
+            if freed < memory_to_free:
+                freed += self.model.model_loaded_weight_memory
+                self._restore_loaded()
+            return freed
+
+        def loaded_size(self):
+            return self.vbar().loaded_size() + self.model.model_loaded_weight_memory
+
+        def clone(self, disable_dynamic=False, model_override=None, force_deepcopy=False):
+            if not disable_dynamic:
+                n = super().clone()
+                n.budget, n.small = self.budget, self.small
+                return n
+            # a plain ModelPatcher over the checkpoint loaded again (cached_patcher_init): another
+            # module with the same weights and no dynamic state
+            cls = self.__class__
+            self.__class__ = mp.ModelPatcher
+            try:
+                n = self.clone()
+            finally:
+                self.__class__ = cls
+            if model_override is None:
+                model_override = _fresh_copy(self.model)
+            n.model = model_override
+            n.backup, n.object_patches_backup = {}, {}
+            return n
+
+        def get_non_dynamic_delegate(self):
+            n = self.clone(disable_dynamic=True, model_override=self.__dict__.get("_delegate_model"))
+            self._delegate_model = n.model
+            return n
+
+    return DynamicPatcher
+
+
+_DYNAMIC_STATE = ("comfy_cast_weights", "seed_key", "_pin_state", "_v", "_v_signature", "_v_weight", "_v_bias",
+                  "_prefetch", "weight_lowvram_function", "bias_lowvram_function", "weight_function", "bias_function")
+
+
+def _fresh_copy(model):
+    """``model`` as a new load of its checkpoint would make it: its own modules, the same weights."""
+    dyn = model.__dict__.pop("dynamic_vbars", None)
+    try:
+        new = copy.deepcopy(model)
+    finally:
+        if dyn is not None:
+            model.dynamic_vbars = dyn
+    for m in new.modules():
+        for name in _DYNAMIC_STATE:
+            m.__dict__.pop(name, None)
+    new.current_weight_patches_uuid = None
+    new.model_loaded_weight_memory = 0
+    return new
+
+
+def make_dynamic(comfy, mp, budget: float = 0.5, small: int = SMALL):
+    """A dynamic patcher over ``mp``'s model (``mp`` a plain 0.8.0 ``ModelPatcher``): its VBAR holds
+    ``budget`` of the slotted bytes; ops of at most ``small`` bytes are loaded instead."""
+    cls = dynamic_patcher_class(comfy)
+    d = cls(mp.model, mp.load_device, mp.offload_device, mp.model_size())
+    d.budget, d.small = budget, small
+    return d
