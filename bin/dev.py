@@ -30,7 +30,7 @@ _COMPLETE = """
 import importlib.util as u, os, sys
 pack = u.find_spec("unet_compiler")
 mine = pack is not None and os.path.realpath(os.path.dirname(pack.origin)) == os.path.realpath(sys.argv[1])
-sys.exit(not (mine and all(map(u.find_spec, ("torch", "pytest", "diffusers")))))
+sys.exit(not (mine and all(map(u.find_spec, ("torch", "pytest", "diffusers", "comfy_aimdo")))))
 """
 
 

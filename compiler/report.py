@@ -96,6 +96,9 @@ class Report:
     from_cache: dict = field(default_factory=dict)    # shape label -> graphs of those taken from the compile cache
     max_abs_diff: float | None = None
     diff_label: str = ""
+    #: the largest ``max_abs_diff`` warmup's gate accepts (``warmup.tolerance``); over it the regions
+    #: whose code made the difference run the model's own code
+    diff_tolerance: float | None = None
     #: when ``max_abs_diff`` was measured, if not in this warmup: an earlier warmup recorded it in the
     #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
     diff_recorded: str | None = None
@@ -118,6 +121,9 @@ class Report:
             lines.append(f"  warmed {label}: {secs:.1f} s, {graphs} graph(s) compiled{how}")
         if self.max_abs_diff is not None:
             lines.append(f"  max |compiled - eager| {self.diff_label}: {self.max_abs_diff:.3g}"
+                         + (f" (tolerance {self.diff_tolerance:.2g}"
+                            + (", over it: refused" if self.max_abs_diff > self.diff_tolerance else "") + ")"
+                            if self.diff_tolerance is not None else "")
                          + (f" (measured when this code was compiled, {self.diff_recorded}; all of it came from "
                             f"the compile cache, so the eager reference did not run again: "
                             f"UNET_COMPILER_COMPARE=always runs it)" if self.diff_recorded else ""))
@@ -226,6 +232,15 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
                 f"model's own code (masks, attention overrides or patches on the regions)",
                 "fix": "none needed for correctness; the patches named in the report decide it"}
     return {"state": "compiled", "reason": "", "fix": ""}
+
+
+def wrong_result(diff: float, tolerance: float, label: str) -> Reason:
+    """Warmup's compare found the compiled result off the model's own by more than the tolerance
+    (the region kinds it names run the model's own code from now on)."""
+    return Reason(f"their compiled result differed from the model's own: max |compiled - eager| {diff:.3g} {label}, "
+                  f"over the tolerance {tolerance:.2g}",
+                  "none needed for the image (it is the model's own); report it with the log: a compiled region "
+                  "gave a wrong result")
 
 
 def runtime_fallback(backend: str, kind: str, error: str) -> Reason:

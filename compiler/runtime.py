@@ -112,6 +112,8 @@ class Accelerator:
         self.regions_ran: set[int] = set()
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
+        #: the dtype region inputs had at the first accelerated call (the activations' dtype)
+        self.compute_dtype: torch.dtype | None = None
         self.warmed = False
         #: the shape labels warmup ran, and every compile after it (``recompiles.listener`` is told)
         self.warmed_shapes: list[str] = []
@@ -226,6 +228,8 @@ class Accelerator:
         return shim
 
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
+        if self.compute_dtype is None:
+            self.compute_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
         try:
             if casts:
                 # ComfyUI's per-call cast outside the graph; no CUDA graph (its weights are new each call)
@@ -292,6 +296,32 @@ class Accelerator:
                 self.on_fallback(kind, why)
             except Exception:  # a listener must not turn a soft fallback into a crash
                 log.debug("on_fallback listener failed", exc_info=True)
+
+    def refuse(self, kinds, reason: Reason) -> None:
+        """``kinds`` run the model's own code from now on (warmup's compare found their compiled
+        result wrong): said in the report, the log and to the fallback listener (the toast)."""
+        for k in kinds:
+            self.failed[k] = reason
+        said = f"{', '.join(kinds)} regions run the model's own code from now on: {reason}"
+        log.warning("UNet Compiler: %s", said)
+        self.report.notes.append(said)
+        if self.on_fallback is not None:
+            try:
+                self.on_fallback(", ".join(kinds), reason)
+            except Exception:
+                log.debug("on_fallback listener failed", exc_info=True)
+
+    @contextlib.contextmanager
+    def only(self, kind):
+        """Inside: every accelerated kind but ``kind`` runs the model's own code (warmup's search for
+        the kind that made a difference)."""
+        saved = dict(self.failed)
+        self.failed.update({k: "off" for k in self.report.regions if k != kind and k not in saved})
+        try:
+            yield
+        finally:
+            self.failed.clear()
+            self.failed.update(saved)
 
     @property
     def bypassed(self) -> bool:

@@ -14,8 +14,52 @@ import torch
 
 from . import background as bg
 from . import variants
+from .report import wrong_result
 from .runtime import Accelerator
 from .shapes import Shape, probe_shapes
+
+#: the largest max |compiled - eager| warmup accepts, as a fraction of max(1, max |eager|), by the dtype
+#: the regions compute in: kernels and graphs round differently (measured ~1e-5 in fp32 on a CPU;
+#: TF32 matmuls and fp16 / bf16 autocast leave more), while wrong weights or a wrong kernel are off
+#: by the output's own size
+TOLERANCE = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+
+
+def tolerance(accel: Accelerator, ref: torch.Tensor | None) -> float:
+    """The gate's tolerance for ``accel``'s compare against the eager output ``ref``."""
+    dtype = accel.autocast_dtype or accel.compute_dtype or torch.float32
+    scale = 1.0 if ref is None else max(1.0, float(ref.float().abs().max()))
+    return TOLERANCE.get(dtype, max(TOLERANCE.values())) * scale
+
+
+def _diff(out, ref) -> float:
+    return float((out.float() - ref.float()).abs().max())
+
+
+def gate(accel: Accelerator, run_one, shape: Shape, ref, diff: float, tol: float) -> list[str]:
+    """The compare found ``diff`` over ``tol``: find the region kinds whose compiled code alone makes
+    a difference over it (one forward each, the others on the model's own code; with no eager
+    output to compare, or none alone: every kind) and turn them to the model's own code for good.
+    Returns the kinds refused."""
+    kinds = list(accel.report.regions)
+    bad = []
+    if ref is not None and len(kinds) > 1:
+        for k in kinds:
+            with accel.only(k):
+                if _diff(run_one(shape), ref) > tol:
+                    bad.append(k)
+        if bad and set(bad) != set(kinds):
+            # the others together, without the bad ones: an interaction refuses every kind
+            accel.failed.update({k: "checking" for k in bad})
+            try:
+                rest_ok = _diff(run_one(shape), ref) <= tol
+            finally:
+                for k in bad:
+                    accel.failed.pop(k, None)
+            bad = bad if rest_ok else kinds
+    bad = bad or kinds
+    accel.refuse(bad, wrong_result(diff, tol, f"at {shape.label}"))
+    return bad
 
 
 def _levels(unet) -> int:
@@ -165,12 +209,15 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                     with accel.bypass():
                         ref = run_one(shape)
                 if ref is not None:
-                    rep.max_abs_diff, rep.diff_recorded = float((out.float() - ref.float()).abs().max()), None
-                    ref = None
+                    rep.max_abs_diff, rep.diff_recorded = _diff(out, ref), None
                     if accel.cache is not None:
                         accel.cache.record_compare(shape.label, rep.max_abs_diff)
                 else:
                     rep.max_abs_diff, rep.diff_recorded = kept["max_abs_diff"], kept["measured"]
+                rep.diff_tolerance = tolerance(accel, ref if ref is not None else out)
+                if rep.max_abs_diff > rep.diff_tolerance:       # the gate: never serve a wrong result
+                    gate(accel, run_one, shape, ref, rep.max_abs_diff, rep.diff_tolerance)
+                ref = None
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:

@@ -280,6 +280,7 @@ class WarmupFeedback:
         if problem:
             text += f"; {problem}"
         self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, max_abs_diff=diff,
+                   tolerance=accel.report.diff_tolerance,
                    reason=reason, fix=fix, **({"ran": ran, "regions": regions} if state != "compiling" else {}))
         level = logging.WARNING if state == "fallback" else logging.INFO
         log.log(level, "UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)

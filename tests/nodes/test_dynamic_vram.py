@@ -125,3 +125,37 @@ def test_flux_over_prompts_with_lora_and_resident_set_changes(comfy, dynamic_vra
     assert all(rel < 1e-5 and pins == 0 for rel, pins in seen), seen
     assert accel.stats["region_eager"] == eager and accel.stats["recompiles_after_warmup"] == 0, accel.text()
     print(f"\nflux: rel L2 per prompt {[f'{r:.1e}' for r, _ in seen]}, regions 4/4, recompiles 0")
+
+
+def test_warmup_gate_refuses_a_wrong_kernel_and_names_it(make_comfy_model, monkeypatch):
+    """An injected wrong op (GEGLU scaled by 1.5, in the feed-forward body only): Warmup Shapes'
+    compare is over the tolerance, the feed-forward regions turn to the model's own code (found by
+    running each kind alone), the status says fallback with the difference and the tolerance, never
+    "compiled", and the next call gives the model's own result."""
+    from unet_compiler.compiler import regions
+    real = regions.Ops.geglu
+    monkeypatch.setattr(regions.Ops, "geglu", lambda self, h, approximate: real(self, h, approximate) * 1.5)
+    mp = make_comfy_model("sd15")
+    ref = _apply(mp, "sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    assert set(accel.failed) == {"feedforward"}, accel.failed
+    assert "status: inductor: fallback" in text and "feedforward regions run the model's own code from now on" in text, text
+    assert "tolerance" in text and "over it: refused" in text, text
+    _close(_apply(cm, "sd15"), ref)
+    assert accel.stats["ran_resblock"] > 0
+
+
+def test_warmup_gate_catches_overwritten_weights(make_comfy_model, dynamic_vram, monkeypatch):
+    """The old cast (views of the shared buffers held across casts) under the double: the gate turns
+    every kind it reads wrong weights in to the model's own code, and the result is ComfyUI's."""
+    from unet_compiler.compiler import cast
+    monkeypatch.setattr(cast, "_held", lambda leaf, t, name: t)
+    dyn = dynamic_vram.patcher(make_comfy_model("sd15"), budget=0.0)
+    ref = _apply(dyn, "sd15")
+    cm, _ = patcher.compile_model(dyn, CFG)
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    assert accel.failed and "status: inductor: fallback" in text and "over it: refused" in text, text
+    _close(_apply(cm, "sd15"), ref)
