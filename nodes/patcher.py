@@ -29,9 +29,15 @@ KEY = "unet_compiler"
 def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
     def unet_compiler_apply_model(executor, *args, **kwargs):
         base = executor.class_obj
-        if getattr(base, "diffusion_model", None) is not accel.root:
-            # another node swapped the diffusion model (e.g. TorchCompileModel): run it as given
+        model = getattr(base, "diffusion_model", None)
+        if model is not accel.root:
+            # another node swapped the diffusion model, or ComfyUI samples another copy of it: as given
             accel.stats["eager_calls"] += 1
+            accel.stats["calls_not_ours"] += 1
+            why = not_ours(model, accel.root)
+            if why not in accel.report.notes:
+                accel.report.notes.append(why)
+                log.warning("UNet Compiler: %s", why)
             return executor(*args, **kwargs)
         # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
         to = args[5] if len(args) > 5 else kwargs.get("transformer_options") or {}
@@ -43,6 +49,22 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
             return executor(*args, **kwargs)
     unet_compiler_apply_model.accelerator = accel
     return unet_compiler_apply_model
+
+
+def not_ours(model, root) -> str:
+    """Why a sampling call reached the pack's wrapper with ``model`` as the diffusion model instead of
+    the one it compiled (``root``): said once in the report and the log."""
+    if getattr(model, "_orig_mod", None) is root or type(model).__name__ == "OptimizedModule":
+        return ("sampling ran another node's torch.compile of the whole diffusion model (TorchCompileModel), "
+                "not the pack's regions. Fix: use one of Compile UNet and TorchCompileModel")
+    if root is not None and type(model) is type(root):
+        return ("sampling ran a separate copy of the model, which runs its own code: ComfyUI made a plain "
+                "ModelPatcher from the Dynamic VRAM one (clone(disable_dynamic=True): TorchCompileModel placed "
+                "after Compile UNet, or conditioning with hooks, which ComfyUI samples through "
+                "get_non_dynamic_delegate). Fix: none needed for the image; for speed, drop TorchCompileModel "
+                "(hooks need the plain patcher)")
+    return (f"sampling ran another diffusion model ({type(model).__module__}.{type(model).__qualname__}) that a "
+            f"node put in this one's place: it runs as given")
 
 
 def _described(value) -> str:

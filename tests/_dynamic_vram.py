@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import ctypes
 import itertools
 import threading
@@ -295,6 +294,7 @@ def dynamic_patcher_class(comfy):
         #: the VBAR's room as a fraction of the slotted bytes (1: all resident; 0: every cast shared)
         budget = 0.5
         small = SMALL
+        cached_patcher_init = None
 
         def is_dynamic(self):
             return True
@@ -377,7 +377,7 @@ def dynamic_patcher_class(comfy):
         def clone(self, disable_dynamic=False, model_override=None, force_deepcopy=False):
             if not disable_dynamic:
                 n = super().clone()
-                n.budget, n.small = self.budget, self.small
+                n.budget, n.small, n.cached_patcher_init = self.budget, self.small, self.cached_patcher_init
                 return n
             # a plain ModelPatcher over the checkpoint loaded again (cached_patcher_init): another
             # module with the same weights and no dynamic state
@@ -388,7 +388,9 @@ def dynamic_patcher_class(comfy):
             finally:
                 self.__class__ = cls
             if model_override is None:
-                model_override = _fresh_copy(self.model)
+                if self.cached_patcher_init is None:
+                    raise RuntimeError("Cannot create non-dynamic delegate: cached_patcher_init is not initialized.")
+                model_override = self.cached_patcher_init().model
             n.model = model_override
             n.backup, n.object_patches_backup = {}, {}
             return n
@@ -401,30 +403,12 @@ def dynamic_patcher_class(comfy):
     return DynamicPatcher
 
 
-_DYNAMIC_STATE = ("comfy_cast_weights", "seed_key", "_pin_state", "_v", "_v_signature", "_v_weight", "_v_bias",
-                  "_prefetch", "weight_lowvram_function", "bias_lowvram_function", "weight_function", "bias_function")
-
-
-def _fresh_copy(model):
-    """``model`` as a new load of its checkpoint would make it: its own modules, the same weights."""
-    dyn = model.__dict__.pop("dynamic_vbars", None)
-    try:
-        new = copy.deepcopy(model)
-    finally:
-        if dyn is not None:
-            model.dynamic_vbars = dyn
-    for m in new.modules():
-        for name in _DYNAMIC_STATE:
-            m.__dict__.pop(name, None)
-    new.current_weight_patches_uuid = None
-    new.model_loaded_weight_memory = 0
-    return new
-
-
-def make_dynamic(comfy, mp, budget: float = 0.5, small: int = SMALL):
+def make_dynamic(comfy, mp, budget: float = 0.5, small: int = SMALL, reload=None):
     """A dynamic patcher over ``mp``'s model (``mp`` a plain 0.8.0 ``ModelPatcher``): its VBAR holds
-    ``budget`` of the slotted bytes; ops of at most ``small`` bytes are loaded instead."""
+    ``budget`` of the slotted bytes; ops of at most ``small`` bytes are loaded instead. ``reload()``
+    loads the checkpoint again as a plain ``ModelPatcher`` (``cached_patcher_init``: what
+    ``clone(disable_dynamic=True)`` samples)."""
     cls = dynamic_patcher_class(comfy)
     d = cls(mp.model, mp.load_device, mp.offload_device, mp.model_size())
-    d.budget, d.small = budget, small
+    d.budget, d.small, d.cached_patcher_init = budget, small, reload
     return d

@@ -133,11 +133,12 @@ def tiny_unet():
 @pytest.fixture
 def dynamic_vram(comfy):
     """The newest ComfyUI's Dynamic VRAM over this ComfyUI (``tests/_dynamic_vram.py``): installed for
-    the test; ``dynamic_vram.patcher(mp, budget, small)`` makes a dynamic patcher over ``mp``'s model."""
+    the test; ``dynamic_vram.patcher(mp, budget, small, reload)`` makes a dynamic patcher over ``mp``'s
+    model (``reload()``: the checkpoint loaded again, for ``clone(disable_dynamic=True)``)."""
     pytest.importorskip("comfy_aimdo.model_vbar", reason="comfy-aimdo not installed (bin/setup installs it)")
     from tests._dynamic_vram import DynamicVRAM, make_dynamic
     double = DynamicVRAM(comfy.ops)
-    double.patcher = lambda mp, budget=0.5, small=256: make_dynamic(comfy, mp, budget, small)
+    double.patcher = lambda mp, budget=0.5, small=256, reload=None: make_dynamic(comfy, mp, budget, small, reload)
     with double.installed():
         yield double
     comfy.mm.unload_all_models()

@@ -159,3 +159,21 @@ def test_warmup_gate_catches_overwritten_weights(make_comfy_model, dynamic_vram,
     accel = patcher.accelerator_of(cm)
     assert accel.failed and "status: inductor: fallback" in text and "over it: refused" in text, text
     _close(_apply(cm, "sd15"), ref)
+
+
+def test_a_demoted_model_runs_its_own_code_and_says_why(comfy, make_comfy_model, dynamic_vram):
+    """``clone(disable_dynamic=True)`` (TorchCompileModel after Compile UNet) and
+    ``get_non_dynamic_delegate`` (conditioning with hooks) sample another copy of the model: it runs
+    its own code, equal to the dynamic model's, and the report says why, once."""
+    dyn = dynamic_vram.patcher(make_comfy_model("sd15"), budget=0.5, reload=lambda: make_comfy_model("sd15"))
+    ref = _apply(dyn, "sd15")
+    cm, _ = patcher.compile_model(dyn, CFG)
+    accel = patcher.accelerator_of(cm)
+    for demoted in (cm.clone(disable_dynamic=True), cm.get_non_dynamic_delegate()):
+        assert type(demoted) is comfy.mp.ModelPatcher and demoted.model is not cm.model
+        assert patcher.accelerator_of(demoted) is accel         # the wrapper came along
+        _close(_apply(demoted, "sd15"), ref)
+    assert accel.stats["calls_not_ours"] == 2 and accel.stats["calls"] == 0
+    lines = [n for n in accel.report.notes if "separate copy of the model" in n]
+    assert len(lines) == 1 and "get_non_dynamic_delegate" in lines[0], accel.text()
+    assert "separate copy of the model" in accel.text()
