@@ -230,6 +230,24 @@ class Accelerator:
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
         if self.compute_dtype is None:
             self.compute_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
+        recording = comfy_compat.compiler_recording()
+        if recording is not None:
+            # ComfyUI's compiler records this block's allocations: the pack's compiled code, compiles
+            # and graph captures run paused, as ComfyUI's own foreign kernels (comfy-kitchen's) do
+            self._recording_paused()
+            with recording:
+                return self._run_here(kind, impl, module, original, args, eager_kwargs, casts)
+        return self._run_here(kind, impl, module, original, args, eager_kwargs, casts)
+
+    def _recording_paused(self) -> None:
+        first = not self.stats["recording_paused"]
+        self.stats["recording_paused"] += 1
+        if first:
+            self.report.notes.append("ComfyUI's compiler was recording this model's allocations: its recording "
+                                     "is paused around each accelerated region call (compiles, compiled code, "
+                                     "CUDA graph captures), which it does not replay")
+
+    def _run_here(self, kind, impl, module, original, args, eager_kwargs, casts):
         try:
             if casts:
                 # ComfyUI's per-call cast outside the graph; no CUDA graph (its weights are new each call)

@@ -2,8 +2,10 @@
 already loaded (a ComfyUI model can only exist if it is)."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+import threading
 
 
 def classes() -> dict:
@@ -179,3 +181,32 @@ def is_cancel(e: BaseException) -> bool:
 def is_oom(e: BaseException) -> bool:
     import torch
     return isinstance(e, torch.OutOfMemoryError)
+
+
+def compiler_recording():
+    """A context pausing ComfyUI's own compiler for this thread (ComfyUI >= 0.36: comfy-aimdo records
+    a block's allocations and replays them; a Triton kernel, a torch.compile'd graph or a compile
+    inside the recording changes the pattern: a "graph break", an error under
+    ``--assert-graph-breaks``), or None when this ComfyUI has none or it is not recording now. Probed
+    by name: ``comfy.model_prefetch.pause_malloc_graph`` with its per-thread ``MALLOC_GRAPHS``, or an
+    older build's ``ACTIVE_MALLOC_GRAPHS`` whose graph pauses itself."""
+    mod = sys.modules.get("comfy.model_prefetch")
+    if mod is None:
+        return None
+    graphs = getattr(mod, "MALLOC_GRAPHS", None)
+    if not isinstance(graphs, dict):
+        graphs = getattr(mod, "ACTIVE_MALLOC_GRAPHS", None)
+    graph = graphs.get(threading.get_ident()) if isinstance(graphs, dict) else None
+    if graph is None or not getattr(graph, "_comfy_active", True):
+        return None
+    pause = getattr(mod, "pause_malloc_graph", None)
+    return pause() if pause is not None else _paused(graph)
+
+
+@contextlib.contextmanager
+def _paused(graph):
+    graph.pause()
+    try:
+        yield
+    finally:
+        graph.resume()

@@ -177,3 +177,29 @@ def test_a_demoted_model_runs_its_own_code_and_says_why(comfy, make_comfy_model,
     lines = [n for n in accel.report.notes if "separate copy of the model" in n]
     assert len(lines) == 1 and "get_non_dynamic_delegate" in lines[0], accel.text()
     assert "separate copy of the model" in accel.text()
+
+
+def test_comfys_compiler_recording_is_paused_around_the_pack(make_comfy_model, dynamic_vram):
+    """ComfyUI's own compiler records the model's calls (the double: ``--assert-graph-breaks``, a
+    compile or a compiled graph inside the recording fails the scope): Warmup Shapes and three
+    prompts inside recording scopes run with no graph break, compiled == eager, and the report says
+    the recording was paused. The double is shown to fail when nothing pauses it."""
+    from tests._dynamic_vram import ComfyCompiler
+    dyn = dynamic_vram.patcher(make_comfy_model("sd15"), budget=0.5)
+    ref = _apply(dyn, "sd15")
+    with ComfyCompiler(assert_graph_breaks=True).installed() as compiler:
+        with pytest.raises(RuntimeError, match="aimdo memory compile error"), compiler.scope():
+            torch.compile(lambda x: x * 2 + 1)(torch.ones(3))       # an unpaused compile breaks it
+        deliberate = compiler.breaks()
+        assert deliberate[:1] == ["a compile"], deliberate
+        cm, _ = patcher.compile_model(dyn, CFG)
+        with compiler.scope():
+            text = patcher.warmup_model(cm, "2x64x64", 77)
+        for _ in range(3):
+            with compiler.scope():
+                _close(_apply(cm, "sd15"), ref)
+        accel = patcher.accelerator_of(cm)
+        assert compiler.breaks() == deliberate, compiler.breaks()      # the deliberate ones only
+    n = _regions(accel)
+    assert f"{n} of {n} regions ran compiled code" in text, text
+    assert accel.stats["recording_paused"] > 0 and "recording is paused" in accel.text()
