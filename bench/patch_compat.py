@@ -561,7 +561,8 @@ def run_case(ctx, mp, name, order, config=None) -> CaseRun:
 
 #: pack frames the model's own exception may pass through: the apply_model wrapper and the
 #: context manager around the call, and a region shim handing the call to the model's own code
-PASS_THROUGH = {"patcher.py:unet_compiler_apply_model", "runtime.py:active", "shims.py:shim", "runtime.py:_run"}
+PASS_THROUGH = {"patcher.py:unet_compiler_apply_model", "runtime.py:active", "shims.py:shim", "runtime.py:_run",
+                "runtime.py:_run_here"}
 
 
 def is_pack_file(filename) -> bool:

@@ -60,8 +60,9 @@ def _has_weights(leaf) -> bool:
 def quantized(leaf) -> bool:
     """A ComfyUI mixed-precision leaf that multiplies in its quantized format: its weights are not
     dequantized per call (``_full_precision_mm``), not patched per call (weight functions, a forced
-    cast) and, where its forward still honours it (ComfyUI < 0.15: a partial load), not flagged
-    ``comfy_cast_weights``. Newer forwards ignore that flag, which Dynamic VRAM sets on every op."""
+    cast) and, where its forward still honours it (ComfyUI 0.8.0: a partial load), not flagged
+    ``comfy_cast_weights``. Forwards since Dynamic VRAM (February 2026), which sets it on every op,
+    ignore that flag."""
     d = leaf.__dict__
     if d.get("layout_type") is None or getattr(leaf, "_full_precision_mm", False):
         return False
@@ -74,8 +75,8 @@ def quantized(leaf) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _honours_cast_flag(forward) -> bool:
-    """Whether a mixed-precision ``forward`` reads ``comfy_cast_weights`` (ComfyUI < 0.15 dequantizes
-    then; its newer ``_use_quantized`` reads only ``comfy_force_cast_weights``)."""
+    """Whether a mixed-precision ``forward`` reads ``comfy_cast_weights`` (ComfyUI 0.8.0 dequantizes
+    then; the newer ``_use_quantized`` reads only ``comfy_force_cast_weights``)."""
     code = getattr(forward, "__code__", None)
     return code is None or "comfy_cast_weights" in code.co_names or "comfy_cast_weights" in code.co_consts
 
@@ -140,14 +141,18 @@ def _cast(leaf, dtype, device):
         w, b, handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
     else:
         (w, b), handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype), None
+    if type(w).__name__ == "QuantizedTensor":
+        # a mixed-precision leaf that dequantizes per call gets its QuantizedTensor back from the cast;
+        # its forward multiplies by the dequantized weight (newer ComfyUI dequantizes it there)
+        w = w.dequantize()
     return _held(leaf, w, "weight"), _held(leaf, b, "bias"), handle
 
 
 def _held(leaf, t, name):
-    """``t`` (a cast weight of ``leaf``) or a copy of it that no later cast overwrites: a tensor that
-    owns its memory, and the leaf's own VBAR slot (pinned until uncast), are kept as they are; a view
-    into a larger buffer is copied."""
-    if t is None or t is leaf.__dict__.get(f"_v_{name}"):
+    """``t`` (a cast weight of ``leaf``) or a copy of it that no later cast overwrites: the leaf's own
+    parameter, its VBAR slot (pinned until uncast) and a tensor that owns its memory are kept as
+    they are; a view into a larger buffer is copied."""
+    if t is None or t is leaf.__dict__.get(f"_v_{name}") or t is leaf._parameters.get(name):
         return t
     if t._base is None and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t

@@ -71,12 +71,13 @@ class Plan:
         return [(k, n, why) for (k, why), n in sorted(c.items())]
 
 
-def _leaves(module, any_comfy_op: bool = False):
-    """The submodules whose weights ComfyUI may cast or patch per call: linears, convs and norms;
-    with ``any_comfy_op`` (a DiT block) also ComfyUI's other ops (Qwen-Image's RMSNorm)."""
+def _leaves(module):
+    """The submodules whose weights ComfyUI may cast or patch per call: linears, convs and norms, and
+    every other ComfyUI op (Qwen-Image's RMSNorm; a mixed-precision Linear, which is no
+    ``nn.Linear``: left out, its cast ran inside the graph)."""
     return tuple(m for m in module.modules() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d,
                                                               torch.nn.GroupNorm, torch.nn.LayerNorm))
-                 or (any_comfy_op and hasattr(type(m), "comfy_cast_weights")))
+                 or hasattr(type(m), "comfy_cast_weights"))
 
 
 def family_of(module) -> str | None:
@@ -166,7 +167,7 @@ def _dit_plan(model) -> Plan | None:
             if type(m) is cls:
                 why = _dit_block_unsupported(kind, m)
                 if why is None:
-                    plan.regions.append(Region(path, m, kind, "comfy", _leaves(m, any_comfy_op=True)))
+                    plan.regions.append(Region(path, m, kind, "comfy", _leaves(m)))
                 else:
                     plan.skipped.append((kind, path, why))
             elif isinstance(m, cls):

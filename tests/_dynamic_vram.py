@@ -1,5 +1,5 @@
 """A CPU double of the newest ComfyUI's Dynamic VRAM (comfy-aimdo), over ComfyUI 0.8.0's real model
-classes and patcher: the contract the pack meets on a GPU with ComfyUI >= 0.15, run here.
+classes and patcher: the contract the pack meets on a GPU with a ComfyUI of February 2026 or newer, run here.
 
 Each behaviour is read from the newest ComfyUI's files (Comfy-Org/ComfyUI; commits in
 docs/comfyui-versions.md) and comfy-aimdo 0.6.0, and rewritten, not copied:
@@ -325,7 +325,9 @@ def dynamic_patcher_class(comfy):
                 if dirty or not hasattr(m, "_v_signature"):
                     m._v_signature = None
                 own = [(k, p) for k, p in (("weight", m.weight), ("bias", getattr(m, "bias", None))) if p is not None]
-                if sum(_nbytes(p) for _, p in own) > self.small:
+                # (ComfyUI pages quantized weights too, by their geometry; the double keeps them loaded)
+                paged = all(type(p).__name__ != "QuantizedTensor" for _, p in own)
+                if paged and sum(_nbytes(p) for _, p in own) > self.small:
                     for key, _ in own:
                         full = f"{n}.{key}"
                         setattr(m, key + "_lowvram_function",
@@ -537,3 +539,27 @@ class ComfyCompiler:
 
     def breaks(self) -> list[str]:
         return [b for r in self.recordings for b in r.breaks]
+
+
+def newest_mixed_precision(leaf) -> None:
+    """Give a 0.8.0 mixed-precision Linear the newest ComfyUI's forward rule (comfy/ops.py 0271a469,
+    ``_use_quantized``): the quantized matmul unless the leaf dequantizes (``_full_precision_mm``),
+    is forced to cast or has weight functions; ``comfy_cast_weights``, which Dynamic VRAM sets on
+    every op, is not read. The input is quantized to the layout as ComfyUI's does."""
+    from comfy.quant_ops import QuantizedTensor
+
+    def forward(self, input, *args, **kwargs):
+        use_quantized = (getattr(self, "layout_type", None) is not None and not self._full_precision_mm
+                         and not getattr(self, "comfy_force_cast_weights", False)
+                         and len(self.weight_function) == 0 and len(self.bias_function) == 0)
+        if not use_quantized or input.ndim < 2:
+            return self.forward_comfy_cast_weights(input)
+        shape = input.shape
+        q = QuantizedTensor.from_float(input.reshape(-1, shape[-1]), self.layout_type,
+                                       scale=getattr(self, "input_scale", None))
+        return self._forward(q, self.weight, self.bias).reshape(*shape[:-1], self.weight.shape[0])
+    forward.__module__ = "comfy.ops"       # ComfyUI's own forward, as the pack sees it
+    cls = type(leaf)
+    leaf.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                 "__qualname__": cls.__qualname__})
+    leaf._full_precision_mm = False

@@ -184,7 +184,7 @@ def is_oom(e: BaseException) -> bool:
 
 
 def compiler_recording():
-    """A context pausing ComfyUI's own compiler for this thread (ComfyUI >= 0.36: comfy-aimdo records
+    """A context pausing ComfyUI's own compiler for this thread (since August 2026: comfy-aimdo records
     a block's allocations and replays them; a Triton kernel, a torch.compile'd graph or a compile
     inside the recording changes the pattern: a "graph break", an error under
     ``--assert-graph-breaks``), or None when this ComfyUI has none or it is not recording now. Probed
