@@ -177,6 +177,14 @@ def test_a_demoted_model_runs_its_own_code_and_says_why(comfy, make_comfy_model,
     lines = [n for n in accel.report.notes if "separate copy of the model" in n]
     assert len(lines) == 1 and "get_non_dynamic_delegate" in lines[0], accel.text()
     assert "separate copy of the model" in accel.text()
+    # core's TorchCompileModel after Compile UNet, as the newest one does it: clone(disable_dynamic=True),
+    # then its torch.compile wrapper (backend "eager" here: dynamo only, no inductor compile)
+    from comfy_api.torch_helpers.torch_compile import set_torch_compile_wrapper
+    tc = cm.clone(disable_dynamic=True)
+    set_torch_compile_wrapper(model=tc, backend="eager")
+    _close(_apply(tc, "sd15"), ref)
+    assert accel.stats["calls_not_ours"] == 3 and accel.stats["calls"] == 0
+    assert any("TorchCompileModel" in n for n in accel.report.notes), accel.text()
 
 
 def test_comfys_compiler_recording_is_paused_around_the_pack(make_comfy_model, dynamic_vram):
