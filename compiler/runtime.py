@@ -309,6 +309,10 @@ class Accelerator:
                f"they run eager from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)
         self.report.notes.append(msg)
+        self._tell_fallback(kind, why)
+
+    def _tell_fallback(self, kind: str, why) -> None:
+        """Tell the fallback listener (the node text and toast) that ``kind`` runs eager now."""
         if self.on_fallback is not None:
             try:
                 self.on_fallback(kind, why)
@@ -323,23 +327,20 @@ class Accelerator:
         said = f"{', '.join(kinds)} regions run the model's own code from now on: {reason}"
         log.warning("UNet Compiler: %s", said)
         self.report.notes.append(said)
-        if self.on_fallback is not None:
-            try:
-                self.on_fallback(", ".join(kinds), reason)
-            except Exception:
-                log.debug("on_fallback listener failed", exc_info=True)
+        self._tell_fallback(", ".join(kinds), reason)
 
     @contextlib.contextmanager
-    def only(self, kind):
-        """Inside: every accelerated kind but ``kind`` runs the model's own code (warmup's search for
-        the kind that made a difference)."""
-        saved = dict(self.failed)
-        self.failed.update({k: "off" for k in self.report.regions if k != kind and k not in saved})
+    def own_code(self, kinds):
+        """Inside: ``kinds`` run the model's own code (warmup's search for the kinds that made a
+        difference); a kind that really fails inside keeps its failure after."""
+        added = [k for k in kinds if k not in self.failed]
+        self.failed.update({k: "off" for k in added})
         try:
             yield
         finally:
-            self.failed.clear()
-            self.failed.update(saved)
+            for k in added:
+                if self.failed.get(k) == "off":
+                    del self.failed[k]
 
     @property
     def bypassed(self) -> bool:
