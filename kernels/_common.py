@@ -25,6 +25,12 @@ class KernelUnsupported(ValueError):
     region eager instead."""
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints on the host. Launchers use it, not ``triton.cdiv``, which in
+    triton 3.6+ is a constexpr function costing microseconds per host call."""
+    return -(-a // b)
+
+
 def next_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
 

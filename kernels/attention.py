@@ -4,7 +4,9 @@ Matches ``F.scaled_dot_product_attention(q, k, v, scale=scale)`` (no mask, not c
 dropout). q [B, H, Nq, d], k and v [B, H, Nk, d] with any strides (ComfyUI's and diffusers'
 transposed views go in without a copy); the output is [B, H, Nq, d] over [B, Nq, H, d]
 memory, so ``out.transpose(1, 2).reshape(B, Nq, H * d)`` is free. Head dims up to 256, any
-key/query length. fp32 runs under the interpreter only: on CUDA the launcher declines it.
+key/query length. fp32, and views whose strides or head dim are not 16-byte multiples, run
+under the interpreter only: on CUDA the launcher declines them (SDPA runs them; an unaligned
+view gave wrong tails on an H100, docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (KernelUnsupported, check_dot_dtype, check_row_block, check_tensor, dot_upcast, gpu_capability,
-                      launch_first_fitting, matmul_precision, next_pow2)
+from ._common import (KernelUnsupported, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
+                      gpu_capability, launch_first_fitting, matmul_precision, next_pow2)
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -189,6 +191,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         raise KernelUnsupported(f"{name}: k and v have no keys (length 0).")
     for arg, t in (("q", q), ("k", k), ("v", v)):
         check_row_block(name, arg, 128, t.stride(2))  # BLOCK_M / BLOCK_N <= 128
+    align = _alignment((q, k, v), D)
+    if align == 1 and capability is not None:
+        raise KernelUnsupported(f"{name}: q/k/v strides or head dim {D} are not 16-byte multiples; the kernel "
+                                f"runs such views under the interpreter only, SDPA runs it on the GPU.")
     out = torch.empty((B, NQ, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
     if out.numel() == 0:
         return out.squeeze(0) if squeeze else out
@@ -198,20 +204,20 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     BH = B * H
 
     def grid(cfg):
-        return (triton.cdiv(NQ, cfg["BLOCK_M"]) * BH,)
+        return (cdiv(NQ, cfg["BLOCK_M"]) * BH,)
 
-    if triton.cdiv(NQ, 16) * BH > 2**31 - 1:
+    if cdiv(NQ, 16) * BH > 2**31 - 1:
         raise KernelUnsupported(f"{name}: q of shape {tuple(q.shape)} needs more than 2**31 programs.")
     configs = _configs(block_d + block_dt, capability)
     for cfg in configs:  # the kernel's NUM_M depends on the config's BLOCK_M
-        cfg["NUM_M"] = triton.cdiv(NQ, cfg["BLOCK_M"])
+        cfg["NUM_M"] = cdiv(NQ, cfg["BLOCK_M"])
     launch_first_fitting(
         _attn_fwd_kernel, (D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
         (q, k, v, out, float(scale) * LOG2E, H, NQ, NK),
         dict(sqb=q.stride(0), sqh=q.stride(1), sqm=q.stride(2), sqd=q.stride(3),
              skb=k.stride(0), skh=k.stride(1), skn=k.stride(2), skd=k.stride(3),
              svb=v.stride(0), svh=v.stride(1), svn=v.stride(2), svd=v.stride(3),
-             D=D, ALIGN=_alignment((q, k, v), D), PREC=matmul_precision(q.dtype),
+             D=D, ALIGN=align, PREC=matmul_precision(q.dtype),
              UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=block_d, BLOCK_DT=block_dt),
         name, q.device)
     return out.squeeze(0) if squeeze else out

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_tensor, is_dense
+from ._common import KernelUnsupported, cdiv, check_tensor, is_dense
 
 BLOCK = 1024
 
@@ -70,7 +70,7 @@ def bias_residual(x: torch.Tensor, bias: torch.Tensor | None = None, residual: t
         return out
     stride_c = x.stride(d) if C > 1 else 1
     dummy = x
-    grid = (triton.cdiv(x.numel(), BLOCK),)
+    grid = (cdiv(x.numel(), BLOCK),)
     _bias_residual_kernel[grid](
         x, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
         x.numel(), C, stride_c, HAS_BIAS=bias is not None, HAS_RES=residual is not None,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_row_block, check_tensor, next_pow2
+from ._common import KernelUnsupported, cdiv, check_row_block, check_tensor, next_pow2
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -52,7 +52,7 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     block_d = min(1024, max(16, next_pow2(D)))
     block_m = max(1, 4096 // block_d)  # from D only: a new token count compiles no new variant
     check_row_block(name, "h", block_m, h2.stride(0))
-    grid = (triton.cdiv(M, block_m), triton.cdiv(D, block_d))
+    grid = (cdiv(M, block_m), cdiv(D, block_d))
     if grid[1] > 65535:
         raise KernelUnsupported(f"{name}: last dim of h is {two_d}, beyond the launch grid.")
     _geglu_kernel[grid](h2, y, M, D, h2.stride(0), D,

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_tensor, gpu_capability, next_pow2
+from ._common import KernelUnsupported, cdiv, check_tensor, gpu_capability, next_pow2
 
 MAX_CHUNKS = 64
 STATS_BLOCK = 1024      # values per step of _gn_stats_kernel
@@ -208,22 +208,22 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     if ch_inner:  # reduce whole rows, per channel
         block_c = min(CL_BLOCK_C, next_pow2(C))
         block_s = CL_TILE // block_c
-        rows = triton.cdiv(S, block_s)
-        num_chunks = _chunks(rows, N * triton.cdiv(C, block_c), cuda)
-        chunk = triton.cdiv(rows, num_chunks) * block_s
-        num_chunks = triton.cdiv(S, chunk)
+        rows = cdiv(S, block_s)
+        num_chunks = _chunks(rows, N * cdiv(C, block_c), cuda)
+        chunk = cdiv(rows, num_chunks) * block_s
+        num_chunks = cdiv(S, chunk)
         part = torch.empty((3, N * C * num_chunks), **f32)
         per_group = cpg * num_chunks
-        stats_grid = (num_chunks, triton.cdiv(C, block_c), N)
+        stats_grid = (num_chunks, cdiv(C, block_c), N)
         if stats_grid[1] > 65535 or N > 65535:
             raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
         _gn_stats_cl_kernel[stats_grid](x3, part[0], part[1], part[2], C, S, chunk, num_chunks, sx_n, sx_s,
                                         BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8)
     else:
         elems = cpg * S
-        num_chunks = _chunks(triton.cdiv(elems, STATS_BLOCK), N * G, cuda)
-        chunk = triton.cdiv(triton.cdiv(elems, num_chunks), STATS_BLOCK) * STATS_BLOCK
-        num_chunks = triton.cdiv(elems, chunk)
+        num_chunks = _chunks(cdiv(elems, STATS_BLOCK), N * G, cuda)
+        chunk = cdiv(cdiv(elems, num_chunks), STATS_BLOCK) * STATS_BLOCK
+        num_chunks = cdiv(elems, chunk)
         part = torch.empty((3, N * G * num_chunks), **f32)
         per_group = num_chunks
         _gn_stats_kernel[(N * G, num_chunks)](
@@ -241,7 +241,7 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     else:
         block_s = APPLY_BLOCK_S
         block_c = max(1, min(next_pow2(C), 4096 // block_s))
-    grid = (triton.cdiv(S, block_s), triton.cdiv(C, block_c), N)
+    grid = (cdiv(S, block_s), cdiv(C, block_c), N)
     if grid[1] > 65535 or grid[2] > 65535:
         raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
     sy_n, sy_c, sy_s = y3.stride()

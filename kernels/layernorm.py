@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, check_row_block, check_tensor, next_pow2
+from ._common import KernelUnsupported, cdiv, check_row_block, check_tensor, next_pow2
 
 MAX_D = 16384  # a row must fit in one program's registers
 
@@ -66,7 +66,7 @@ def layernorm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.T
     num_warps = 4 if block_d <= 2048 else 8 if block_d <= 8192 else 16
     check_row_block(name, "x", block_m, x2.stride(0))
     dummy = y
-    _ln_kernel[(triton.cdiv(M, block_m),)](
+    _ln_kernel[(cdiv(M, block_m),)](
         x2, y, weight if weight is not None else dummy, bias if bias is not None else dummy,
         M, D, float(eps), x2.stride(0), D,
         HAS_W=weight is not None, HAS_B=bias is not None,

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (KernelUnsupported, check_dot_dtype, check_row_block, check_tensor, dot_upcast, launch_first_fitting,
-                      matmul_precision)
+from ._common import (KernelUnsupported, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
+                      launch_first_fitting, matmul_precision)
 
 
 @triton.jit
@@ -130,11 +130,11 @@ def qkv_projection(x: torch.Tensor, w_q: torch.Tensor, w_k: torch.Tensor, w_v: t
     for arg, t in (("x", x2), ("context", c2), ("w_q", w_q), ("w_k", w_k), ("w_v", w_v)):
         check_row_block(name, arg, 64, t.stride(0))  # BLOCK_M / BLOCK_N <= 64
     n_max, m_max = max(NQ, NK, NV), max(MX, MC)
-    if triton.cdiv(n_max, 32) > 65535:
+    if cdiv(n_max, 32) > 65535:
         raise KernelUnsupported(f"{name}: output width {n_max} is beyond the launch grid.")
 
     def grid(cfg):
-        return (triton.cdiv(m_max, cfg["BLOCK_M"]), triton.cdiv(n_max, cfg["BLOCK_N"]), 3)
+        return (cdiv(m_max, cfg["BLOCK_M"]), cdiv(n_max, cfg["BLOCK_N"]), 3)
 
     configs = _configs(dt)
     dummy = w_q  # never read: HAS_B* are constexpr (bias loads are upcast to fp32, any float dtype)

@@ -12,6 +12,10 @@ import torch
 # before triton is first imported (inductor may import it during collection).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+else:
+    # fp32 parity is IEEE fp32 on a GPU too: torch's default runs cuDNN convs in TF32, which rounds
+    # inputs to 10 mantissa bits and turns 1e-7 differences upstream into 1e-3 (an H100 showed it)
+    torch.backends.cudnn.allow_tf32 = False   # (the legacy setter keeps conv and RNN flags alike: both APIs read it)
 
 # the pack's persistent compile cache is off in tests (tests/compiler/test_cache.py turns it on for itself):
 # a test counts the graphs it compiles, and the cache would also move torch's inductor cache out of

@@ -270,7 +270,7 @@ def test_new_resolutions_inside_the_warmed_box_compile_no_kernel_variants(tiny_u
     assert "80x80 (probe)" in text, text  # (the all-multiple-of-16 probe is 64 px for this 2-level UNet)
     warmed = set(keys)
     accel = accelerator_of(u)
-    assert warmed
+    assert warmed or DEV.type != "cpu"   # (recorded under the interpreter only)
     for b, side_w, side_h in [(2, 72, 88), (1, 96, 64)]:
         g = torch.Generator().manual_seed(b + side_w)
         x = torch.randn(b, 4, side_h // 8, side_w // 8, generator=g).to(DEV)
