@@ -165,7 +165,7 @@ def _save(args, rows, kernel_rows=()):
                  fontsize=9)
     ax.set_xlim(0, max(r["step_s"] for r in ok) * 1.45)
     fig.tight_layout()
-    fig.savefig(out / f"{stem}.png", dpi=110)
+    fig.savefig(out / f"{stem}.png", dpi=110, bbox_inches="tight")   # long row names stay whole
     print(f"wrote {out / stem}.json and .png")
 
 

@@ -242,10 +242,12 @@ def table_note(f: Facts) -> str | None:
 
 
 def cuda_graphs_problem(f: Facts) -> Reason | None:
-    """CUDA graphs cannot capture with the cudaMallocAsync allocator ComfyUI enables by default."""
+    """No CUDA graphs under the cudaMallocAsync allocator ComfyUI enables by default: a Triton kernel
+    launched inside a capture there rejects its output and the process aborts (docs/gpu.md)."""
     if f.allocator_backend == "cudaMallocAsync":
-        return Reason("CUDA graphs are off: ComfyUI runs torch's cudaMallocAsync allocator, which graph capture "
-                      "does not support", "start ComfyUI with --disable-cuda-malloc")
+        return Reason("CUDA graphs are off: ComfyUI runs torch's cudaMallocAsync allocator, under which a Triton "
+                      "kernel inside a graph capture fails and aborts the process",
+                      "start ComfyUI with --disable-cuda-malloc")
     return None
 
 
