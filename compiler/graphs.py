@@ -142,21 +142,40 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _replay(entry, args) -> torch.Tensor:
+def _outputs(out) -> tuple:
+    """The tensors a region returned: one tensor, or a tuple or list of tensors and Nones (a DiT
+    block's ``(img, txt)``; SD3's last joint block gives ``(None, x)``); anything else cannot live
+    in a static buffer (TypeError)."""
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if type(out) in (tuple, list) and all(o is None or isinstance(o, torch.Tensor) for o in out) and \
+            any(o is not None for o in out):
+        return tuple(o for o in out if o is not None)
+    raise TypeError(f"region returned {type(out).__name__}, not a tensor or a tuple of tensors")
+
+
+def _served(static_out):
+    """What a call gets from a graph: a copy of its static output(s), in the region's own structure
+    (a later replay overwrites the buffers)."""
+    if isinstance(static_out, torch.Tensor):
+        return static_out.clone()
+    return type(static_out)(None if o is None else o.clone() for o in static_out)
+
+
+def _replay(entry, args):
     """One served call of a captured graph: ``args`` copied into its static inputs, a replay, and a
-    copy of its static output (a later replay overwrites that buffer)."""
+    copy of its static output(s)."""
     graph, static_in, static_out = entry
     for s, a in zip(static_in, args, strict=True):
         if s is not None:
             s.copy_(a)
     graph.replay()
-    return static_out.clone()
+    return _served(static_out)
 
 
 def _entry_bytes(entry) -> int:
     _, static_in, static_out = entry
-    return sum(t.numel() * t.element_size() for t in static_in if t is not None) + \
-        static_out.numel() * static_out.element_size()
+    return sum(t.numel() * t.element_size() for t in static_in if t is not None) + _bytes(_outputs(static_out))
 
 
 class _Region:
@@ -313,8 +332,7 @@ class RegionGraphs:
             else:
                 self.graphs.first_call(lambda: impl(module, *call_args), device)
             graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
-            if not isinstance(static_out, torch.Tensor):
-                raise TypeError(f"region returned {type(static_out).__name__}, not a tensor")
+            _outputs(static_out)
             if measure:
                 out, t_graph = self._timed(lambda: _replay((graph, static_in, static_out), args), device)
                 if t_graph > KEEP_BELOW * t_launch:   # not launch-bound here: no graph, no buffers
@@ -348,7 +366,7 @@ class RegionGraphs:
         # the capture recorded the work without running it: replay once for this call's result
         graph.replay()
         self.stats["replays"] += 1
-        return static_out.clone()
+        return _served(static_out)
 
     def status_lines(self) -> list[str]:
         if self.off is not None:

@@ -97,12 +97,16 @@ class GraphStandIn:
         if self.fail:
             raise RuntimeError(self.fail)
         out = fn()
-        out.fill_(float("nan"))  # a capture records work; it does not run it
+        def tensors(o):   # one tensor, or a DiT block's tuple (SD3's last block: (None, x))
+            return [t for t in ((o,) if isinstance(o, torch.Tensor) else o) if t is not None]
+        for o in tensors(out):
+            o.fill_(float("nan"))  # a capture records work; it does not run it
         self.captures += 1
 
         class Graph:
             def replay(self):
-                out.copy_(fn())
+                for o, n in zip(tensors(out), tensors(fn()), strict=True):
+                    o.copy_(n)
         return Graph(), out
 
 

@@ -122,6 +122,29 @@ def test_every_family_through_its_shims_uncompiled(comfy, monkeypatch, key):
     assert accel.stats["region_eager"] == 0 and accel.ran_compiled() == (n, n), accel.stats
 
 
+@pytest.mark.parametrize("key", ["flux_dev", "sd35_medium", "qwen_image"])
+def test_blocks_that_return_two_streams_are_captured(comfy, monkeypatch, key):
+    """CUDA graphs on a DiT (the stand-in's buffer contract, conftest.GraphStandIn): Flux's double
+    stream blocks, SD3's joint blocks and Qwen-Image's blocks return (img, txt); each is captured at
+    its second call and replayed, both streams copied out, and the model's own output comes back.
+    (Before: a tuple output turned graphs off for the whole model at the first capture.)"""
+    from tests.conftest import GraphStandIn
+    from unet_compiler.compiler.backends import inductor
+    from unet_compiler.compiler.graphs import RegionGraphs
+    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
+    mp = F.build_dit(F.DIT_FAMILIES[key])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    fake = GraphStandIn()
+    accel.graphs = RegionGraphs(graphs=fake)
+    with torch.inference_mode():
+        for seed in (3, 4, 5):    # call 1 runs eager, call 2 captures, call 3 replays
+            _close(F.dit_apply(cm, 2, 8, 8, seed=seed), F.dit_apply(mp, 2, 8, 8, seed=seed), 1e-5)
+    n = sum(_blocks(F.DIT_FAMILIES[key]).values())
+    assert accel.graphs.off is None, accel.graphs.off
+    assert fake.captures == n and accel.graphs.stats["replays"] == 2 * n, (fake.captures, n, accel.graphs.stats)
+
+
 @pytest.fixture(scope="module")
 def compiled_flux(comfy):
     """One inductor compile of the tiny Flux.1 dev and its warmup over ``WARMUP`` (the slow part)."""
