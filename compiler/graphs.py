@@ -7,7 +7,8 @@ replay and a replaced parameter drops the region's graphs. At most ``max_shapes`
 graphs per region and, on CUDA, static buffers within a budget of the card's memory (so the
 number of shapes follows the latent size); an out-of-memory capture leaves that shape without a
 graph, any other failed capture turns graphs off for the model, and its calls run without them.
-``release()`` frees every graph (ComfyUI's unload and end-of-prompt callbacks call it). ``measured``
+``release()`` frees every graph (ComfyUI's unload callback calls it); ``idle()``, at a prompt's end,
+keeps them for the next prompt while the card has room. ``measured``
 (backend auto on CUDA): a graph is kept only where its replay measured faster than the region's
 own launches (launch-bound sizes); elsewhere that shape runs without one. No capture
 while the background compile thread runs: a call then may run a region's own code in place of a
@@ -86,6 +87,14 @@ class CudaGraphs:
             torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
         return out, best
+
+    def short_of_room(self, device) -> str | None:
+        """Why graphs should not outlive a prompt on ``device``: the card (outside torch's cache) has
+        less than BUDGET_SHARE of its memory free; None when it has room."""
+        free, total = torch.cuda.mem_get_info(device)
+        if free < total * BUDGET_SHARE:
+            return f"{free / 2**20:.0f} MiB free on the card, under {BUDGET_SHARE:.1%} of it"
+        return None
 
     def trim(self, new_pool: bool = False) -> None:
         """Cached blocks that freed graphs or a failed capture left go back to the driver (where
@@ -223,6 +232,8 @@ class RegionGraphs:
         self._budget_known = False
         #: why the graphs were last freed, for the report
         self.released: str | None = None
+        #: the device of the captures (None before the first)
+        self.device = None
 
     @property
     def bytes(self) -> int:
@@ -308,6 +319,21 @@ class RegionGraphs:
             self._trim(new_pool=True)
         return n
 
+    def idle(self, why: str) -> int:
+        """The end of a prompt (ComfyUI's ON_CLEANUP): the graphs stay for the next prompt of this
+        model and shapes while the card has room (the graphs object's ``short_of_room``; a stand-in
+        without it holds no device memory); else they are freed like :meth:`release`, ``why`` and the
+        shortage in the report. Returns how many graphs were freed."""
+        n = sum(len(r.graphs) for r in self.regions.values())
+        if not n:
+            return 0
+        short = getattr(self.graphs, "short_of_room", None)
+        reason = short(self.device) if short is not None and self.device is not None else None
+        if reason is not None:
+            return self.release(f"{why}: {reason}")
+        self.stats["kept across prompts"] += 1
+        return 0
+
     def _trim(self, new_pool: bool = False) -> None:
         trim = getattr(self.graphs, "trim", None)   # a stand-in holds no device memory
         if trim is not None:
@@ -320,6 +346,7 @@ class RegionGraphs:
         self.regions.clear()
 
     def _capture(self, reg, key, impl, module, args, device):
+        self.device = device
         static_in = [_static_copy(a) if isinstance(a, torch.Tensor) else None for a in args]
         call_args = [s if s is not None else a for s, a in zip(static_in, args, strict=True)]
         try:
@@ -387,6 +414,8 @@ class RegionGraphs:
                     f"{self.bytes / 2**20:.0f} MiB of static buffers held{budget}")
         if s["dropped for new weights"]:
             line += f", {s['dropped for new weights']} dropped when weights were replaced"
+        if s["kept across prompts"]:
+            line += f", kept across {s['kept across prompts']} prompt end(s)"
         if s["released"]:
             line += f", {s['released']} freed ({self.released})"
         lines = [line]

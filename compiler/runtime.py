@@ -207,6 +207,11 @@ class Accelerator:
             return None
         return RegionGraphs()
 
+    def idle_graphs(self, why: str) -> int:
+        """A prompt ended: the regions' CUDA graphs stay for the next prompt while the card has room,
+        else they are freed (``why`` in the report). Returns how many graphs were freed."""
+        return self.graphs.idle(why) if self.graphs is not None else 0
+
     def release_graphs(self, why: str) -> int:
         """Free the regions' CUDA graphs and their static buffers (ComfyUI unloaded the model, or its
         prompt ended: the memory goes back where ComfyUI's accounting sees it); the next call at a

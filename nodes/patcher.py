@@ -126,8 +126,9 @@ def _graph_release(accel) -> list:
     """ComfyUI's callbacks that free the regions' CUDA graph buffers, which its memory accounting
     does not see: when it unloads the model (ON_DETACH with its weights unpatched to the offload
     device; every load_models_gpu also detaches a loaded model with ``unpatch_all=False`` and loads
-    it again, weights in place: that keeps the graphs) and when a prompt's sampling ends
-    (ON_CLEANUP, before the VAE decode needs the memory). The accelerator is held weakly."""
+    it again, weights in place: that keeps the graphs) and, when a prompt's sampling ends
+    (ON_CLEANUP, before the VAE decode), only if the card is short of room: otherwise the next
+    prompt of this model replays them instead of capturing again. The accelerator is held weakly."""
     from comfy.patcher_extension import CallbacksMP
     ref = weakref.ref(accel)
 
@@ -139,7 +140,7 @@ def _graph_release(accel) -> list:
     def on_cleanup(patcher):
         a = ref()
         if a is not None:
-            a.release_graphs("freed at the end of each prompt")
+            a.idle_graphs("freed at the end of a prompt")
     return [(CallbacksMP.ON_DETACH, on_detach), (CallbacksMP.ON_CLEANUP, on_cleanup)]
 
 

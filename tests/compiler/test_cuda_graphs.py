@@ -467,3 +467,15 @@ def test_backend_auto_on_cuda_measures_its_graphs(monkeypatch, tiny_unet):
     forced = Accelerator(u, CompileConfig(backend="auto", cuda_graphs=True), device=torch.device("cuda"))
     assert forced.graphs is not None and not forced.graphs.measured
     assert Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cpu")).graphs is None
+
+
+def test_graphs_outlive_a_prompt_while_the_card_has_room(monkeypatch):
+    """CudaGraphs.short_of_room (the production object; torch's free-memory query faked): graphs stay
+    past a prompt's end while the card has at least BUDGET_SHARE of its memory free outside torch's
+    cache, and say why not otherwise."""
+    from unet_compiler.compiler.graphs import CudaGraphs
+    cg = CudaGraphs()
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 << 30, 80 << 30))
+    assert cg.short_of_room(torch.device("cuda", 0)) is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 24 << 30))
+    assert cg.short_of_room(torch.device("cuda", 0)) == "1024 MiB free on the card, under 12.5% of it"
