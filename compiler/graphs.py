@@ -234,6 +234,8 @@ class RegionGraphs:
         self.released: str | None = None
         #: the device of the captures (None before the first)
         self.device = None
+        #: called once if graphs turn off for this model (the backend then times calls as launched)
+        self.on_off = None
 
     @property
     def bytes(self) -> int:
@@ -344,6 +346,8 @@ class RegionGraphs:
         log.warning("UNet Compiler: CUDA graph %s failed (%s); graphs are off for this model and regions run "
                     "without them", what, self.off, exc_info=True)
         self.regions.clear()
+        if self.on_off is not None:
+            self.on_off()
 
     def _capture(self, reg, key, impl, module, args, device):
         self.device = device

@@ -142,6 +142,10 @@ class Accelerator:
         self._autocast = _autocast_dtype(self.config.precision, self.model_dtype, rep.notes)
 
         self.graphs = self._graphs(device)
+        self.backend.graphs_replay = self.graphs is not None
+        stopped = getattr(self.backend, "graphs_stopped", None)
+        if self.graphs is not None and stopped is not None:
+            self.graphs.on_off = stopped
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         if self.cache is not None and self.cache.load():

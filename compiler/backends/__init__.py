@@ -69,6 +69,9 @@ class Backend:
     fallback = False
     #: whether Select Backend's ``cuda_graphs`` applies to it
     uses_cuda_graphs = False
+    #: set by the runtime before ``impls``: whether this model's regions replay CUDA graphs (asked
+    #: for and possible here), so what a call costs is device time, not its launches
+    graphs_replay = False
     #: one line for the menu's tooltip: what it does, where
     summary = ""
     #: whether code is specialised per shape (dynamo graphs, Triton kernel variants), so

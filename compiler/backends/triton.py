@@ -121,6 +121,13 @@ class TritonBackend(Backend):
     def compile_count(self) -> int:
         return triton_compat.kernel_compiles()
 
+    def graphs_stopped(self) -> None:
+        """The model's CUDA graphs turned off (a failed capture or replay): calls pay their launches
+        from now on, so signatures met from now on are timed by wall time."""
+        self.graphs_replay = False
+        if self.ops is not None:
+            self.ops.timing = "wall"
+
     def extra_probes(self, shapes, levels: int) -> list:
         """Two shapes that compile both of Triton's divisibility-by-16 specialisations up front:
         the smallest where every level's spatial size is a multiple of 16, and 80 px, where none
@@ -132,8 +139,8 @@ class TritonBackend(Backend):
 
     def impls(self, config) -> dict:
         self.counting = triton_compat.count_kernel_compiles()
-        # under forced CUDA graphs a replay pays device time only; otherwise calls pay their launches
-        self.ops = ops = TritonOps("device" if config.cuda_graphs else "wall")
+        # where graphs replay, a call pays device time only; otherwise it pays its launches too
+        self.ops = ops = TritonOps("device" if self.graphs_replay else "wall")
         own = R.BODIES
 
         def guarded(key, body):

@@ -479,3 +479,23 @@ def test_graphs_outlive_a_prompt_while_the_card_has_room(monkeypatch):
     assert cg.short_of_room(torch.device("cuda", 0)) is None
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 24 << 30))
     assert cg.short_of_room(torch.device("cuda", 0)) == "1024 MiB free on the card, under 12.5% of it"
+
+
+def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
+    """The triton backend's kernel-vs-torch choice times device time only where graphs will replay:
+    graphs asked for but refused (ComfyUI's cudaMallocAsync) -> wall time, each launch paid; backend
+    auto on CUDA (measured graphs) -> device time; graphs turned off by a failed capture -> wall time
+    for what is timed from then on. (Before: device time whenever cuda_graphs was asked for, wall
+    time under auto's graphs.)"""
+    from unet_compiler.compiler import runtime
+    from unet_compiler.compiler.backends import triton as TB
+    u = tiny_unet()
+    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (TB.TritonBackend(), []))
+    monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
+    a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
+    assert a.graphs is None and a.backend.ops.timing == "wall"
+    monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
+    a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
+    assert a.graphs is not None and a.graphs.measured and a.backend.ops.timing == "device"
+    a.graphs._turn_off("capture", RuntimeError("operation not permitted when stream is capturing"))
+    assert a.backend.ops.timing == "wall"

@@ -424,9 +424,16 @@ def test_the_choice_times_what_the_user_pays(monkeypatch):
 
 
 def test_the_backend_times_for_its_graphs(triton_here):
+    """Device time where the runtime says graphs replay (asked for is not enough: they can be
+    refused), wall time otherwise and once they stop (tests/compiler/test_cuda_graphs.py wires it)."""
     from unet_compiler.compiler.backends import lookup_backend
     b = lookup_backend("triton")()
     b.impls(CompileConfig(backend="triton"))
     assert b.ops.timing == "wall"
     b.impls(CompileConfig(backend="triton", cuda_graphs=True))
+    assert b.ops.timing == "wall"
+    b.graphs_replay = True
+    b.impls(CompileConfig(backend="triton", cuda_graphs=True))
     assert b.ops.timing == "device"
+    b.graphs_stopped()
+    assert b.ops.timing == "wall" and not b.graphs_replay
