@@ -52,6 +52,8 @@ class Precompiled:
         self.__name__ = getattr(body, "__name__", "body")
         self._no_aot: set[str] = set()
         self._compilers: dict = {}
+        #: why a variant of this body could not be precompiled (the first reason; the report's line)
+        self.missed: str | None = None
 
     def _compiler(self, dynamic: bool):
         if dynamic not in self._compilers:
@@ -178,6 +180,7 @@ class Precompiled:
             # this key runs under plain torch.compile from now on
             log.info("UNet Compiler: %s is not precompiled for this region (%s); plain torch.compile",
                      self.__name__, error_summary(e))
+            self.missed = self.missed or error_summary(e)
             self._no_aot.add(key)
             return None
         blob = None
@@ -196,6 +199,7 @@ class Precompiled:
                     return fn
                 log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
                          self.__name__, error_summary(e))
+                self.missed = self.missed or f"its first call failed: {error_summary(e)}"
                 self._no_aot.add(key)
                 return None
         variants.VARIANTS.add_compiled(key, fn, blob)

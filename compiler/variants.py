@@ -66,13 +66,22 @@ def fx_config():
     import torch.fx.experimental._config as fx_config
     return fx_config
 
+
 @functools.lru_cache(maxsize=1)
 def _api_present() -> bool:
+    """What precompiling calls: ``torch.compile(fn).aot_compile`` and ``torch.compiler.
+    load_compiled_function``. torch 2.11 has ``torch._dynamo.aot_compile`` but no ``aot_compile`` on a
+    compiled function (an H100 run: every region fell back, one log line each)."""
     try:
         from torch._dynamo import aot_compile  # noqa: F401 - torch >= 2.10
-        return hasattr(torch.compiler, "load_compiled_function")
+        return hasattr(torch.compiler, "load_compiled_function") and \
+            hasattr(torch.compile(_probe_body), "aot_compile")
     except Exception:
         return False
+
+
+def _probe_body(x):   # compiled by nothing: torch.compile only wraps it
+    return x
 
 
 def guard_filter(entries):

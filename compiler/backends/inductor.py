@@ -121,6 +121,7 @@ class InductorBackend(Backend):
         prepack = config.prepack_conv
         lin = config.prepack_linear
         out = {key: region_body(body, config.dynamic_shapes, prepack, lin) for key, body in R.BODIES.items()}
+        self._bodies = [b for b in out.values() if isinstance(b, precompiled.Precompiled)]
         # the custom ops the passes put into graphs are registered when their modules load: a variant
         # loaded from the compile cache calls them with no compile (which imports them) in this process
         if lin:
@@ -130,6 +131,13 @@ class InductorBackend(Backend):
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
         return out
 
+    def status_lines(self) -> list[str]:
+        missed = {b.__name__: b.missed for b in getattr(self, "_bodies", ()) if b.missed}
+        if not missed:
+            return []
+        return ["  not precompiled (plain torch.compile serves these bodies: compiled at their calls, again after "
+                "a restart): " + "; ".join(f"{name} ({why})" for name, why in sorted(missed.items()))]
+
     def no_impl_reason(self, kind: str, config) -> str:
         if kind == PROJECTION and config.prepack_conv and self.device_type != "cpu":
             return "free-standing convs: prepacking is for CPU convs (cuDNN runs them here)"
@@ -137,8 +145,8 @@ class InductorBackend(Backend):
 
     def background_problem(self) -> str | None:
         if not variants.enabled():
-            return (f"precompiled regions are off ({settings.env('PRECOMPILE')}=off, or torch has no aot_compile: "
-                    f"torch >= 2.10 needed)")
+            return (f"precompiled regions are off ({settings.env('PRECOMPILE')}=off, or this torch cannot "
+                    f"precompile: torch.compile(...).aot_compile is missing in torch 2.11, there in 2.13)")
         return None
 
     def compile_count(self) -> int:

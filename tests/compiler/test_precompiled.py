@@ -252,3 +252,50 @@ def test_a_variant_preloaded_under_another_dispatch_state_is_loaded_again_for_th
     traced = _traced()
     second(*_inputs(seed=3))
     assert _traced() == traced and restarted.compiled == 0, (restarted.failures, vars(restarted))
+
+
+def test_a_torch_without_the_precompile_api_is_seen_before_any_region_tries(monkeypatch):
+    """torch 2.11 has torch._dynamo.aot_compile but its compiled functions have no ``aot_compile``
+    (an H100 run: every region tried, failed and fell back with a log line): precompiling is off
+    there from the start, and the inductor backend's background problem says why."""
+    from unet_compiler.compiler.backends import inductor
+    real = torch.compile
+
+    def compile_without_aot(fn=None, **kw):   # what torch 2.11's torch.compile hands back: no aot_compile
+        wrapped = real(fn, **kw)
+        return lambda *a, **k: wrapped(*a, **k)
+    V._api_present.cache_clear()
+    monkeypatch.setattr(torch, "compile", compile_without_aot)
+    try:
+        assert not V.enabled()
+        assert "aot_compile is missing in torch 2.11" in inductor.InductorBackend().background_problem()
+    finally:
+        V._api_present.cache_clear()
+
+
+def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
+    """A body whose precompile fails (a graph break, a torch without the API, a first call that
+    raises) is served by plain torch.compile, and the report names it with the reason: never a
+    log line alone."""
+    from unet_compiler.compiler import precompiled
+    from unet_compiler.compiler.backends import inductor
+    from unet_compiler.compiler.config import CompileConfig
+
+    def body(module, x):
+        return module(x)
+    p = precompiled.Precompiled(body, "eager", False, lambda m, *a: body(m, *a), ())
+    monkeypatch.setattr(precompiled.Precompiled, "_trace",
+                        lambda self, module, args, dynamic: (_ for _ in ()).throw(
+                            AttributeError("'function' object has no attribute 'aot_compile'")))
+    lin = torch.nn.Linear(4, 4)
+    with torch.inference_mode():
+        torch.testing.assert_close(p(lin, torch.ones(2, 4)), lin(torch.ones(2, 4)))
+    assert p.missed == "AttributeError: 'function' object has no attribute 'aot_compile'"
+    b = inductor.InductorBackend()
+    b.device_type = "cpu"
+    b.impls(CompileConfig(backend="inductor"))
+    assert b.status_lines() == []
+    b._bodies.append(p)
+    assert b.status_lines() == ["  not precompiled (plain torch.compile serves these bodies: compiled at their calls, "
+                                "again after a restart): body (AttributeError: 'function' object has no attribute "
+                                "'aot_compile')"]
