@@ -8,6 +8,7 @@
               Compile UNet vs TorchCompileModel)
     kernels   the per-kernel table: each Triton kernel vs the torch ops it replaces vs inductor
     targets   every kernel compiled for each GPU target, on a machine without a GPU (a CI lane)
+    gpu       the GPU check: one call on a GPU machine (tests, probes, SD1.5 bench, SDXL prompts)
 
 ``python -m unet_compiler bench ...`` (the root ``__main__.py``) is ``run``; the others keep their names.
 """
@@ -96,6 +97,8 @@ def parser() -> argparse.ArgumentParser:
                    "real ComfyUI server after warming a range (soak --help)")
     sub.add_parser("targets", add_help=False, help="every Triton kernel compiled for sm_80/86/89/90a/120 with no "
                    "GPU (targets --help)")
+    sub.add_parser("gpu", add_help=False, help="the GPU check, one call on a GPU machine within a time budget "
+                   "(gpu --help)")
     return p
 
 
@@ -111,6 +114,9 @@ def main(argv=None):
     if argv[:1] == ["targets"]:
         from .targets import main as targets
         return targets(argv[1:])
+    if argv[:1] == ["gpu"]:
+        from .gpu import main as gpu
+        return gpu(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "storage":
         from .storage import main as storage

@@ -192,6 +192,12 @@ PROCESSES = {
     ("bin/dev.py", "run_in_env"): "the same tool: runs pytest / the bench in that env (exec on POSIX)",
     ("bench/targets.py", "main"): "one python process per GPU target (`-m unet_compiler.bench.targets --cap N`): "
                                   "triton keeps its target per process",
+    ("bench/gpu.py", "Check.run"): "the GPU check runs each step (pytest, a probe, the bench) as a python process "
+                                   "with its own log and time cap",
+    ("bench/gpu.py", "Check.env_line"): "the GPU check's first summary line: the env's python prints its torch / "
+                                        "triton / GPU, and nvidia-smi its driver",
+    ("bench/gpu_probes.py", "alloc"): "each CUDA graph capture stage in its own python process under one allocator "
+                                      "(a C++ abort there kills only that process)",
 }
 DYNAMIC_IMPORTS = {
     ("compiler/backends/__init__.py", "lookup_backend"): "imports `.<name>` only after checking the name against "

@@ -1,0 +1,220 @@
+"""The GPU check: ``python -m unet_compiler.bench gpu [--out DIR] [--budget S] [--only STEPS]``.
+
+One call on a GPU machine, within a time budget (default 470 s, for a 500 s call), steps in priority
+order, each capped and skipped when too little time is left:
+
+    tests         the GPU tests: kernels + triton backend, and real CUDA graphs + graph memory, at once
+    probe_choice  kernel vs torch at SD1.5 / SDXL shapes: wall, device and host time per call
+    probe_alloc   CUDA graph capture under the native allocator and cudaMallocAsync (ComfyUI's default)
+    bench_sd15    SD1.5 512x512 batch 2 bf16: eager, eager + cudnn.benchmark, triton, triton + graphs
+    probe_prompt  SDXL 1024x1024 batch 2: steady step, each prompt's first step, host ms, memory
+    bench_sdxl_kernels  the per-kernel table at SDXL shapes, with what is left
+
+Every step writes ``DIR/<step>.log``; ``DIR/summary.txt`` grows as the steps end (so a call cut
+short still brings back what ran). It installs nothing: wheels the GPU image lacks (diffusers) come
+on ``PYTHONPATH``, and the ComfyUI tree through ``COMFYUI_PATH`` (DEVELOPERS.md, "GPU"). What the
+first runs found: docs/gpu.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Step:
+    name: str
+    want_s: int          # its cap when the budget allows
+    min_s: int           # skipped when less than this is left
+    commands: list       # argv lists run at once (each its own log: <name>.log, <name>.2.log, ...)
+    keep: list = field(default_factory=list)   # regexes of log lines the summary keeps
+
+
+def _py(*args) -> list:
+    return [sys.executable, *args]
+
+
+def steps() -> list[Step]:
+    tests = ["-m", "pytest", "-q", "-o", "log_level=INFO", "-p", "no:cacheprovider"]
+    xdist = ["-n", "4", "--dist", "loadfile"] if _has("xdist") else []
+    return [
+        Step("tests", 150, 60, [
+            _py(*tests, "-rfEs", *xdist, "tests/kernels", "tests/compiler/test_triton_backend.py"),
+            _py(*tests, "-rfEs", "tests/compiler/test_cuda_graphs.py",
+                "tests/compiler/test_lifetime.py::test_cuda_graph_buffers_go_with_their_region",
+                "tests/compiler/test_lifetime.py::test_an_accelerators_cuda_graphs_go_with_its_unet",
+                "tests/compiler/test_lifetime.py::test_real_cuda_graph_memory_is_returned",
+                "tests/nodes/test_dit.py::test_blocks_that_return_two_streams_are_captured")],
+             [r"^(FAILED|ERROR)", r"^SKIPPED.*(cuda|CUDA|GPU|ComfyUI)", r" passed| failed| error",
+              r"not precompiled|graph (capture|replay) failed"]),
+        Step("probe_choice", 45, 20, [_py("-m", "unet_compiler.bench.gpu_probes", "choice")],
+             [r"^(groupnorm|geglu|attention|bias_residual)", r"Error"]),
+        Step("probe_alloc", 60, 30, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
+        Step("bench_sd15", 140, 70, [_py("-m", "unet_compiler.bench", "run", "--device", "cuda", "--dtype", "bf16",
+                                         "--size", "sd15", "--latent", "64", "--batch", "2", "--iters", "20",
+                                         "--kernels", "--kernels-skip-inductor", "--backend", "triton,triton+graphs",
+                                         "--skip-whole", "--out", "{out}/bench")],
+             [r"^(path|eager|unet_compiler|machine:|per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)",
+              r"triton kernels (fired|not used)|torch measured faster|cuda graphs|failed|Traceback"]),
+        Step("probe_prompt", 120, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl",
+                                           "--latent", "128", "--steps", "10", "--prompts", "2")],
+             [r"^PROBE", r"Error|Traceback"]),
+        Step("bench_sdxl_kernels", 60, 20, [_py("-m", "unet_compiler.bench", "kernels", "--device", "cuda", "--dtype",
+                                                "bf16", "--size", "sdxl", "--latent", "128", "--batch", "2", "--iters",
+                                                "10", "--skip-inductor", "--out", "{out}/bench")],
+             [r"^(per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)"]),
+    ]
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(module) is not None
+
+
+def cap(want: int, left: float) -> int:
+    """A step's time limit: what it wants, or what is left less 10 s for the summary."""
+    return int(min(want, left - 10))
+
+
+def plan(budget: float, only: set | None = None) -> list[tuple[str, int]]:
+    """(step, cap) in order as if each used its whole cap; 0: skipped for want of time."""
+    out, left = [], budget
+    for s in steps():
+        if only and s.name not in only:
+            continue
+        c = cap(s.want_s, left)
+        out.append((s.name, c if c >= s.min_s else 0))
+        left -= max(c, 0) if c >= s.min_s else 0
+    return out
+
+
+class Check:
+    """Runs the steps into ``out``; ``clock`` is injectable for the tests."""
+
+    def __init__(self, out: Path, budget: float, only: set | None = None, env: dict | None = None, clock=time.monotonic):
+        self.out, self.budget, self.only, self.clock = out, budget, only, clock
+        self.env = dict(os.environ if env is None else env)
+        self.t0 = clock()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench").mkdir(exist_ok=True)
+        self.summary = out / "summary.txt"
+        self.summary.write_text("")
+        self.stubs = ""
+
+    def left(self) -> float:
+        return self.budget - (self.clock() - self.t0)
+
+    def say(self, line: str) -> None:
+        print(line, flush=True)
+        with self.summary.open("a") as f:
+            f.write(line + "\n")
+
+    def run(self, step: Step) -> int | None:
+        """The step's commands at once, each killed at the step's cap; None: skipped. Returns the
+        worst exit status (124: a command ran past the cap)."""
+        c = cap(step.want_s, self.left())
+        if c < step.min_s:
+            self.say(f"== {step.name}: skipped, {self.left():.0f} s left (needs {step.min_s} s)")
+            return None
+        start = self.clock()
+        env = dict(self.env)
+        if step.name == "tests" and self.stubs:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), self.stubs]))
+        procs = []
+        for i, argv in enumerate(step.commands):
+            log = self.out / (f"{step.name}.log" if i == 0 else f"{step.name}.{i + 1}.log")
+            argv = [a.replace("{out}", str(self.out)) for a in argv]
+            f = log.open("w")
+            procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT), f, log))
+        worst = 0
+        for p, f, _ in procs:
+            try:
+                rc = p.wait(timeout=max(1.0, c - (self.clock() - start)))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+                rc = 124
+            f.close()
+            worst = rc if worst == 0 else worst
+        self.say(f"== {step.name}: rc={worst} in {self.clock() - start:.0f} s (cap {c} s)")
+        for _, _, log in procs:
+            keep = [ln for ln in log.read_text(errors="replace").splitlines()
+                    if any(re.search(k, ln) for k in step.keep)]
+            for ln in keep[-40:]:
+                self.say("   " + ln[:900])
+        return worst
+
+    def comfy_stubs(self) -> None:
+        """With a ComfyUI tree (COMFYUI_PATH) whose requirements the image lacks, only the ones the
+        in-process tests never import (frontend, templates, av, ...): a dist-info stub each, on the
+        tests' path only, so the tests' requirement check passes; no module is faked."""
+        path = self.env.get("COMFYUI_PATH")
+        if not path or not (Path(path) / "main.py").is_file():
+            return
+        from .families import comfy_missing
+        missing = comfy_missing(Path(path))
+        stubs = self.out / "stubs"
+        for name in missing:
+            d = stubs / (re.sub(r"[-_.]+", "_", name.lower()) + "-0.0.0.dist-info")
+            d.mkdir(parents=True, exist_ok=True)
+            (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.0.0\n")
+        if missing:
+            self.stubs = str(stubs)
+        self.say("ComfyUI requirements stubbed for the tests' metadata check only: " + (", ".join(missing) or "none"))
+
+    def env_line(self) -> None:
+        probe = ("import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', "
+                 "triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', "
+                 "torch.cuda.get_device_capability() if torch.cuda.is_available() else '')")
+        p = subprocess.run(_py("-c", probe), cwd=ROOT, env=self.env, capture_output=True, text=True)
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True) if _which("nvidia-smi") else None
+        self.say(f"env: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {p.stdout.strip() or p.stderr[-300:]}"
+                 + (f"; {smi.stdout.strip()}" if smi is not None and smi.returncode == 0 else ""))
+
+
+def _which(cmd: str) -> bool:
+    import shutil
+    return shutil.which(cmd) is not None
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler.bench gpu", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-check", help="folder for the summary and logs "
+                    "($OUT when set, else ./gpu-check)")
+    ap.add_argument("--budget", type=float, default=470, help="seconds for all steps (default %(default)s)")
+    ap.add_argument("--only", default="", help="comma list of steps (a targeted rerun)")
+    ap.add_argument("--dry-run", action="store_true", help="print the steps and their caps, run nothing")
+    o = ap.parse_args(argv)
+    only = set(filter(None, o.only.split(","))) or None
+    unknown = (only or set()) - {s.name for s in steps()}
+    if unknown:
+        ap.error(f"--only: no step {', '.join(sorted(unknown))}; steps: {', '.join(s.name for s in steps())}")
+    if o.dry_run:
+        for name, c in plan(o.budget, only):
+            print(f"{name:20s} " + (f"cap {c} s" if c else "skipped (budget)"))
+        return 0
+    check = Check(Path(o.out).resolve(), o.budget, only)
+    check.env_line()
+    check.comfy_stubs()
+    worst = 0
+    for s in steps():
+        if only and s.name not in only:
+            continue
+        rc = check.run(s)
+        worst = worst or (rc or 0)
+    check.say(f"done in {check.budget - check.left():.0f} s")
+    return 1 if worst else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
