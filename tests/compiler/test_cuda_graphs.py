@@ -279,6 +279,40 @@ def test_real_cuda_graphs_on_gpu(backend, tiny_unet):
     torch.testing.assert_close(out, run(7), rtol=2e-3, atol=2e-3)
 
 
+@pytest.mark.skipif(not CUDA, reason="no CUDA GPU: real CUDA graph capture is tested on GPU machines only")
+def test_real_cuda_graphs_capture_the_kernels_in_bf16(tiny_unet, monkeypatch):
+    """What a GPU user runs: a bf16 model, the triton backend with graphs on. Every region is captured
+    with the pack's kernels inside (attention included: bf16 is not declined), replays answer within
+    the bf16 gate (Warmup Shapes' tolerance: 0.1 of max(1, max |eager|)). (The fp32 test above has
+    attention declined on CUDA, so it cannot show the kernels ran inside a graph.)"""
+    pytest.importorskip("triton")
+    from unet_compiler.compiler import compile_unet, report
+    from unet_compiler.compiler.api import accelerator_of
+    from unet_compiler.compiler.backends import _kernel_choice as KC
+    monkeypatch.setenv(KC.CHOICE_ENV, "triton")   # the kernels, not whichever measured faster
+    u = tiny_unet().to("cuda", torch.bfloat16)
+
+    def run(seed):
+        g = torch.Generator().manual_seed(seed)
+        x, c = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 32, generator=g)
+        with torch.inference_mode():
+            return u(x.to("cuda", torch.bfloat16), torch.full((2,), 500.0, device="cuda"),
+                     c.to("cuda", torch.bfloat16)).sample.float()
+    refs = [run(s) for s in range(4)]
+    compile_unet(u, "triton", cuda_graphs=True)
+    accel = accelerator_of(u)
+    if accel.graphs is None:
+        pytest.skip("cuda graphs refused here: " + report(u))
+    outs = [run(s) for s in range(4)]      # call 1 eager-first, call 2 captures, calls 3-4 replay
+    for out, ref in zip(outs, refs, strict=True):
+        assert float((out - ref).abs().max()) <= 0.1 * max(1.0, float(ref.abs().max())), report(u)
+    n = len(accel._shims)
+    assert accel.graphs.off is None and accel.graphs.stats["captured"] == n, report(u)
+    assert accel.graphs.stats["replays"] >= 3 * n, report(u)
+    fired = accel.backend.ops.fired
+    assert fired["attention"] > 0 and fired["groupnorm_silu"] > 0 and fired["geglu"] > 0, report(u)
+
+
 def test_probe_shapes_only_for_backends_that_specialise(monkeypatch, tiny_unet):
     """Warmup primes batch-1 / 64 px probe shapes only where code is specialised per
     shape (inductor graphs, Triton kernel variants), not for ipex's shape-free copies. (A range:
