@@ -1,0 +1,244 @@
+"""The pack's host time on the GPU path, measured on any machine: ``python -m unet_compiler.bench
+hosttime [--size sd15,sdxl] [--iters N] [--out DIR]``.
+
+The real SD1.5 / SDXL UNet architectures (diffusers, bf16, a CFG step: batch 2 at 512² / 1024²) on
+the meta device: every torch op dispatches with shapes and no data, and every Triton launch of the
+pack's kernels is replaced by a counter (the launcher's own Python runs up to the launch; the kernels
+plan for an H100, sm_90). Per step and path (the model's own code, the triton backend without CUDA
+graphs, and with every region's graph replaying: replays are no-ops here, what is left is the
+replay path, its input copies and output clones): the pack's own Python per step (the time spent in
+the pack's functions, under cProfile, which inflates every function call a little: an upper bound),
+the launches per step (the pack's kernels, and aten ops that launch work on a GPU, views excluded).
+Per kernel call: each launcher alone, its Python up to the stubbed launch, not profiled. A meta op's
+own dispatch runs Python meta functions, so a step's wall time here is no GPU host time and is not
+reported. Inductor's compiled code cannot run on meta: no row.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+SHAPES = {"sd15": 64, "sdxl": 128, "tiny": 8}   # latent side; tiny: the tests' model
+
+
+class _Launches:
+    """Stands in for one @triton.jit kernel: ``kernel[grid](...)`` counts a launch and runs nothing."""
+
+    def __init__(self, name: str, counts: Counter):
+        self.__name__, self.counts = name, counts
+
+    def __getitem__(self, grid):
+        return self._launch
+
+    def _launch(self, *args, **kwargs):
+        self.counts[self.__name__] += 1
+
+
+@contextlib.contextmanager
+def stubbed_launches(counts: Counter):
+    """Every @triton.jit kernel of the pack replaced by a launch counter, the launchers taking meta
+    tensors and planning for sm_90; restored on exit."""
+    from ..kernels import _common, attention, epilogue, geglu, groupnorm, layernorm, qkv
+    mods = (attention, epilogue, geglu, groupnorm, layernorm, qkv)
+    saved = []
+    real_check = _common.check_tensor
+
+    def check_tensor(kernel_name, arg, t, kernel, **kw):
+        try:
+            real_check(kernel_name, arg, t, kernel, **kw)
+        except _common.KernelUnsupported as e:   # the device clause, last: meta stands for CUDA here
+            if not (isinstance(t, torch.Tensor) and t.device.type == "meta" and "is on meta" in str(e)):
+                raise
+    for m in mods:
+        for name, obj in vars(m).items():
+            if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
+                saved.append((m, name, obj))
+        if hasattr(m, "check_tensor"):
+            saved.append((m, "check_tensor", m.check_tensor))
+    saved.append((_common, "COMPILE_TARGET", _common.COMPILE_TARGET))
+    real_autocast = torch.is_autocast_enabled
+
+    def is_autocast_enabled(*device_type):   # no autocast on meta (torch raises for the device type)
+        return False if device_type[:1] == ("meta",) else real_autocast(*device_type)
+    saved.append((torch, "is_autocast_enabled", real_autocast))
+    try:
+        torch.is_autocast_enabled = is_autocast_enabled
+        for m, name, _ in saved:
+            if name == "check_tensor":
+                setattr(m, name, check_tensor)
+            elif name not in ("COMPILE_TARGET", "is_autocast_enabled"):
+                setattr(m, name, _Launches(name, counts))
+        _common.COMPILE_TARGET = (9, 0)
+        yield
+    finally:
+        for m, name, obj in saved:
+            setattr(m, name, obj)
+
+
+class _NoReplay:
+    """CUDA-graph stand-in whose capture runs the body once and whose replay does nothing."""
+
+    def usable(self, tensors):
+        return None
+
+    def first_call(self, fn, device):
+        return fn()
+
+    def capture(self, fn, device):
+        out = fn()
+
+        class Graph:
+            def replay(self):
+                pass
+        return Graph(), out
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """aten ops that would launch work on a GPU (views and metadata ops excluded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func not in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+PACK_DIRS = tuple(str(Path(__file__).resolve().parent.parent / d) for d in ("compiler", "kernels", "nodes"))
+
+
+def pack_ms(fn) -> float:
+    """Milliseconds ``fn()`` spends in the pack's own functions (their own time, cProfile)."""
+    import cProfile
+    import pstats
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof).stats
+    return sum(tt for (file, _, _), (_, _, tt, _, _) in stats.items()
+               if os.path.realpath(file).startswith(PACK_DIRS)) * 1e3
+
+
+def _model(size: str):
+    from .run import _inputs, _unet
+    u = _unet(size, "meta").to(torch.bfloat16)
+    args, kw = _inputs(u, 2, SHAPES[size], torch.device("meta"), torch.bfloat16)
+    return u, args, kw
+
+
+def _triton(u, graphs: bool):
+    """The triton backend on ``u`` (chosen outright: its CUDA check cannot pass on meta), graphs
+    replaying through the no-op stand-in when ``graphs``."""
+    from ..compiler import api, runtime
+    from ..compiler import graphs as G  # noqa: N812
+    from ..compiler.backends.triton import TritonBackend
+    real = runtime.choose
+    runtime.choose = lambda req, dev, off=None, arch="unet": (TritonBackend(), [])
+    try:
+        api.compile_unet(u, "triton")
+    finally:
+        runtime.choose = real
+    accel = api.accelerator_of(u)
+    if graphs:
+        G._autocast_state = lambda device_type: None   # no autocast on meta (this process only)
+        accel.graphs = G.RegionGraphs(graphs=_NoReplay())
+    return accel
+
+
+def step_rows(size: str, iters: int) -> list[dict]:
+    from ..compiler.api import uncompile_unet
+    u, args, kw = _model(size)
+
+    def step():
+        with torch.inference_mode():
+            u(*args, **kw)
+    rows = []
+    for mode in ("eager", "triton", "triton + graphs replaying"):
+        counts: Counter = Counter()
+        with stubbed_launches(counts):
+            accel = None if mode == "eager" else _triton(u, graphs="graphs" in mode)
+            step()
+            step()    # graphs: the second call captures; from the third every region replays
+            counts.clear()
+            with _CountOps() as ops:
+                step()
+            launches = sum(counts.values())
+            ms = sorted(pack_ms(step) for _ in range(iters))[iters // 2]
+            regions = len(accel._shims) if accel is not None else 0
+            stats = dict(accel.graphs.stats) if accel is not None and accel.graphs else {}
+            fell_back = dict(accel.stats).get("region_eager", 0) if accel is not None else 0
+        rows.append(dict(size=size, mode=mode, pack_ms=ms, triton_launches=launches, torch_ops=ops.n,
+                         regions=regions, graph_replays=stats.get("replays", 0), region_calls_eager=fell_back))
+        if accel is not None:
+            uncompile_unet(u)
+    return rows
+
+
+def kernel_rows(iters: int) -> list[dict]:
+    """The pack's Python per kernel call (launch stubbed), SD1.5 512² shapes, bf16, on meta."""
+    from ..kernels import attention as KA, epilogue as KE, geglu as KG, groupnorm as KN  # noqa: N812
+    m = dict(device="meta", dtype=torch.bfloat16)
+    x, w = torch.empty(2, 320, 64, 64, **m), torch.empty(320, **m)
+    h = torch.empty(2, 4096, 2560, **m)
+    q = torch.empty(2, 4096, 320, **m).view(2, 4096, 8, 40).transpose(1, 2)
+    cases = [("groupnorm_silu 2x320x64x64", lambda: KN.groupnorm(x, 32, w, w, 1e-5, silu=True)),
+             ("geglu 2x4096x2560", lambda: KG.geglu(h)),
+             ("attention 2x8x4096x4096 d40", lambda: KA.attention(q, q, q)),
+             ("bias_residual 2x320x64x64", lambda: KE.bias_residual(x, w, x, dim=1))]
+    rows = []
+    counts: Counter = Counter()
+    with stubbed_launches(counts), torch.inference_mode():
+        for name, fn in cases:
+            fn()
+            n = max(200, iters * 100)
+            counts.clear()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            us = (time.perf_counter() - t0) / n * 1e6
+            rows.append(dict(kernel=name, host_us=us, launches=sum(counts.values()) // n))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m unet_compiler.bench hosttime", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="sd15,sdxl", help="comma list of sd15, sdxl (default %(default)s)")
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--out", default="", help="folder for hosttime_<machine>.json")
+    o = ap.parse_args(argv)
+    import platform
+    machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    print(f"host time on the meta device, launches stubbed ({machine})")
+    ks = kernel_rows(o.iters)
+    print(f"{'kernel call':34s} {'pack us':>8s} {'launches':>8s}")
+    for r in ks:
+        print(f"{r['kernel']:34s} {r['host_us']:8.1f} {r['launches']:8d}")
+    rows = []
+    print(f"{'model, path':44s} {'pack ms':>8s} {'triton':>7s} {'torch':>6s} {'regions':>7s}")
+    for size in filter(None, o.size.split(",")):
+        for r in step_rows(size, o.iters):
+            rows.append(r)
+            print(f"{size + ' 2x' + str(SHAPES[size] * 8) + '², ' + r['mode']:44s} {r['pack_ms']:8.2f} "
+                  f"{r['triton_launches']:7d} {r['torch_ops']:6d} {r['regions']:7d}"
+                  + (f"  ({r['region_calls_eager']} region calls fell back: not a valid row)"
+                     if r["region_calls_eager"] else ""))
+    print("pack ms: one CFG step's time in the pack's own functions (cProfile, median); triton: the pack's kernel "
+          "launches per step; torch: aten ops that launch work (views excluded); regions: accelerated regions")
+    if o.out:
+        out = Path(o.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"hosttime_{platform.machine()}.json"
+        path.write_text(json.dumps(dict(machine=machine, kernels=ks, steps=rows), indent=1))
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,26 @@
+"""bench/hosttime.py (``python -m unet_compiler.bench hosttime``): on the meta device with the pack's
+Triton launches stubbed, the triton backend runs every region on its kernels (none falls back to the
+model's own code), replaying graphs launch no kernel, and each launcher's call is counted."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("diffusers", reason="diffusers not installed")
+pytest.importorskip("triton", reason="triton not installed")
+
+
+def test_steps_on_meta_count_launches_and_the_packs_time():
+    from unet_compiler.bench import hosttime as H  # noqa: N812
+    eager, plain, graphed = H.step_rows("tiny", 1)
+    assert eager["triton_launches"] == 0 and eager["torch_ops"] > 0
+    assert plain["regions"] > 0 and plain["region_calls_eager"] == 0 and plain["triton_launches"] > 0
+    assert plain["pack_ms"] > 0
+    assert graphed["triton_launches"] == 0 and graphed["graph_replays"] > 0 and graphed["region_calls_eager"] == 0
+    assert graphed["torch_ops"] < plain["torch_ops"]
+
+
+def test_each_launcher_alone():
+    from unet_compiler.bench import hosttime as H  # noqa: N812
+    rows = {r["kernel"].split()[0]: r for r in H.kernel_rows(1)}
+    assert rows["groupnorm_silu"]["launches"] == 3 and rows["geglu"]["launches"] == 1
+    assert all(r["host_us"] > 0 for r in rows.values())
