@@ -217,9 +217,9 @@ class Accelerator:
         return self.graphs.idle(why) if self.graphs is not None else 0
 
     def release_graphs(self, why: str) -> int:
-        """Free the regions' CUDA graphs and their static buffers (ComfyUI unloaded the model, or its
-        prompt ended: the memory goes back where ComfyUI's accounting sees it); the next call at a
-        shape captures again. Returns how many graphs were freed."""
+        """Free the regions' CUDA graphs and their static buffers (ComfyUI unloaded the model: the
+        memory goes back where ComfyUI's accounting sees it); the next call at a shape captures
+        again. Returns how many graphs were freed."""
         return self.graphs.release(why) if self.graphs is not None else 0
 
     def _compiled(self) -> int:
