@@ -191,12 +191,11 @@ class _Region:
     __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept")
 
     def __init__(self, module):
-        # per submodule: a weak reference and the names of its parameters and buffers, read live each
-        # call, so a replaced Parameter (ComfyUI's set_attr_param) or moved weights (module.to) are
-        # noticed. The modules are held weakly: a region's entry must not keep its own key (the
-        # region module) alive.
-        self.slots = [(weakref.ref(m), tuple(m._parameters), tuple(m._buffers)) for m in module.modules()
-                      if m._parameters or m._buffers]
+        # (owner module, attribute name) for every parameter/buffer: read live each call,
+        # so a replaced Parameter (ComfyUI's set_attr_param) is noticed. The modules are held
+        # weakly: a region's entry must not keep its own key (the region module) alive.
+        self.slots = [(weakref.ref(m), "_parameters", n) for m in module.modules() for n in m._parameters] + \
+                     [(weakref.ref(m), "_buffers", n) for m in module.modules() for n in m._buffers]
         self.ptrs = None
         self.graphs: dict = {}   # signature -> (graph, static inputs, static output)
         self.seen: set = set()
@@ -205,15 +204,10 @@ class _Region:
 
     def weight_ptrs(self) -> tuple:
         out = []
-        for ref, params, buffers in self.slots:
+        for ref, where, n in self.slots:
             m = ref()
-            if m is None:
-                out.append(None)
-                continue
-            for where, names in ((m._parameters, params), (m._buffers, buffers)):
-                for n in names:
-                    t = where.get(n)
-                    out.append(None if t is None else t.data_ptr())
+            t = None if m is None else getattr(m, where).get(n)
+            out.append(None if t is None else t.data_ptr())
         return tuple(out)
 
 
