@@ -533,3 +533,52 @@ def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
     assert a.graphs is not None and a.graphs.measured and a.backend.ops.timing == "device"
     a.graphs._turn_off("capture", RuntimeError("operation not permitted when stream is capturing"))
     assert a.backend.ops.timing == "wall"
+
+
+def test_the_strict_stand_in_replays_ops_not_python(strict_graph_standin):
+    """The strict stand-in (tests/conftest.py) behaves as a CUDA graph where the loose one cannot:
+    a replay does not re-run the body's Python (a Python value read at capture stays), and a host
+    sync inside a capture is refused."""
+    from tests.conftest import CaptureError
+    blk = Block().eval()
+    state = {"scale": 1.0}
+
+    def scaled(block, x, emb):
+        return body(block, x, emb) * state["scale"]
+    rg = RegionGraphs(graphs=strict_graph_standin())
+    x, e = _inputs()
+    with torch.inference_mode():
+        for _ in range(2):
+            rg.run(scaled, blk, (x, e))
+        state["scale"] = 2.0               # Python state after the capture: a graph never sees it
+        x2, e2 = _inputs(seed=5)
+        torch.testing.assert_close(rg.run(scaled, blk, (x2, e2)), body(blk, x2, e2))   # fresh inputs, old scale
+    assert rg.stats["replays"] == 2
+
+    def syncs(block, x, emb):
+        return body(block, x, emb) * float(x.abs().max())   # .item(): a host sync
+    rg = RegionGraphs(graphs=strict_graph_standin())
+    with torch.inference_mode():
+        for _ in range(3):
+            torch.testing.assert_close(rg.run(syncs, blk, (x, e)), syncs(blk, x, e))   # answered anyway
+    assert rg.off is not None and "CaptureError" in rg.off
+
+
+def test_tiny_unet_under_strict_graphs_matches_eager(tiny_unet, strict_graph_standin):
+    """Every region of the tiny diffusers UNet captured by the strict stand-in and replayed as
+    recorded ops: no region's body reads a device value or depends on Python state per call."""
+    u = tiny_unet()
+
+    def run(seed, b=2):
+        g = torch.Generator().manual_seed(seed)
+        x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
+        with torch.inference_mode():
+            return u(x, torch.full((b,), 500.0 + seed), c).sample
+    refs = [run(s) for s in range(4)]
+    accel, fake = _graphed_uncompiled(u, strict_graph_standin)
+    outs = [run(s) for s in range(4)]
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    n = len(accel._shims)
+    assert accel.graphs.off is None, accel.graphs.off
+    assert fake.captures == n and accel.graphs.stats["replays"] == 3 * n

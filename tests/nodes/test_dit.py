@@ -128,14 +128,14 @@ def test_blocks_that_return_two_streams_are_captured(comfy, monkeypatch, key):
     stream blocks, SD3's joint blocks and Qwen-Image's blocks return (img, txt); each is captured at
     its second call and replayed, both streams copied out, and the model's own output comes back.
     (Before: a tuple output turned graphs off for the whole model at the first capture.)"""
-    from tests.conftest import GraphStandIn
+    from tests.conftest import StrictGraphStandIn
     from unet_compiler.compiler.backends import inductor
     from unet_compiler.compiler.graphs import RegionGraphs
     monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
     mp = F.build_dit(F.DIT_FAMILIES[key])
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     accel = patcher.accelerator_of(cm)
-    fake = GraphStandIn()
+    fake = StrictGraphStandIn()   # replays recorded ops: the bodies' Python does not run again
     accel.graphs = RegionGraphs(graphs=fake)
     with torch.inference_mode():
         for seed in (3, 4, 5):    # call 1 runs eager, call 2 captures, call 3 replays
