@@ -110,61 +110,28 @@ class GraphStandIn:
         return Graph(), out
 
 
-class CaptureError(RuntimeError):
-    """What a real capture would raise: a host sync or a read of a device value inside it."""
-
-
 class StrictGraphStandIn(GraphStandIn):
     """CUDA-graph semantics closer to the real thing than :class:`GraphStandIn`: the capture runs the
-    body once under a dispatch mode that records every aten op and raises :class:`CaptureError` on
-    what a capture cannot hold (``.item()`` / ``bool()`` of a tensor, a copy to another device, a
-    random op); a replay re-runs the recorded ops on the captured tensors, not the body's Python,
-    so Python state the body read at capture stays frozen, as in a CUDA graph."""
-
-    REFUSED = ("_local_scalar_dense", "is_nonzero", "item", "rand", "randn", "randint", "normal", "bernoulli",
-               "multinomial", "uniform_", "normal_", "nonzero", "unique")
+    body once recording every aten op, refusing what a capture cannot hold (``.item()`` / ``bool()``
+    of a tensor, random ops: ``tests/_fake_cuda.CaptureError``); a replay re-runs the recorded ops on
+    the captured tensors, not the body's Python, so Python state the body read at capture stays
+    frozen, as in a CUDA graph (``tests/_fake_cuda.py`` fakes torch.cuda around the production
+    CudaGraphs the same way)."""
 
     def capture(self, fn, device):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from tests._fake_cuda import record, replay
         if self.fail:
             raise RuntimeError(self.fail)
-        ops = []
-        refused = self.REFUSED
-
-        class Record(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                kwargs = kwargs or {}
-                name = func.overloadpacket.__name__
-                if name in refused:
-                    raise CaptureError(f"{name} inside a capture (a host sync or a random op)")
-                if (name == "_to_copy" and kwargs.get("device") not in (None, args[0].device)) or \
-                        (name == "copy_" and args[1].device != args[0].device):
-                    raise CaptureError(f"{name} to another device inside a capture")
-                out = func(*args, **kwargs)
-                ops.append((func, args, kwargs, out))
-                return out
-        with Record():
-            out = fn()
+        ops: list = []
+        out = record(fn, ops)
         self.captures += 1
         self.recorded = ops   # the last capture's ops (for a test that looks inside)
-
-        def tensors(o):
-            return [t for t in ((o,) if isinstance(o, torch.Tensor) else o) if isinstance(t, torch.Tensor)]
-        for o in tensors(out):
+        for o in [t for t in ((out,) if isinstance(out, torch.Tensor) else out) if isinstance(t, torch.Tensor)]:
             o.fill_(float("nan"))  # a capture records work; it does not run it
 
         class Graph:
             def replay(self):
-                for func, args, kwargs, recorded in ops:
-                    fresh = func(*args, **kwargs)
-                    if not isinstance(recorded, (torch.Tensor, tuple, list)):
-                        continue
-                    bases = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-                    for r, f in zip(tensors(recorded), tensors(fresh), strict=True):
-                        # a view aliases its base, which its own op refreshed; an op that may view or
-                        # copy (reshape, contiguous) is a view only where it shares its input's memory
-                        if r is not f and r.untyped_storage().data_ptr() not in bases:
-                            r.copy_(f)   # the captured buffer holds the new value, as graph memory would
+                replay(ops)
         return Graph(), out
 
 

@@ -1,0 +1,149 @@
+"""A stand-in for the ``torch.cuda`` surface the pack's production ``CudaGraphs`` (compiler/graphs.py)
+calls, so that code runs on a machine without a GPU: streams and the stream context, the current
+device, synchronize, capture flags, a graph pool handle, the card's properties and free memory,
+empty_cache, and ``CUDAGraph`` whose capture records the aten ops run between ``capture_begin`` and
+``capture_end`` (refusing host syncs and random ops, as tests/conftest.py's StrictGraphStandIn does)
+and whose replay re-runs them on the captured tensors. CPU tensors stand for device tensors: only
+``CudaGraphs.usable``'s "is this tensor on CUDA" cannot be faked and is answered by the test.
+
+    with fake_cuda(monkeypatch, total=24 << 30, free=20 << 30) as cuda: ...   # cuda.log: what was called
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REFUSED = ("_local_scalar_dense", "is_nonzero", "item", "rand", "randn", "randint", "normal", "bernoulli",
+           "multinomial", "uniform_", "normal_", "nonzero", "unique")
+
+
+class CaptureError(RuntimeError):
+    """What a real capture raises on a host sync or a random op inside it."""
+
+
+def _tensors(o):
+    return [t for t in ((o,) if isinstance(o, torch.Tensor) else o) if isinstance(t, torch.Tensor)]
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name in REFUSED:
+            raise CaptureError(f"operation not permitted when stream is capturing ({name})")
+        out = func(*args, **kwargs)
+        self.ops.append((func, args, kwargs, out))
+        return out
+
+
+def replay(ops) -> None:
+    """Re-run recorded ops on the captured tensors, each result written into the tensor the capture
+    recorded (graph memory): a view aliases its base, which its own op refreshed; an op that may view
+    or copy (reshape, contiguous) is a view only where it shares its input's memory."""
+    for func, args, kwargs, recorded in ops:
+        fresh = func(*args, **kwargs)
+        if not isinstance(recorded, (torch.Tensor, tuple, list)):
+            continue
+        bases = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        for r, f in zip(_tensors(recorded), _tensors(fresh), strict=True):
+            if r is not f and r.untyped_storage().data_ptr() not in bases:
+                r.copy_(f)
+
+
+def record(fn, ops: list):
+    """``fn()`` with every aten op it runs appended to ``ops`` (CaptureError on a host sync or a
+    random op); returns its result."""
+    with _Record(ops):
+        return fn()
+
+
+class FakeCUDA:
+    """The faked surface; ``log`` counts the calls, ``capturing`` is the capture flag."""
+
+    def __init__(self, total: int, free: int):
+        self.total, self.free = total, free
+        self.log: Counter = Counter()
+        self.capturing = False
+        self.pools = 0
+        self._streams = [self.Stream()]
+        fake = self
+
+        class CUDAGraph:
+            def __init__(self):
+                self.ops, self._mode = [], None
+
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                fake.log["capture_begin"] += 1
+                fake.capturing = True
+                self.pool = pool
+                self._mode = _Record(self.ops)
+                self._mode.__enter__()
+
+            def capture_end(self):
+                fake.log["capture_end"] += 1
+                self._mode.__exit__(None, None, None)
+                fake.capturing = False
+
+            def replay(self):
+                fake.log["replay"] += 1
+                replay(self.ops)
+        self.CUDAGraph = CUDAGraph
+
+    class Stream:
+        def __init__(self, device=None):
+            self.device = device
+
+        def wait_stream(self, other):
+            pass
+
+    def current_stream(self, device=None):
+        return self._streams[-1]
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        self.log["stream"] += 1
+        self._streams.append(s)
+        try:
+            yield
+        finally:
+            self._streams.pop()
+
+    def current_device(self):
+        return 0
+
+    def synchronize(self, device=None):
+        self.log["synchronize"] += 1
+
+    def is_current_stream_capturing(self):
+        return self.capturing
+
+    def graph_pool_handle(self):
+        self.pools += 1
+        return (0, self.pools)
+
+    def get_device_properties(self, device=None):
+        return type("Props", (), {"total_memory": self.total, "name": "fake GPU"})()
+
+    def mem_get_info(self, device=None):
+        return self.free, self.total
+
+    def empty_cache(self):
+        self.log["empty_cache"] += 1
+
+
+@contextlib.contextmanager
+def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30):
+    """torch.cuda's names that compiler/graphs.py calls, faked for the block (``monkeypatch`` undoes it)."""
+    fake = FakeCUDA(total, free)
+    for name in ("Stream", "current_stream", "stream", "current_device", "synchronize",
+                 "is_current_stream_capturing", "graph_pool_handle", "get_device_properties", "mem_get_info",
+                 "empty_cache", "CUDAGraph"):
+        monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    yield fake
