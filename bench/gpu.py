@@ -126,8 +126,10 @@ class Check:
             return None
         start = self.clock()
         env = dict(self.env)
-        if step.name == "tests" and self.stubs:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), self.stubs]))
+        if step.name == "tests":
+            env["UNET_COMPILER_LONG_TESTS"] = "1"   # the GPU tests marked long run here too
+            if self.stubs:
+                env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), self.stubs]))
         procs = []
         for i, argv in enumerate(step.commands):
             log = self.out / (f"{step.name}.log" if i == 0 else f"{step.name}.{i + 1}.log")

@@ -28,6 +28,19 @@ if "UNET_COMPILER_CACHE_DIR" not in os.environ:
 from unet_compiler.bench.families import comfy_path, comfy_problem  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 
+#: set to 1 to run the tests marked ``long`` too (CI runs without them, to stay within its time)
+LONG_ENV = "UNET_COMPILER_LONG_TESTS"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(LONG_ENV) == "1":
+        return
+    skip = pytest.mark.skip(reason=f"long: set {LONG_ENV}=1 to run it (CI's set leaves it out for time)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def comfy():
     """Import ComfyUI in-process on CPU; returns a namespace of its modules. Skips with one line

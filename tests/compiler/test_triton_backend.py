@@ -249,6 +249,7 @@ def _variant_key(fn, args, kwargs) -> tuple:
     return tuple(key)
 
 
+@pytest.mark.long   # a warmup of a range under the Triton interpreter: minutes (the GPU check runs it)
 def test_new_resolutions_inside_the_warmed_box_compile_no_kernel_variants(tiny_unet, triton_here, monkeypatch):
     """Dynamic shapes on the triton backend: after Warmup Shapes, batch and resolution
     changes inside the box must not compile new Triton kernel variants. On a GPU the

@@ -118,6 +118,7 @@ def test_fp8_storage_runs_compiled(comfy_server, sd15_checkpoint, unet_name, wei
 @pytest.mark.parametrize("hook", [False, pytest.param(True, marks=pytest.mark.skipif(
     os.environ.get(FULL_ENV) != "1", reason=f"the hook LoRA with keyframes on top runs with {FULL_ENV}=1"))],
     ids=["lora", "lora+hook-keyframes"])
+@pytest.mark.long   # three prompts through the server; in-process: tests/nodes/test_cast_weights.py
 def test_partial_load_and_lora_over_three_prompts(comfy_server, sd15_checkpoint, unet_name, patch_assets, hook):
     """fp8 storage, a LoRA and a partial load (the offloaded modules apply the LoRA per call), and with
     ``hook`` a hook LoRA with keyframes on the positive prompt too (ComfyUI patches those weights in

@@ -4,7 +4,7 @@
 fails, none recompiles or falls back, the server's resident memory stays flat, and sampled prompts
 equal the same prompt without the pack.
 
-CI runs 20 prompts on the session's server (one ComfyUI process in memory at a time: each holds
+CI runs 8 prompts on the session's server (one ComfyUI process in memory at a time: each holds
 SD1.5 in fp32); ``UNET_COMPILER_SOAK_PROMPTS=200`` runs the full soak. The README's numbers come
 from ``python -m unet_compiler.bench soak --prompts 200 --out docs`` (a server of its own)."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ from unet_compiler.bench import soak
 
 
 def test_soak_after_a_range_warmup(comfy_server, sd15_checkpoint, patch_assets):
-    prompts = int(os.environ.get("UNET_COMPILER_SOAK_PROMPTS", "20"))
+    prompts = int(os.environ.get("UNET_COMPILER_SOAK_PROMPTS", "8"))
     result = soak.run(comfy_server, sd15_checkpoint.name, patch_assets["lora"], prompts,
                       check_every=max(prompts // 2, 1), log=lambda m: print("\n[soak] " + m))
     summary = result.summary()

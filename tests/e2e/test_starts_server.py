@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
+import pytest
+
 from unet_compiler.bench import starts
 
 
@@ -15,6 +17,7 @@ def _files(folder):
                   for p in folder.rglob("*") if p.is_file())
 
 
+@pytest.mark.long   # two servers, one compiling cold: minutes (UNET_COMPILER_LONG_TESTS=1)
 def test_a_second_worker_on_a_read_only_copy_compiles_nothing(sd15_checkpoint, tmp_path):
     args = SimpleNamespace(px=64, batch=1, steps=1)
     shape = "2x64x64"   # the UNet batch of one image with CFG
