@@ -106,6 +106,7 @@ def _check(tag, rel, warm, after, messages):
     pytest.param(d, marks=pytest.mark.skipif(os.environ.get(FULL_ENV) != "1",
                                              reason=f"the other fp8 weight_dtypes through /prompt run with {FULL_ENV}=1"))
     for d in ("fp8_e5m2", "fp8_e4m3fn_fast")])
+@pytest.mark.long   # in-process: tests/nodes/test_cast_weights.py (every stored dtype)
 def test_fp8_storage_runs_compiled(comfy_server, sd15_checkpoint, unet_name, weight_dtype):
     """Load Diffusion Model at an fp8 weight_dtype (ComfyUI casts every weight to fp32 per call; with
     no fp8 matmul on this machine fp8_e4m3fn_fast stores fp8 the same way): compiled == eager, every

@@ -23,7 +23,8 @@ import pytest
 from unet_compiler.bench import comfy_server as S
 from unet_compiler.bench import starts
 
-pytestmark = pytest.mark.e2e
+#: long: a real-width Flux through two servers, minutes (in-process: tests/nodes/test_dit.py)
+pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
 FLUX_NAME, LORA_NAME = S.FLUX_FILES["flux"], S.FLUX_FILES["lora"]
 #: the warmed box (cfg 1: the model batch is the image batch) and the two prompt sizes inside it
