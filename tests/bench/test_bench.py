@@ -106,8 +106,11 @@ def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
     run (here one family and one patch node on the eager backend, to keep it short) or one line
     saying why there are none."""
     from unet_compiler.bench import families, patch_compat
-    real, real_patch = families.compat_rows, patch_compat.patch_rows
+    real, real_patch, real_dit = families.compat_rows, patch_compat.patch_rows, families.dit_compat_rows
     monkeypatch.setattr(families, "compat_rows", lambda *a, log=None: real("eager", (8, 8), 1, ["sd15"], log))
+    # (the DiT table too: unpatched it compiled every DiT family with inductor, 10 min of CI)
+    monkeypatch.setattr(families, "dit_compat_rows", lambda *a, log=None: real_dit(
+        "eager", cases=((1, 8, 8),), families=["flux_dev"], log=log))
     monkeypatch.setattr(patch_compat, "patch_rows", lambda *a, log=None: real_patch(
         "eager", [("RescaleCFG", "sd15", patch_compat.AFTER)], log))
     argv = ["run", "--size", "tiny", "--latent", "8", "--batch", "1", "--iters", "1", "--backend", "eager",
@@ -122,6 +125,7 @@ def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "| family | accelerated regions | left eager (why) | max abs diff |" in out, out
     assert "| SD1.5 | none |" in out, out   # the eager backend accelerates nothing, and says so
+    assert "ComfyUI's diffusion transformers" in out and "| Flux.1 dev |" in out, out
     assert "| node / stack" in out and "what the report says each patch did" in out, out
     row = next(ln for ln in out.splitlines() if ln.startswith("| RescaleCFG "))
     # parity holds, and the check still fails the row: nothing was accelerated
