@@ -44,11 +44,11 @@ class _Launches:
 @contextlib.contextmanager
 def stubbed_launches(counts: Counter):
     """Every @triton.jit kernel of the pack replaced by a launch counter, the launchers taking meta
-    tensors and planning for sm_90; restored on exit."""
+    tensors and planning for sm_90, autocast queries answered "off" for meta; restored on exit."""
+    from ..compiler import graphs as G  # noqa: N812
     from ..kernels import _common, attention, epilogue, geglu, groupnorm, layernorm, qkv
     mods = (attention, epilogue, geglu, groupnorm, layernorm, qkv)
-    saved = []
-    real_check = _common.check_tensor
+    real_check, real_autocast, real_state = _common.check_tensor, torch.is_autocast_enabled, G._autocast_state
 
     def check_tensor(kernel_name, arg, t, kernel, **kw):
         try:
@@ -56,26 +56,18 @@ def stubbed_launches(counts: Counter):
         except _common.KernelUnsupported as e:   # the device clause, last: meta stands for CUDA here
             if not (isinstance(t, torch.Tensor) and t.device.type == "meta" and "is on meta" in str(e)):
                 raise
-    for m in mods:
-        for name, obj in vars(m).items():
-            if type(obj).__name__ in ("JITFunction", "InterpretedFunction"):
-                saved.append((m, name, obj))
-        if hasattr(m, "check_tensor"):
-            saved.append((m, "check_tensor", m.check_tensor))
-    saved.append((_common, "COMPILE_TARGET", _common.COMPILE_TARGET))
-    real_autocast = torch.is_autocast_enabled
 
     def is_autocast_enabled(*device_type):   # no autocast on meta (torch raises for the device type)
         return False if device_type[:1] == ("meta",) else real_autocast(*device_type)
-    saved.append((torch, "is_autocast_enabled", real_autocast))
+    patches = [(m, name, _Launches(name, counts)) for m in mods for name, obj in list(vars(m).items())
+               if type(obj).__name__ in ("JITFunction", "InterpretedFunction")]
+    patches += [(m, "check_tensor", check_tensor) for m in mods if hasattr(m, "check_tensor")]
+    patches += [(_common, "COMPILE_TARGET", (9, 0)), (torch, "is_autocast_enabled", is_autocast_enabled),
+                (G, "_autocast_state", lambda device_type: None if device_type == "meta" else real_state(device_type))]
+    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
     try:
-        torch.is_autocast_enabled = is_autocast_enabled
-        for m, name, _ in saved:
-            if name == "check_tensor":
-                setattr(m, name, check_tensor)
-            elif name not in ("COMPILE_TARGET", "is_autocast_enabled"):
-                setattr(m, name, _Launches(name, counts))
-        _common.COMPILE_TARGET = (9, 0)
+        for m, name, value in patches:
+            setattr(m, name, value)
         yield
     finally:
         for m, name, obj in saved:
@@ -150,7 +142,6 @@ def _triton(u, graphs: bool):
         runtime.choose = real
     accel = api.accelerator_of(u)
     if graphs:
-        G._autocast_state = lambda device_type: None   # no autocast on meta (this process only)
         accel.graphs = G.RegionGraphs(graphs=_NoReplay())
     return accel
 

@@ -10,8 +10,12 @@ pytest.importorskip("triton", reason="triton not installed")
 
 
 def test_steps_on_meta_count_launches_and_the_packs_time():
+    import torch
     from unet_compiler.bench import hosttime as H  # noqa: N812
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    state, autocast = G._autocast_state, torch.is_autocast_enabled
     eager, plain, graphed = H.step_rows("tiny", 1)
+    assert G._autocast_state is state and torch.is_autocast_enabled is autocast   # nothing left patched
     assert eager["triton_launches"] == 0 and eager["torch_ops"] > 0
     assert plain["regions"] > 0 and plain["region_calls_eager"] == 0 and plain["triton_launches"] > 0
     assert plain["pack_ms"] > 0

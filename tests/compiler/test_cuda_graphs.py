@@ -198,6 +198,14 @@ def test_cuda_graphs_refused_with_the_reason(monkeypatch, tiny_unet):
     assert "cuda graphs" not in a.text()
 
 
+def _sample(u, seed, b=2):
+    """One call of a tiny diffusers UNet on inputs and a timestep that change with ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
+    with torch.inference_mode():
+        return u(x, torch.full((b,), 500.0 + seed), c).sample
+
+
 def _graphed_uncompiled(u, standin):
     """Accelerate ``u`` with the regions' own (uncompiled) bodies routed through
     RegionGraphs on the stand-in: the runtime's path without a compile."""
@@ -568,14 +576,9 @@ def test_tiny_unet_under_strict_graphs_matches_eager(tiny_unet, strict_graph_sta
     recorded ops: no region's body reads a device value or depends on Python state per call."""
     u = tiny_unet()
 
-    def run(seed, b=2):
-        g = torch.Generator().manual_seed(seed)
-        x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
-        with torch.inference_mode():
-            return u(x, torch.full((b,), 500.0 + seed), c).sample
-    refs = [run(s) for s in range(4)]
+    refs = [_sample(u, s) for s in range(4)]
     accel, fake = _graphed_uncompiled(u, strict_graph_standin)
-    outs = [run(s) for s in range(4)]
+    outs = [_sample(u, s) for s in range(4)]
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     n = len(accel._shims)
@@ -593,17 +596,12 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
     from unet_compiler.compiler import graphs as G  # noqa: N812
     u = tiny_unet()
 
-    def run(seed, b=2):
-        g = torch.Generator().manual_seed(seed)
-        x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
-        with torch.inference_mode():
-            return u(x, torch.full((b,), 500.0 + seed), c).sample
-    refs = [run(s) for s in range(4)]
+    refs = [_sample(u, s) for s in range(4)]
     with fake_cuda(monkeypatch, total=24 << 30, free=20 << 30) as cuda:
         monkeypatch.setattr(G, "_SIDE_STREAMS", {})
         monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)   # CPU tensors stand for CUDA's
         accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
-        outs = [run(s) for s in range(4)]
+        outs = [_sample(u, s) for s in range(4)]
         for out, ref in zip(outs, refs, strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         g, n = accel.graphs, len(accel._shims)
@@ -614,8 +612,8 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
         cuda.free = 1 << 30
         assert g.idle("end of prompt") == n and g.bytes == 0           # short: freed
         assert cuda.log["empty_cache"] == 1 and g.graphs.pool is None
-        torch.testing.assert_close(run(0), refs[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(run(1), refs[1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_sample(u, 0), refs[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(_sample(u, 1), refs[1], rtol=1e-5, atol=1e-5)
         assert cuda.pools == 2 and g.stats["captured"] == 2 * n        # captured again, in a new pool
 
         def syncs(block, x, emb):
