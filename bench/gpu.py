@@ -57,7 +57,7 @@ def steps() -> list[Step]:
               r"not precompiled|graph (capture|replay) failed"]),
         Step("probe_choice", 45, 20, [_py("-m", "unet_compiler.bench.gpu_probes", "choice")],
              [r"^(groupnorm|geglu|attention|bias_residual)", r"Error"]),
-        Step("probe_alloc", 60, 30, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
+        Step("probe_alloc", 90, 40, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
         Step("bench_sd15", 140, 70, [_py("-m", "unet_compiler.bench", "run", "--device", "cuda", "--dtype", "bf16",
                                          "--size", "sd15", "--latent", "64", "--batch", "2", "--iters", "20",
                                          "--kernels", "--kernels-skip-inductor", "--backend", "triton,triton+graphs",

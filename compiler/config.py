@@ -71,9 +71,10 @@ class CompileConfig:
         replay measured faster. ComfyUI's dispatch between
         regions stays eager, so ControlNet, patches and LoRA behave as without
         graphs; weights updated in place are read at every replay, replaced
-        weights drop the region's graphs. Needs ComfyUI started with
-        --disable-cuda-malloc (cudaMallocAsync cannot capture); the report
-        says so when it is missing. Ignored on CPU and on ipex/eager.
+        weights drop the region's graphs. Under cudaMallocAsync (ComfyUI's
+        default) the triton backend's captures hold the torch ops its kernels
+        replace, and inductor gets no graphs (--disable-cuda-malloc lifts
+        both); the report says which. Ignored on CPU and on ipex/eager.
     """
 
     backend: str = "auto"

@@ -24,7 +24,7 @@ import torch
 
 from . import background, cast, settings, variants, weights
 from . import plan as P
-from .backends import choose, graphs_problem
+from .backends import choose, graphs_problem, kernels_in_captures_problem
 from .cache import CompileCache
 from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
@@ -142,7 +142,12 @@ class Accelerator:
         self._autocast = _autocast_dtype(self.config.precision, self.model_dtype, rep.notes)
 
         self.graphs = self._graphs(device)
-        self.backend.graphs_replay = self.graphs is not None
+        out_of_captures = kernels_in_captures_problem(self.backend) if self.graphs is not None else None
+        if out_of_captures:
+            self.report.notes.append(f"cuda graphs: {out_of_captures}")
+        self.backend.kernels_in_captures = out_of_captures is None
+        # a kernel serves only calls that pay their launches where captures cannot hold it
+        self.backend.graphs_replay = self.graphs is not None and out_of_captures is None
         stopped = getattr(self.backend, "graphs_stopped", None)
         if self.graphs is not None and stopped is not None:
             self.graphs.on_off = stopped

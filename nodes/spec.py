@@ -58,8 +58,9 @@ SELECT_BACKEND = Node(
         Input("cuda_graphs", "BOOLEAN",
               "CUDA only (triton, inductor): replay each region as a CUDA graph from its 2nd call at a shape; fewer "
               "launches, the SD1.5 win. Costs GPU memory per shape (within 1/8 of the card, freed when a prompt "
-              "ends). Off with backend auto: graphs only where a replay measures faster. Needs ComfyUI started "
-              "with --disable-cuda-malloc.", optional=True, widget={"default": False}),
+              "ends). Off with backend auto: graphs only where a replay measures faster. Under ComfyUI's default "
+              "allocator (cudaMallocAsync) the captures hold torch's ops, the kernels run outside them; inductor "
+              "needs --disable-cuda-malloc.", optional=True, widget={"default": False}),
     ),
     outputs=(("UNET_BACKEND", "backend"),),
 )

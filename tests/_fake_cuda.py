@@ -6,6 +6,11 @@ empty_cache, and ``CUDAGraph`` whose capture records the aten ops run between ``
 and whose replay re-runs them on the captured tensors. CPU tensors stand for device tensors: only
 ``CudaGraphs.usable``'s "is this tensor on CUDA" cannot be faked and is answered by the test.
 
+``allocator="cudaMallocAsync"`` (ComfyUI's default) adds what the H100 run showed (docs/gpu.md):
+memory a capture allocates there is a graph allocation that Triton's launcher cannot take, so a Triton
+kernel (the interpreter's launch, patched) given such a tensor inside a capture raises triton's
+ValueError, and ``aborted`` records it: the real process then dies with SIGABRT.
+
     with fake_cuda(monkeypatch, total=24 << 30, free=20 << 30) as cuda: ...   # cuda.log: what was called
 """
 from __future__ import annotations
@@ -29,9 +34,10 @@ def _tensors(o):
 
 
 class _Record(TorchDispatchMode):
-    def __init__(self, ops):
+    def __init__(self, ops, allocated: set | None = None):
         super().__init__()
         self.ops = ops
+        self.allocated = allocated   # storages the capture allocated (their data_ptr), when tracked
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -40,6 +46,10 @@ class _Record(TorchDispatchMode):
             raise CaptureError(f"operation not permitted when stream is capturing ({name})")
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
+        if self.allocated is not None and isinstance(out, (torch.Tensor, tuple, list)):
+            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+            self.allocated.update(p for p in (t.untyped_storage().data_ptr() for t in _tensors(out))
+                                  if p not in inputs)   # a view shares its base's memory
         return out
 
 
@@ -67,11 +77,16 @@ def record(fn, ops: list):
 class FakeCUDA:
     """The faked surface; ``log`` counts the calls, ``capturing`` is the capture flag."""
 
-    def __init__(self, total: int, free: int):
+    def __init__(self, total: int, free: int, allocator: str = "native"):
         self.total, self.free = total, free
+        self.allocator = allocator
         self.log: Counter = Counter()
         self.capturing = False
         self.pools = 0
+        #: memory the current capture allocated (tracked under cudaMallocAsync)
+        self.capture_allocated: set = set()
+        #: why the real process would have aborted (a Triton launch on capture-allocated memory)
+        self.aborted: str | None = None
         self._streams = [self.Stream()]
         fake = self
 
@@ -83,7 +98,8 @@ class FakeCUDA:
                 fake.log["capture_begin"] += 1
                 fake.capturing = True
                 self.pool = pool
-                self._mode = _Record(self.ops)
+                fake.capture_allocated.clear()
+                self._mode = _Record(self.ops, fake.capture_allocated if fake.allocator == "cudaMallocAsync" else None)
                 self._mode.__enter__()
 
             def capture_end(self):
@@ -137,13 +153,34 @@ class FakeCUDA:
     def empty_cache(self):
         self.log["empty_cache"] += 1
 
+    def triton_pointer_check(self, args) -> None:
+        """What triton's launcher does with each pointer argument (cuPointerGetAttribute): under
+        cudaMallocAsync, memory a running capture allocated is refused."""
+        if not (self.capturing and self.allocator == "cudaMallocAsync"):
+            return
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in self.capture_allocated:
+                self.aborted = f"a Triton launch inside a capture on capture-allocated memory (argument {i})"
+                raise ValueError(f"Pointer argument (at {i}) cannot be accessed from Triton (cpu tensor?)")
+
 
 @contextlib.contextmanager
-def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30):
-    """torch.cuda's names that compiler/graphs.py calls, faked for the block (``monkeypatch`` undoes it)."""
-    fake = FakeCUDA(total, free)
+def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocator: str = "native"):
+    """torch.cuda's names that compiler/graphs.py calls, faked for the block (``monkeypatch`` undoes it);
+    ``allocator``: what ``torch.cuda.memory.get_allocator_backend()`` answers (and, for
+    cudaMallocAsync, triton's pointer check inside a capture on the interpreter's launches)."""
+    fake = FakeCUDA(total, free, allocator)
     for name in ("Stream", "current_stream", "stream", "current_device", "synchronize",
                  "is_current_stream_capturing", "graph_pool_handle", "get_device_properties", "mem_get_info",
                  "empty_cache", "CUDAGraph"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: fake.allocator)
+    if allocator == "cudaMallocAsync":
+        from triton.runtime.interpreter import InterpretedFunction
+        launch = InterpretedFunction.run
+
+        def checked(self, *args, **kwargs):
+            fake.triton_pointer_check(list(args) + list(kwargs.values()))
+            return launch(self, *args, **kwargs)
+        monkeypatch.setattr(InterpretedFunction, "run", checked)
     yield fake

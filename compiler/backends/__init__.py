@@ -69,6 +69,11 @@ class Backend:
     fallback = False
     #: whether Select Backend's ``cuda_graphs`` applies to it
     uses_cuda_graphs = False
+    #: whether its Triton kernels can step out of a CUDA graph capture (the torch ops they replace
+    #: are captured instead), which graphs need under cudaMallocAsync
+    kernels_leave_captures = False
+    #: set by the runtime before ``impls``: False where captures must not hold its Triton kernels
+    kernels_in_captures = True
     #: set by the runtime before ``impls``: whether this model's regions replay CUDA graphs (asked
     #: for and possible here), so what a call costs is device time, not its launches
     graphs_replay = False
@@ -173,7 +178,13 @@ def graphs_problem(backend: Backend, device) -> str | None:
         users = " and ".join(n for n in names() if lookup_backend(n).uses_cuda_graphs)
         return f"the {backend.name} backend does not use them ({users} do)"
     from ..compat import triton as triton_compat
-    return triton_compat.cuda_graphs_problem(triton_compat.gather())
+    return triton_compat.cuda_graphs_problem(triton_compat.gather(), backend.kernels_leave_captures)
+
+
+def kernels_in_captures_problem(backend: Backend) -> str | None:
+    """Why ``backend``'s kernels must stay out of its CUDA graph captures here (None: captures hold them)."""
+    from ..compat import triton as triton_compat
+    return triton_compat.kernels_in_captures_problem(triton_compat.gather()) if backend.kernels_leave_captures else None
 
 
 def choose(requested: str, device, off_because=None, arch: str = "unet") -> tuple[Backend, list]:

@@ -64,6 +64,10 @@ def _measure_ms(fn, reps: int = REPS, timing: str = "wall") -> float:
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 2]
 
 
+#: the report's name for kernel calls a capture ran as torch ops (``KernelChoice.in_captures``)
+OUT_OF_CAPTURES = "kept out of CUDA graph captures (cudaMallocAsync)"
+
+
 class KernelChoice(Ops):
     """Ops whose members go through :meth:`pick`. ``fired`` counts kernel launches per kernel
     (``fired_in``: per kernel and region kind), ``torch_faster`` the calls served by torch
@@ -73,6 +77,9 @@ class KernelChoice(Ops):
         #: how a kernel and its torch ops are timed against each other: "wall" (no CUDA graphs) or
         #: "device" (under CUDA graphs); see _measure_ms
         self.timing = timing
+        #: False where a CUDA graph capture must not hold a kernel (cudaMallocAsync): inside one,
+        #: the torch ops it replaces run
+        self.in_captures = True
         self.fired: Counter = Counter()
         self.fired_in: Counter = Counter()   # (kernel, region kind) -> launches
         self.where = "?"                     # the region kind being run (set per call by the backend)
@@ -97,6 +104,9 @@ class KernelChoice(Ops):
         sig = tuple((t.shape, t.stride(), t.dtype) for t in tensors) + (torch.is_grad_enabled(),)
         key = (name, dev, sig, self.timing)
         choice = _CHOICE.get(key, "triton")
+        if not self.in_captures and torch.cuda.is_current_stream_capturing():
+            self.declined[OUT_OF_CAPTURES] += 1
+            return reference()
         if choice == "declined":   # the kernel refused this signature before: no raise-and-catch per call
             self.declined[_DECLINED[key]] += 1
             return reference()

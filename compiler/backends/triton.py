@@ -96,7 +96,7 @@ class TritonOps(KernelChoice):
 
 @register_backend("triton")
 class TritonBackend(Backend):
-    auto_rank, auto_devices, uses_cuda_graphs = 0, ("cuda",), True
+    auto_rank, auto_devices, uses_cuda_graphs, kernels_leave_captures = 0, ("cuda",), True, True
     summary = "the pack's fused Triton kernels (CUDA), CUDA graphs optional"
     def __init__(self):
         self.ops: TritonOps | None = None
@@ -141,6 +141,7 @@ class TritonBackend(Backend):
         self.counting = triton_compat.count_kernel_compiles()
         # where graphs replay, a call pays device time only; otherwise it pays its launches too
         self.ops = ops = TritonOps("device" if self.graphs_replay else "wall")
+        ops.in_captures = self.kernels_in_captures
         own = R.BODIES
 
         def guarded(key, body):

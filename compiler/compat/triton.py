@@ -241,13 +241,25 @@ def table_note(f: Facts) -> str | None:
     return None
 
 
-def cuda_graphs_problem(f: Facts) -> Reason | None:
-    """No CUDA graphs under the cudaMallocAsync allocator ComfyUI enables by default: a Triton kernel
-    launched inside a capture there rejects its output and the process aborts (docs/gpu.md)."""
-    if f.allocator_backend == "cudaMallocAsync":
+def cuda_graphs_problem(f: Facts, kernels_leave_captures: bool = False) -> Reason | None:
+    """Why region CUDA graphs are off for a backend here (None: they can run). Under the
+    cudaMallocAsync allocator ComfyUI enables by default, memory a capture allocates is a graph
+    allocation that Triton's launcher refuses, and the process then aborts (docs/gpu.md): graphs run
+    there only for a backend whose Triton kernels can step out of a capture
+    (``kernels_leave_captures``: the torch ops they replace are captured instead)."""
+    if f.allocator_backend == "cudaMallocAsync" and not kernels_leave_captures:
         return Reason("CUDA graphs are off: ComfyUI runs torch's cudaMallocAsync allocator, under which a Triton "
                       "kernel inside a graph capture fails and aborts the process",
-                      "start ComfyUI with --disable-cuda-malloc")
+                      "start ComfyUI with --disable-cuda-malloc, or choose the triton backend")
+    return None
+
+
+def kernels_in_captures_problem(f: Facts) -> str | None:
+    """Why Triton kernels must stay out of CUDA graph captures here (None: a capture may hold them)."""
+    if f.allocator_backend == "cudaMallocAsync":
+        return ("captured regions run torch's ops, the kernels only outside captures: under ComfyUI's "
+                "cudaMallocAsync allocator Triton cannot take memory a capture allocates (start ComfyUI with "
+                "--disable-cuda-malloc to capture the kernels too)")
     return None
 
 

@@ -524,8 +524,9 @@ def test_graphs_outlive_a_prompt_while_the_card_has_room(monkeypatch):
 
 
 def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
-    """The triton backend's kernel-vs-torch choice times device time only where graphs will replay:
-    graphs asked for but refused (ComfyUI's cudaMallocAsync) -> wall time, each launch paid; backend
+    """The triton backend's kernel-vs-torch choice times device time only where graphs will replay
+    the kernels: graphs asked for under ComfyUI's cudaMallocAsync, whose captures run the torch ops
+    -> wall time, each launch paid; graphs refused -> wall time; backend
     auto on CUDA (measured graphs) -> device time; graphs turned off by a failed capture -> wall time
     for what is timed from then on. (Before: device time whenever cuda_graphs was asked for, wall
     time under auto's graphs.)"""
@@ -535,7 +536,11 @@ def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
     monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (TB.TritonBackend(), []))
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
     a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
+    assert a.graphs is not None and not a.backend.ops.in_captures and a.backend.ops.timing == "wall"
+    monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: "refused")
+    a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
     assert a.graphs is None and a.backend.ops.timing == "wall"
+    monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="native"))
     monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
     a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
     assert a.graphs is not None and a.graphs.measured and a.backend.ops.timing == "device"
@@ -624,3 +629,67 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
             for _ in range(3):
                 torch.testing.assert_close(rg.run(syncs, blk, (x, e)), syncs(blk, x, e))
         assert rg.off is not None and "not permitted when stream is capturing" in rg.off and not cuda.capturing
+
+
+def _triton_on_fake_cuda(u, monkeypatch, **config):
+    """``u`` accelerated by the triton backend as on a CUDA device (the interpreter's kernels on CPU
+    tensors; run inside tests/_fake_cuda.py's fake_cuda), its allocator read from the fake."""
+    from unet_compiler.compiler import api, runtime
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    from unet_compiler.compiler.backends import triton as TB  # noqa: N812
+    monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (TB.TritonBackend(), []))
+    monkeypatch.setattr(triton_compat, "gather",
+                        lambda: triton_compat.Facts(allocator_backend=torch.cuda.memory.get_allocator_backend()))
+    monkeypatch.setattr(G, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)   # CPU tensors stand for CUDA's
+    accel = Accelerator(u, CompileConfig(backend="triton", **config), device=torch.device("cuda"))
+    u.__dict__[api._ATTR] = accel
+    u.__dict__["forward"] = lambda *a, **k: api._accelerated_forward(accel, u, *a, **k)
+    return accel
+
+
+def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkeypatch):
+    """ComfyUI's default allocator, cudaMallocAsync, as the H100 run met it (tests/_fake_cuda.py: a
+    Triton launch inside a capture on memory the capture allocated is refused and the process aborts):
+    the triton backend's regions are captured with the torch ops the kernels replace inside the
+    captures, the kernels run where nothing captures, every call == eager, nothing aborts, and the
+    report says why the captures hold no kernels and how to get them there. (Before: graphs refused
+    under cudaMallocAsync.)"""
+    from tests._fake_cuda import fake_cuda
+    u = tiny_unet()
+    refs = [_sample(u, s) for s in range(4)]
+    with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
+        accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
+        assert accel.graphs is not None, accel.text()
+        outs = [_sample(u, s) for s in range(4)]
+        assert cuda.aborted is None, cuda.aborted
+        g, ops = accel.graphs, accel.backend.ops
+        assert g.off is None and g.stats["captured"] == len(accel._shims) > 0 and cuda.log["capture_begin"] > 0
+        assert g.stats["replays"] == 3 * len(accel._shims)
+        assert sum(ops.fired.values()) > 0           # the first calls ran the kernels
+        assert ops.declined["kept out of CUDA graph captures (cudaMallocAsync)"] > 0
+        assert ops.timing == "wall"                  # a kernel serves only calls that pay their launches
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    text = accel.text()
+    assert "cudaMallocAsync" in text and "--disable-cuda-malloc" in text and "captured" in text
+
+
+def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
+    """The stand-in's fidelity: the pack's kernels inside a capture under cudaMallocAsync (what the
+    H100 run did with the refusal lifted) meet triton's pointer refusal, and the fake records the
+    abort that followed; under the native allocator the same capture holds the kernels."""
+    from tests._fake_cuda import fake_cuda
+    u = tiny_unet()
+    with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
+        accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
+        accel.backend.ops.in_captures = True      # the kernels inside the captures, as before
+        for s in range(2):
+            _sample(u, s)
+        assert cuda.aborted is not None and "Pointer argument" in (accel.graphs.off or "")
+    with fake_cuda(monkeypatch, allocator="native") as cuda:
+        accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
+        for s in range(2):
+            _sample(u, s)
+        assert cuda.aborted is None and accel.graphs.off is None and accel.graphs.stats["captured"] > 0
+        assert accel.backend.ops.in_captures and not accel.backend.ops.declined

@@ -116,9 +116,13 @@ def test_windows_portable_python_without_include_and_libs():
     assert "no libs folder" in msg
 
 
-def test_cuda_malloc_async_blocks_cuda_graphs():
+def test_cuda_malloc_async_and_cuda_graphs():
     assert "--disable-cuda-malloc" in T.cuda_graphs_problem(facts(allocator_backend="cudaMallocAsync"))
     assert T.cuda_graphs_problem(facts(allocator_backend="native")) is None
+    # the triton backend's kernels step out of a capture: graphs run there, the kernels outside them
+    assert T.cuda_graphs_problem(facts(allocator_backend="cudaMallocAsync"), kernels_leave_captures=True) is None
+    assert "--disable-cuda-malloc" in T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync"))
+    assert T.kernels_in_captures_problem(facts(allocator_backend="native")) is None
 
 
 @pytest.mark.parametrize("sim", [
