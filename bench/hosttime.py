@@ -9,7 +9,8 @@ graphs, and with every region's graph replaying: replays are no-ops here, what i
 replay path, its input copies and output clones): the pack's own Python per step (the time spent in
 the pack's functions, under cProfile, which inflates every function call a little: an upper bound),
 the launches per step (the pack's kernels, and aten ops that launch work on a GPU, views excluded).
-Per kernel call: each launcher alone, its Python up to the stubbed launch, not profiled. A meta op's
+Per kernel call: each launcher alone on CPU tensors of the same shapes, its Python up to the stubbed
+launch, not profiled. A meta op's
 own dispatch runs Python meta functions, so a step's wall time here is no GPU host time and is not
 reported. Inductor's compiled code cannot run on meta: no row.
 """
@@ -176,9 +177,11 @@ def step_rows(size: str, iters: int) -> list[dict]:
 
 
 def kernel_rows(iters: int) -> list[dict]:
-    """The pack's Python per kernel call (launch stubbed), SD1.5 512² shapes, bf16, on meta."""
+    """The pack's Python per kernel call (launch stubbed), SD1.5 512² shapes, bf16, on CPU tensors:
+    their allocations run in C++ as a CUDA caching allocator's do (a meta tensor's run Python meta
+    functions, ~100 µs a call)."""
     from ..kernels import attention as KA, epilogue as KE, geglu as KG, groupnorm as KN  # noqa: N812
-    m = dict(device="meta", dtype=torch.bfloat16)
+    m = dict(device="cpu", dtype=torch.bfloat16)
     x, w = torch.empty(2, 320, 64, 64, **m), torch.empty(320, **m)
     h = torch.empty(2, 4096, 2560, **m)
     q = torch.empty(2, 4096, 320, **m).view(2, 4096, 8, 40).transpose(1, 2)

@@ -76,6 +76,40 @@ def check_tensor(kernel_name: str, arg: str, t, kernel, *, device=None, dtypes=F
                             f"(CPU tensors only under TRITON_INTERPRET=1, set before triton is imported).")
 
 
+def tensor_key(t) -> tuple | None:
+    """What a launcher's checks read of an argument: a tensor's shape, strides, dtype, device and
+    whether it needs grad now (:func:`check_tensor`); anything else by its type."""
+    if isinstance(t, torch.Tensor):
+        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad and torch.is_grad_enabled())
+    return None if t is None else (type(t),)
+
+
+class Plans(dict):
+    """A launcher's plans: input signature (its :func:`tensor_key`s and scalar arguments, plus
+    COMPILE_TARGET) -> what its checks and launch arithmetic produced, so a call at a signature met
+    before skips both. Bounded: full, it starts over."""
+
+    LIMIT = 512
+
+    def key(self, *parts) -> tuple:
+        return (COMPILE_TARGET, *parts)
+
+    def put(self, key, plan):
+        if len(self) >= self.LIMIT:
+            self.clear()
+        try:
+            self[key] = plan
+        except TypeError:   # an unhashable scalar argument: planned again next time
+            pass
+        return plan
+
+    def find(self, key):
+        try:
+            return self.get(key)
+        except TypeError:
+            return None
+
+
 def tf32_matmuls_allowed() -> bool:
     """Whether torch itself would run an fp32 CUDA matmul in TF32. torch >= 2.9 has
     ``fp32_precision`` (it also reflects the legacy setters); reading the legacy

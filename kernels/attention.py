@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (KernelUnsupported, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
-                      gpu_capability, launch_first_fitting, matmul_precision, next_pow2)
+from ._common import (KernelUnsupported, Plans, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
+                      gpu_capability, launch_first_fitting, matmul_precision, next_pow2, tensor_key)
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -156,11 +156,34 @@ def _alignment(tensors, D: int) -> int:
     return align if ok else 1
 
 
+_PLANS = Plans()
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
     """softmax(q @ k^T * scale) @ v for q [B, H, Nq, d], k/v [B, H, Nk, d]
     (3-D [BH, N, d] also accepted), one float dtype for all three, d <= 256,
     Nk >= 1. ``scale`` defaults to d**-0.5. Returns [B, H, Nq, d] in q's dtype
-    (memory laid out as [B, Nq, H, d]). fp32 runs under the interpreter only."""
+    (memory laid out as [B, Nq, H, d]). fp32 runs under the interpreter only. The checks and
+    launch arithmetic run once per input signature (``_PLANS``)."""
+    prec = matmul_precision(q.dtype) if isinstance(q, torch.Tensor) else None   # torch's TF32 switch, read per call
+    key = _PLANS.key(tensor_key(q), tensor_key(k), tensor_key(v), scale, prec)
+    plan = _PLANS.find(key)
+    if plan is None:
+        plan = _PLANS.put(key, _plan(q, k, v, scale, prec))
+    squeeze, out_shape, launch = plan
+    if squeeze:
+        q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
+    out = torch.empty(out_shape, dtype=q.dtype, device=q.device).transpose(1, 2)
+    if launch is not None:
+        lkey, configs, grid, args, kw = launch
+        launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw, "attention", q.device)
+    return out.squeeze(0) if squeeze else out
+
+
+def _plan(q, k, v, scale, prec) -> tuple:
+    """The checks (KernelUnsupported for inputs the kernel cannot take), then (whether 3-D inputs
+    get a batch dim, the output's [B, Nq, H, d] shape, the launch: None when there is nothing to
+    compute, else (config key, configs, grid of a config, scalar arguments, strides and constexprs))."""
     name = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, arg, t, _attn_fwd_kernel, device=q.device if arg != "q" else None)
@@ -195,9 +218,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if align == 1 and capability is not None:
         raise KernelUnsupported(f"{name}: q/k/v strides or head dim {D} are not 16-byte multiples; the kernel "
                                 f"runs such views under the interpreter only, SDPA runs it on the GPU.")
-    out = torch.empty((B, NQ, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
-    if out.numel() == 0:
-        return out.squeeze(0) if squeeze else out
+    out_shape = (B, NQ, H, D)
+    if B * NQ * H * D == 0:
+        return squeeze, out_shape, None
     if scale is None:
         scale = D ** -0.5
     block_d, block_dt = head_dim_blocks(D, capability)
@@ -211,16 +234,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     configs = _configs(block_d + block_dt, capability)
     for cfg in configs:  # the kernel's NUM_M depends on the config's BLOCK_M
         cfg["NUM_M"] = cdiv(NQ, cfg["BLOCK_M"])
-    launch_first_fitting(
-        _attn_fwd_kernel, (D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
-        (q, k, v, out, float(scale) * LOG2E, H, NQ, NK),
-        dict(sqb=q.stride(0), sqh=q.stride(1), sqm=q.stride(2), sqd=q.stride(3),
-             skb=k.stride(0), skh=k.stride(1), skn=k.stride(2), skd=k.stride(3),
-             svb=v.stride(0), svh=v.stride(1), svn=v.stride(2), svd=v.stride(3),
-             D=D, ALIGN=align, PREC=matmul_precision(q.dtype),
-             UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=block_d, BLOCK_DT=block_dt),
-        name, q.device)
-    return out.squeeze(0) if squeeze else out
+    kw = dict(sqb=q.stride(0), sqh=q.stride(1), sqm=q.stride(2), sqd=q.stride(3),
+              skb=k.stride(0), skh=k.stride(1), skn=k.stride(2), skd=k.stride(3),
+              svb=v.stride(0), svh=v.stride(1), svn=v.stride(2), svd=v.stride(3),
+              D=D, ALIGN=align, PREC=prec, UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=block_d,
+              BLOCK_DT=block_dt)
+    return squeeze, out_shape, ((D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
+                                (float(scale) * LOG2E, H, NQ, NK), kw)
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

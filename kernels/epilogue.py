@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, cdiv, check_tensor, is_dense
+from ._common import KernelUnsupported, Plans, cdiv, check_tensor, is_dense, tensor_key
 
 BLOCK = 1024
 
@@ -34,12 +34,36 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True) if n > 1)
 
 
+_PLANS = Plans()
+
+
 def bias_residual(x: torch.Tensor, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None,
                   dim: int = 1, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x + bias.view(shape broadcasting along dim) + residual`` in x's dtype,
     fp32 math. ``dim`` is the channel dim: 1 after a conv (NCHW or
     channels_last), -1 after a linear. ``out`` may be x or residual (in place).
-    x, residual and out must have the same shape and the same dense strides."""
+    x, residual and out must have the same shape and the same dense strides.
+    The checks and launch arithmetic run once per input signature (``_PLANS``)."""
+    key = _PLANS.key(tensor_key(x), tensor_key(bias), tensor_key(residual), dim, tensor_key(out))
+    plan = _PLANS.find(key)
+    if plan is None:
+        plan = _PLANS.put(key, _plan(x, bias, residual, dim, out))
+    if out is None:
+        out = torch.empty_like(x)  # dense x: same strides
+    if plan is _EMPTY:
+        return out
+    grid, args = plan
+    _bias_residual_kernel[grid](
+        x, bias.contiguous() if bias is not None else x, residual if residual is not None else x, out, *args,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4)
+    return out
+
+
+_EMPTY = ((0,), ())
+
+
+def _plan(x, bias, residual, dim, out) -> tuple:
+    """The checks (KernelUnsupported for inputs the kernel cannot take), then (grid, scalar arguments)."""
     name = "bias_residual"
     check_tensor(name, "x", x, _bias_residual_kernel, ndim_min=1)
     if not is_dense(x):
@@ -54,7 +78,6 @@ def bias_residual(x: torch.Tensor, bias: torch.Tensor | None = None, residual: t
         if bias.numel() != C or bias.dim() != 1:
             raise KernelUnsupported(f"{name}: `bias` has shape {tuple(bias.shape)}, expected ({C},) for dim {dim} "
                                     f"of x with shape {tuple(x.shape)}.")
-        bias = bias.contiguous()
     for arg, t in (("residual", residual), ("out", out)):
         if t is None:
             continue
@@ -64,18 +87,10 @@ def bias_residual(x: torch.Tensor, bias: torch.Tensor | None = None, residual: t
                                     f"match x's layout (shape {tuple(x.shape)}, strides {tuple(x.stride())}).")
     if residual is not None and residual.dtype != x.dtype:
         raise KernelUnsupported(f"{name}: `residual` is {residual.dtype} but x is {x.dtype}.")
-    if out is None:
-        out = torch.empty_like(x)  # dense x: same strides
     if x.numel() == 0:
-        return out
+        return _EMPTY
     stride_c = x.stride(d) if C > 1 else 1
-    dummy = x
-    grid = (cdiv(x.numel(), BLOCK),)
-    _bias_residual_kernel[grid](
-        x, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-        x.numel(), C, stride_c, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
-        BLOCK=BLOCK, num_warps=4)
-    return out
+    return (cdiv(x.numel(), BLOCK),), (x.numel(), C, stride_c)
 
 
 def bias_residual_reference(x: torch.Tensor, bias: torch.Tensor | None = None,

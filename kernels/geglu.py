@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, cdiv, check_row_block, check_tensor, next_pow2
+from ._common import KernelUnsupported, Plans, cdiv, check_row_block, check_tensor, next_pow2, tensor_key
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -31,9 +31,31 @@ def _geglu_kernel(H, Y, M, D, stride_hm, stride_ym,
     tl.store(Y + rows[:, None] * stride_ym + cols[None, :], (x * gelu).to(Y.dtype.element_ty), mask=mask)
 
 
+_PLANS = Plans()
+
+
 def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     """``x * F.gelu(gate, approximate=approximate)`` with ``x, gate = h.chunk(2, -1)``.
-    h: [..., 2*D], any float dtype; returns a contiguous [..., D] in h's dtype."""
+    h: [..., 2*D], any float dtype; returns a contiguous [..., D] in h's dtype. The checks and
+    launch arithmetic run once per input signature (``_PLANS``)."""
+    key = _PLANS.key(tensor_key(h), approximate)
+    plan = _PLANS.find(key)
+    if plan is None:
+        plan = _PLANS.put(key, _plan(h, approximate))
+    y_shape, two_d, copy, grid, args, kw = plan
+    y = torch.empty(y_shape, dtype=h.dtype, device=h.device)
+    if grid is None:
+        return y
+    h2 = h.reshape(-1, two_d)
+    if copy:
+        h2 = h2.contiguous()
+    _geglu_kernel[grid](h2, y, *args, **kw)
+    return y
+
+
+def _plan(h, approximate) -> tuple:
+    """The checks (KernelUnsupported for inputs the kernel cannot take), then (output shape, 2*D,
+    whether h's rows need a copy, grid, scalar arguments, constexprs); grid None: nothing to launch."""
     name = "geglu"
     check_tensor(name, "h", h, _geglu_kernel, ndim_min=1)
     if approximate not in ("none", "tanh"):
@@ -42,22 +64,21 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if two_d % 2:
         raise KernelUnsupported(f"{name}: last dim of h is {two_d}, which does not split into two halves.")
     D = two_d // 2
-    y = torch.empty((*h.shape[:-1], D), dtype=h.dtype, device=h.device)
-    if y.numel() == 0:
-        return y
+    y_shape = (*h.shape[:-1], D)
+    if h.numel() == 0:
+        return y_shape, two_d, False, None, (), {}
     h2 = h.reshape(-1, two_d)
-    if h2.stride(1) != 1:
-        h2 = h2.contiguous()
+    copy = h2.stride(1) != 1
+    row_stride = two_d if copy else h2.stride(0)
     M = h2.shape[0]
     block_d = min(1024, max(16, next_pow2(D)))
     block_m = max(1, 4096 // block_d)  # from D only: a new token count compiles no new variant
-    check_row_block(name, "h", block_m, h2.stride(0))
+    check_row_block(name, "h", block_m, row_stride)
     grid = (cdiv(M, block_m), cdiv(D, block_d))
     if grid[1] > 65535:
         raise KernelUnsupported(f"{name}: last dim of h is {two_d}, beyond the launch grid.")
-    _geglu_kernel[grid](h2, y, M, D, h2.stride(0), D,
-                        TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
-    return y
+    return (y_shape, two_d, copy, grid, (M, D, row_stride, D),
+            dict(TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4))
 
 
 def geglu_reference(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:

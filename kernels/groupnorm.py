@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, cdiv, check_tensor, gpu_capability, next_pow2
+from ._common import KernelUnsupported, Plans, cdiv, check_tensor, gpu_capability, next_pow2, tensor_key
 
 MAX_CHUNKS = 64
 STATS_BLOCK = 1024      # values per step of _gn_stats_kernel
@@ -169,11 +169,50 @@ def _as_ncs(t: torch.Tensor) -> torch.Tensor:
         return t.reshape(n, c, -1)
 
 
+class _Plan:
+    """One input signature's launches: grids, scalar arguments and block sizes (see :func:`_plan`)."""
+    __slots__ = ("empty", "N", "C", "S", "y_nchw", "part_n", "stats_cl", "stats_grid", "stats_args", "stats_kw",
+                 "fin_grid", "fin_args", "grid", "apply_args", "apply_kw")
+
+
+_PLANS = Plans()
+
+
 def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,
               bias: torch.Tensor | None = None, eps: float = 1e-5, silu: bool = False) -> torch.Tensor:
     """``F.group_norm(x, num_groups, weight, bias, eps)`` (then ``F.silu`` when
     ``silu``) for x of shape [N, C, *spatial], any float dtype, statistics in
-    fp32. The output keeps x's memory format (NCHW or channels_last)."""
+    fp32. The output keeps x's memory format (NCHW or channels_last). The checks
+    and launch arithmetic run once per input signature (``_PLANS``)."""
+    key = _PLANS.key(tensor_key(x), num_groups, eps, silu, tensor_key(weight), tensor_key(bias))
+    plan = _PLANS.find(key)
+    if plan is None:
+        plan = _PLANS.put(key, _plan(x, num_groups, weight, bias, eps, silu))
+    if plan.empty:
+        return torch.empty_like(x)
+    N, C, S = plan.N, plan.C, plan.S
+    x3 = _as_ncs(x)
+    if plan.y_nchw:   # an exotic permutation: write NCHW-contiguous
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    else:
+        y = torch.empty_like(x)  # preserve_format: channels_last stays channels_last
+    y3 = y.view(N, C, S)
+    weight = weight.contiguous() if weight is not None else None
+    bias = bias.contiguous() if bias is not None else None
+    part0, part1, part2 = torch.empty((3, plan.part_n), device=x.device, dtype=torch.float32).unbind(0)
+    mean, rstd = torch.empty((2, plan.fin_grid[0]), device=x.device, dtype=torch.float32).unbind(0)
+    stats = _gn_stats_cl_kernel if plan.stats_cl else _gn_stats_kernel
+    stats[plan.stats_grid](x3, part0, part1, part2, *plan.stats_args, **plan.stats_kw)
+    _gn_finalize_kernel[plan.fin_grid](part0, part1, part2, mean, rstd, *plan.fin_args, BLOCK=FINAL_BLOCK,
+                                       num_warps=1)
+    _gn_apply_kernel[plan.grid](x3, y3, weight if weight is not None else mean, bias if bias is not None else mean,
+                                mean, rstd, *plan.apply_args, **plan.apply_kw)
+    return y
+
+
+def _plan(x, num_groups, weight, bias, eps, silu) -> _Plan:
+    """The checks (KernelUnsupported for inputs the kernels cannot take) and the launches' grids,
+    scalar arguments and block sizes, from the inputs' shapes, strides and device only."""
     name = "groupnorm"
     check_tensor(name, "x", x, _gn_apply_kernel, ndim_min=2)
     if not isinstance(num_groups, int) or num_groups <= 0 or x.shape[1] % num_groups:
@@ -184,27 +223,28 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
             check_tensor(name, arg, t, _gn_apply_kernel, device=x.device)
             if t.shape != (C,):
                 raise KernelUnsupported(f"{name}: `{arg}` has shape {tuple(t.shape)}, expected ({C},).")
-    if x.numel() == 0:
-        return torch.empty_like(x)
+    p = _Plan()
+    p.empty = x.numel() == 0
+    if p.empty:
+        return p
     N, G = x.shape[0], num_groups
     cpg = C // G
     x3 = _as_ncs(x)
     S = x3.shape[2]
-    y = torch.empty_like(x)  # preserve_format: channels_last stays channels_last
-    try:
-        y3 = y.view(N, C, S)
-    except RuntimeError:  # an exotic permutation: write NCHW-contiguous
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        y3 = y.view(N, C, S)
-    weight = weight.contiguous() if weight is not None else None
-    bias = bias.contiguous() if bias is not None else None
+    p.N, p.C, p.S = N, C, S
+    try:   # the output's layout, found on the meta device (nothing allocated)
+        y3 = torch.empty_like(x, device="meta").view(N, C, S)
+        p.y_nchw = False
+    except RuntimeError:
+        y3 = torch.empty(x.shape, dtype=x.dtype, device="meta").view(N, C, S)
+        p.y_nchw = True
 
     sx_n, sx_c, sx_s = x3.stride()
     if S == 1:
         sx_s = 1
     cuda = gpu_capability(x.device) is not None
-    f32 = dict(device=x.device, dtype=torch.float32)
     ch_inner = sx_c == 1 and C > 1 and S > 1  # channels_last: channels vary fastest
+    p.stats_cl = ch_inner
     if ch_inner:  # reduce whole rows, per channel
         block_c = min(CL_BLOCK_C, next_pow2(C))
         block_s = CL_TILE // block_c
@@ -212,26 +252,25 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
         num_chunks = _chunks(rows, N * cdiv(C, block_c), cuda)
         chunk = cdiv(rows, num_chunks) * block_s
         num_chunks = cdiv(S, chunk)
-        part = torch.empty((3, N * C * num_chunks), **f32)
+        p.part_n = N * C * num_chunks
         per_group = cpg * num_chunks
-        stats_grid = (num_chunks, cdiv(C, block_c), N)
-        if stats_grid[1] > 65535 or N > 65535:
+        p.stats_grid = (num_chunks, cdiv(C, block_c), N)
+        if p.stats_grid[1] > 65535 or N > 65535:
             raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
-        _gn_stats_cl_kernel[stats_grid](x3, part[0], part[1], part[2], C, S, chunk, num_chunks, sx_n, sx_s,
-                                        BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8)
+        p.stats_args = (C, S, chunk, num_chunks, sx_n, sx_s)
+        p.stats_kw = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8)
     else:
         elems = cpg * S
         num_chunks = _chunks(cdiv(elems, STATS_BLOCK), N * G, cuda)
         chunk = cdiv(cdiv(elems, num_chunks), STATS_BLOCK) * STATS_BLOCK
         num_chunks = cdiv(elems, chunk)
-        part = torch.empty((3, N * G * num_chunks), **f32)
+        p.part_n = N * G * num_chunks
         per_group = num_chunks
-        _gn_stats_kernel[(N * G, num_chunks)](
-            x3, part[0], part[1], part[2], S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s,
-            CONTIG=sx_s == 1 and sx_c == S, BLOCK=STATS_BLOCK, num_warps=4)
-    stats = torch.empty((2, N * G), **f32)
-    _gn_finalize_kernel[(N * G,)](part[0], part[1], part[2], stats[0], stats[1], per_group, float(eps),
-                                  BLOCK=FINAL_BLOCK, num_warps=1)
+        p.stats_grid = (N * G, num_chunks)
+        p.stats_args = (S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s)
+        p.stats_kw = dict(CONTIG=sx_s == 1 and sx_c == S, BLOCK=STATS_BLOCK, num_warps=4)
+    p.fin_grid = (N * G,)
+    p.fin_args = (per_group, float(eps))
 
     # block sizes from the channel count and layout only, never the spatial size: a new
     # resolution must not compile a new kernel variant (zero recompiles inside a warmed box)
@@ -241,19 +280,16 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     else:
         block_s = APPLY_BLOCK_S
         block_c = max(1, min(next_pow2(C), 4096 // block_s))
-    grid = (cdiv(S, block_s), cdiv(C, block_c), N)
-    if grid[1] > 65535 or grid[2] > 65535:
+    p.grid = (cdiv(S, block_s), cdiv(C, block_c), N)
+    if p.grid[1] > 65535 or p.grid[2] > 65535:
         raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
     sy_n, sy_c, sy_s = y3.stride()
     if S == 1:
         sy_s = 1
-    dummy = stats
-    _gn_apply_kernel[grid](
-        x3, y3, weight if weight is not None else dummy, bias if bias is not None else dummy,
-        stats[0], stats[1], C, S, G, cpg, sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
-        HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
-        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4)
-    return y
+    p.apply_args = (C, S, G, cpg, sx_n, sx_c, sx_s, sy_n, sy_c, sy_s)
+    p.apply_kw = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
+                      BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4)
+    return p
 
 
 def groupnorm_reference(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = None,

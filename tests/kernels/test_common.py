@@ -116,3 +116,46 @@ def test_launch_first_fitting_falls_back_and_remembers(monkeypatch):
     assert calls == [128, 64, 32, 32]  # the probe runs once, then the fitting config is reused
     with pytest.raises(KernelUnsupported, match="no block configuration fits"):
         _common.launch_first_fitting(FakeKernel(), ("other",), configs[:2], lambda c: (1,), (), {}, "fake", DEV)
+
+
+def test_each_launcher_checks_a_signature_once(monkeypatch):
+    """groupnorm, bias_residual, geglu and attention run their checks and launch arithmetic once
+    per input signature (kernels/_common.Plans): the next call with the same shapes, strides, dtypes
+    and grad state skips them and gives the same result; a new layout, a tensor that now needs
+    grad, or torch's TF32 switch turned makes a new plan (and its checks raise where they must)."""
+    attention, geglu = load("attention"), load("geglu")
+    calls = []
+    real = _common.check_tensor
+
+    def counted(*a, **k):
+        calls.append(a[1])
+        return real(*a, **k)
+    for mod in (groupnorm, epilogue, geglu, attention):
+        monkeypatch.setattr(mod, "check_tensor", counted)
+        monkeypatch.setattr(mod, "_PLANS", _common.Plans())
+    x, w = rand(2, 64, 4, 4), rand(64)
+    h, q = rand(2, 16, 64), rand(2, 2, 16, 32)
+    cases = [(groupnorm, lambda t: groupnorm.groupnorm(t, 32, w, w, 1e-5, silu=True), x),
+             (epilogue, lambda t: epilogue.bias_residual(t, w, t, dim=1), x),
+             (geglu, lambda t: geglu.geglu(t), h),
+             (attention, lambda t: attention.attention(t, t, t), q)]
+    with torch.no_grad():
+        for mod, fn, t in cases:
+            calls.clear()
+            first = fn(t)
+            n = len(calls)
+            assert n > 0 and len(mod._PLANS) == 1
+            torch.testing.assert_close(fn(t.clone()), first, rtol=0, atol=0)
+            assert len(calls) == n, f"{mod.__name__}: checks ran again at a signature met before"
+            if t.dim() == 4:
+                fn(t.contiguous(memory_format=torch.channels_last) if mod is not attention else t.transpose(1, 2))
+                assert len(calls) > n and len(mod._PLANS) == 2
+    grad_x = x.clone().requires_grad_()
+    with pytest.raises(KernelUnsupported, match="forward-only"):   # same shape, now needs grad: checked again
+        groupnorm.groupnorm(grad_x, 32, w, w, 1e-5, silu=True)
+    with torch.no_grad():
+        n = len(attention._PLANS)
+        monkeypatch.setattr(_common, "tf32_matmuls_allowed", lambda: True)
+        attention.attention(q, q, q)
+        assert len(attention._PLANS) == n + 1
+        assert {p[2][4]["PREC"] for p in attention._PLANS.values() if p[2] is not None} == {"ieee", "tf32"}
