@@ -165,11 +165,12 @@ _CONFIG_CHOICE: dict = {}
 
 
 def launch_first_fitting(kernel, key: tuple, configs: list[dict], grid_fn, args: tuple, kwargs: dict,
-                         what: str, device: torch.device) -> None:
+                         what: str, device: torch.device) -> int:
     """Launch ``kernel`` with the first of ``configs`` (launch options and block
     constexprs, biggest first) whose compiled form fits this GPU's shared
     memory / registers; the choice is remembered per (key, device), so the
-    OutOfResources probe happens once. ``grid_fn(config)`` gives the grid."""
+    OutOfResources probe happens once. ``grid_fn(config)`` gives the grid. Returns the index of
+    the config launched."""
     from triton.runtime.errors import OutOfResources
 
     ck = (getattr(kernel, "__name__", repr(kernel)), key, str(device))
@@ -183,7 +184,7 @@ def launch_first_fitting(kernel, key: tuple, configs: list[dict], grid_fn, args:
             last = e
             continue
         _CONFIG_CHOICE[ck] = i
-        return
+        return i
     raise KernelUnsupported(f"{what}: no block configuration fits this GPU ({last}).")
 
 

@@ -175,15 +175,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
     out = torch.empty(out_shape, dtype=q.dtype, device=q.device).transpose(1, 2)
     if launch is not None:
-        lkey, configs, grid, args, kw = launch
-        launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw, "attention", q.device)
+        lkey, configs, grid, args, kw, fit = launch
+        if fit:   # the config that fitted this GPU at this signature before: launched as is
+            _attn_fwd_kernel[fit[0]](q, k, v, out, *args, **fit[1])
+        else:
+            cfg = configs[launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw,
+                                               "attention", q.device)]
+            fit += [grid(cfg), {**kw, **cfg}]
     return out.squeeze(0) if squeeze else out
 
 
 def _plan(q, k, v, scale, prec) -> tuple:
     """The checks (KernelUnsupported for inputs the kernel cannot take), then (whether 3-D inputs
     get a batch dim, the output's [B, Nq, H, d] shape, the launch: None when there is nothing to
-    compute, else (config key, configs, grid of a config, scalar arguments, strides and constexprs))."""
+    compute, else (config key, configs, grid of a config, scalar arguments, strides and constexprs,
+    [grid, keyword arguments] of the config that fitted, filled at the first launch))."""
     name = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, arg, t, _attn_fwd_kernel, device=q.device if arg != "q" else None)
@@ -240,7 +246,7 @@ def _plan(q, k, v, scale, prec) -> tuple:
               D=D, ALIGN=align, PREC=prec, UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=block_d,
               BLOCK_DT=block_dt)
     return squeeze, out_shape, ((D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
-                                (float(scale) * LOG2E, H, NQ, NK), kw)
+                                (float(scale) * LOG2E, H, NQ, NK), kw, [])
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:

@@ -30,12 +30,13 @@ def _chan_merge(mean, m2, count, bmean, bm2, bcnt):
     return mean + delta * frac, m2 + bm2 + delta * delta * count * frac, tot
 
 
-@triton.jit(do_not_specialize=["NUM_CHUNKS"])
-def _gn_stats_kernel(X, P_MEAN, P_M2, P_CNT,
+@triton.jit(do_not_specialize=["OFF", "NUM_CHUNKS"])
+def _gn_stats_kernel(X, WORK, OFF,
                      S, G, CPG, CHUNK, NUM_CHUNKS,
                      stride_n, stride_c, stride_s,
                      CONTIG: tl.constexpr, BLOCK: tl.constexpr):
-    """Reads one chunk of one (sample, group); writes its (mean, M2, count)."""
+    """Reads one chunk of one (sample, group); writes its (mean, M2, count), a triple of the
+    partials at WORK + OFF."""
     ng = tl.program_id(0)
     chunk = tl.program_id(1)
     n = ng // G
@@ -59,14 +60,14 @@ def _gn_stats_kernel(X, P_MEAN, P_M2, P_CNT,
         bmean = tl.sum(x, axis=0) / bcnt
         d = tl.where(mask, x - bmean, 0.0)
         mean, m2, count = _chan_merge(mean, m2, count, bmean, tl.sum(d * d, axis=0), bcnt)
-    idx = ng * NUM_CHUNKS + chunk
-    tl.store(P_MEAN + idx, mean)
-    tl.store(P_M2 + idx, m2)
-    tl.store(P_CNT + idx, count)
+    p = WORK + OFF + 3 * (ng * NUM_CHUNKS + chunk)
+    tl.store(p, mean)
+    tl.store(p + 1, m2)
+    tl.store(p + 2, count)
 
 
-@triton.jit(do_not_specialize=["S", "CHUNK", "NUM_CHUNKS"])
-def _gn_stats_cl_kernel(X, P_MEAN, P_M2, P_CNT,
+@triton.jit(do_not_specialize=["OFF", "S", "CHUNK", "NUM_CHUNKS"])
+def _gn_stats_cl_kernel(X, WORK, OFF,
                         C, S, CHUNK, NUM_CHUNKS, stride_n, stride_s,
                         BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
     """Reads rows [chunk*CHUNK, +CHUNK) x BLOCK_C channels of one sample (each row
@@ -89,42 +90,43 @@ def _gn_stats_cl_kernel(X, P_MEAN, P_M2, P_CNT,
         bmean = tl.sum(x, axis=0) / tl.maximum(bcnt, 1.0)
         d = tl.where(mask, x - bmean[None, :], 0.0)
         mean, m2, count = _chan_merge(mean, m2, count, bmean, tl.sum(d * d, axis=0), bcnt)
-    idx = (n * C + c) * NUM_CHUNKS + chunk
-    tl.store(P_MEAN + idx, mean, mask=cmask)
-    tl.store(P_M2 + idx, m2, mask=cmask)
-    tl.store(P_CNT + idx, count, mask=cmask)
+    p = WORK + OFF + 3 * ((n * C + c) * NUM_CHUNKS + chunk)
+    tl.store(p, mean, mask=cmask)
+    tl.store(p + 1, m2, mask=cmask)
+    tl.store(p + 2, count, mask=cmask)
 
 
-@triton.jit(do_not_specialize=["K"])
-def _gn_finalize_kernel(P_MEAN, P_M2, P_CNT, MEAN, RSTD, K, eps, BLOCK: tl.constexpr):
-    """Reads the K contiguous partials of one (sample, group); writes its mean and rstd."""
+@triton.jit(do_not_specialize=["OFF", "K"])
+def _gn_finalize_kernel(WORK, OFF, K, eps, BLOCK: tl.constexpr):
+    """Reads the K contiguous partial triples of one (sample, group) at WORK + OFF; writes its
+    (mean, rstd) at WORK + 2 * group."""
     ng = tl.program_id(0)
-    base = ng.to(tl.int64) * K
+    base = WORK + OFF + 3 * ng.to(tl.int64) * K
     mean = tl.zeros([], dtype=tl.float32)
     m2 = tl.zeros([], dtype=tl.float32)
     count = tl.zeros([], dtype=tl.float32)
     for off in range(0, K, BLOCK):
         k = off + tl.arange(0, BLOCK)
         mask = k < K
-        pm = tl.load(P_MEAN + base + k, mask=mask, other=0.0)
-        pv = tl.load(P_M2 + base + k, mask=mask, other=0.0)
-        pc = tl.load(P_CNT + base + k, mask=mask, other=0.0)
+        pm = tl.load(base + 3 * k, mask=mask, other=0.0)
+        pv = tl.load(base + 3 * k + 1, mask=mask, other=0.0)
+        pc = tl.load(base + 3 * k + 2, mask=mask, other=0.0)
         bcnt = tl.sum(pc, axis=0)
         bmean = tl.sum(pc * pm, axis=0) / tl.maximum(bcnt, 1.0)
         dm = pm - bmean
         mean, m2, count = _chan_merge(mean, m2, count, bmean, tl.sum(pv + pc * dm * dm, axis=0), bcnt)
-    tl.store(MEAN + ng, mean)
-    tl.store(RSTD + ng, 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps))
+    tl.store(WORK + 2 * ng, mean)
+    tl.store(WORK + 2 * ng + 1, 1.0 / tl.sqrt(m2 / tl.maximum(count, 1.0) + eps))
 
 
 @triton.jit
-def _gn_apply_kernel(X, Y, W, B, MEAN, RSTD,
+def _gn_apply_kernel(X, Y, W, B, STATS,
                      C, S, G, CPG,
                      sx_n, sx_c, sx_s, sy_n, sy_c, sy_s,
                      HAS_W: tl.constexpr, HAS_B: tl.constexpr, SILU: tl.constexpr,
                      BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Reads a [BLOCK_C, BLOCK_S] tile of x and its channels' group mean/rstd,
-    weight and bias; writes the tile of y."""
+    """Reads a [BLOCK_C, BLOCK_S] tile of x and its channels' group (mean, rstd) (STATS, a pair
+    per group), weight and bias; writes the tile of y."""
     pid_s = tl.program_id(0)
     pid_c = tl.program_id(1)
     n = tl.program_id(2)
@@ -134,10 +136,10 @@ def _gn_apply_kernel(X, Y, W, B, MEAN, RSTD,
     smask = s < S
 
     ng = n * G + tl.where(cmask, c // CPG, 0)
-    scale = tl.load(RSTD + ng)
+    scale = tl.load(STATS + 2 * ng + 1)
     if HAS_W:
         scale = scale * tl.load(W + c, mask=cmask, other=1.0).to(tl.float32)
-    shift = -tl.load(MEAN + ng) * scale
+    shift = -tl.load(STATS + 2 * ng) * scale
     if HAS_B:
         shift = shift + tl.load(B + c, mask=cmask, other=0.0).to(tl.float32)
 
@@ -171,7 +173,7 @@ def _as_ncs(t: torch.Tensor) -> torch.Tensor:
 
 class _Plan:
     """One input signature's launches: grids, scalar arguments and block sizes (see :func:`_plan`)."""
-    __slots__ = ("empty", "N", "C", "S", "y_nchw", "part_n", "stats_cl", "stats_grid", "stats_args", "stats_kw",
+    __slots__ = ("empty", "N", "C", "S", "y_nchw", "work_n", "stats_cl", "stats_grid", "stats_args", "stats_kw",
                  "fin_grid", "fin_args", "grid", "apply_args", "apply_kw")
 
 
@@ -199,14 +201,13 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     y3 = y.view(N, C, S)
     weight = weight.contiguous() if weight is not None else None
     bias = bias.contiguous() if bias is not None else None
-    part0, part1, part2 = torch.empty((3, plan.part_n), device=x.device, dtype=torch.float32).unbind(0)
-    mean, rstd = torch.empty((2, plan.fin_grid[0]), device=x.device, dtype=torch.float32).unbind(0)
+    # one fp32 scratch: (mean, rstd) per group, then the statistics partials, (mean, M2, count) each
+    work = torch.empty(plan.work_n, device=x.device, dtype=torch.float32)
     stats = _gn_stats_cl_kernel if plan.stats_cl else _gn_stats_kernel
-    stats[plan.stats_grid](x3, part0, part1, part2, *plan.stats_args, **plan.stats_kw)
-    _gn_finalize_kernel[plan.fin_grid](part0, part1, part2, mean, rstd, *plan.fin_args, BLOCK=FINAL_BLOCK,
-                                       num_warps=1)
-    _gn_apply_kernel[plan.grid](x3, y3, weight if weight is not None else mean, bias if bias is not None else mean,
-                                mean, rstd, *plan.apply_args, **plan.apply_kw)
+    stats[plan.stats_grid](x3, work, *plan.stats_args, **plan.stats_kw)
+    _gn_finalize_kernel[plan.fin_grid](work, *plan.fin_args, BLOCK=FINAL_BLOCK, num_warps=1)
+    _gn_apply_kernel[plan.grid](x3, y3, weight if weight is not None else work, bias if bias is not None else work,
+                                work, *plan.apply_args, **plan.apply_kw)
     return y
 
 
@@ -252,25 +253,26 @@ def _plan(x, num_groups, weight, bias, eps, silu) -> _Plan:
         num_chunks = _chunks(rows, N * cdiv(C, block_c), cuda)
         chunk = cdiv(rows, num_chunks) * block_s
         num_chunks = cdiv(S, chunk)
-        p.part_n = N * C * num_chunks
+        part_n = N * C * num_chunks
         per_group = cpg * num_chunks
         p.stats_grid = (num_chunks, cdiv(C, block_c), N)
         if p.stats_grid[1] > 65535 or N > 65535:
             raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
-        p.stats_args = (C, S, chunk, num_chunks, sx_n, sx_s)
+        p.stats_args = (2 * N * G, C, S, chunk, num_chunks, sx_n, sx_s)
         p.stats_kw = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8)
     else:
         elems = cpg * S
         num_chunks = _chunks(cdiv(elems, STATS_BLOCK), N * G, cuda)
         chunk = cdiv(cdiv(elems, num_chunks), STATS_BLOCK) * STATS_BLOCK
         num_chunks = cdiv(elems, chunk)
-        p.part_n = N * G * num_chunks
+        part_n = N * G * num_chunks
         per_group = num_chunks
         p.stats_grid = (N * G, num_chunks)
-        p.stats_args = (S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s)
+        p.stats_args = (2 * N * G, S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s)
         p.stats_kw = dict(CONTIG=sx_s == 1 and sx_c == S, BLOCK=STATS_BLOCK, num_warps=4)
+    p.work_n = 2 * N * G + 3 * part_n
     p.fin_grid = (N * G,)
-    p.fin_args = (per_group, float(eps))
+    p.fin_args = (2 * N * G, per_group, float(eps))
 
     # block sizes from the channel count and layout only, never the spatial size: a new
     # resolution must not compile a new kernel variant (zero recompiles inside a warmed box)
