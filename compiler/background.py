@@ -22,7 +22,7 @@ import torch
 
 from . import cast, settings, variants
 from .variants import guard_marks
-from .report import error_summary
+from .reasons import error_summary
 
 log = logging.getLogger(__name__)
 

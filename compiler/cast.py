@@ -24,7 +24,7 @@ from collections import Counter
 import torch
 
 from .compat import comfy as comfy_compat
-from .report import Reason
+from .reasons import Reason
 
 #: the leaf attributes that make ComfyUI's forward take its cast path, and the values that don't
 _PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout_type", None))

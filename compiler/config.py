@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .backends import names as _backend_names
-from .report import DISABLE_ENV  # noqa: F401 - public here too
+from .reasons import DISABLE_ENV  # noqa: F401 - public here too
 
 #: "auto" and every registered backend, in auto's order (compiler/backends)
 BACKENDS = ("auto",) + _backend_names()

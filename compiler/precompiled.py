@@ -12,7 +12,7 @@ import torch
 
 from . import background, variants
 from .compat import comfy as comfy_compat
-from .report import error_summary
+from .reasons import error_summary
 from .variants import structure
 
 log = logging.getLogger(__name__)

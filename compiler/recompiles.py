@@ -8,7 +8,7 @@ from collections import Counter
 from . import variants
 from .compat import comfy as comfy_compat
 from .compat.dynamo import plain_guard, rank
-from .report import recompile_sentence
+from .shapes import parse_shapes
 
 log = logging.getLogger(__name__)
 
@@ -45,3 +45,48 @@ class Recompiles:
             except Exception:  # a listener must not break sampling
                 log.debug("recompile listener failed", exc_info=True)
         return event
+
+
+# ---- recompiles after warmup, in words ------------------------------------------------
+def recompile_sentence(e: dict, warmed_shapes: list[str]) -> str:
+    """One recompile event ({prompt, shape, graphs, seconds, guards, background}) as the sentence the
+    log, the node and ``/history`` show: where, why (the failed guards) and the fix."""
+    where = f"prompt {e['prompt']}: " if e.get("prompt") else ""
+    shape = f" for a {e['shape']} call" if e.get("shape") else ""
+    if e.get("background"):
+        shape += " in the background (the calls ran the model's own code meanwhile)"
+    warmed = ", ".join(warmed_shapes) or "none"
+    inside = bool(e.get("shape")) and bool(warmed_shapes) and _inside(e["shape"], warmed_shapes)
+    where_shape = ("" if not e.get("shape") or not warmed_shapes else
+                   " (inside the warmed range: a specialisation or patch warmup did not prime)" if inside
+                   else " (outside the warmed range)")
+    why = "; ".join(e.get("guards") or []) or "dynamo recorded no failed guard (a new code path)"
+    fix = ("none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
+           "with this line" if inside or not e.get("shape") else
+           f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG"
+           + ("; this call is half a warmed batch: ComfyUI calls cond and uncond apart when their hooks differ "
+              "(hook LoRA), at cfg 1 and with some area conditioning" if _half_batch(e["shape"], warmed_shapes)
+              else "") + ")")
+    return (f"{where}{e['graphs']} graph(s) compiled after warmup{shape}{where_shape}, {e['seconds']:.1f} s; "
+            f"warmed shapes: {warmed}; why: {why}. Fix: {fix}")
+
+
+def _half_batch(label: str, warmed_shapes: list[str]) -> bool:
+    """Whether ``label`` is a warmed shape with half its batch (cond and uncond called apart)."""
+    try:
+        s, box = parse_shapes(label)[0], parse_shapes(", ".join(warmed_shapes))
+    except Exception:
+        return False
+    return any(b.batch == 2 * s.batch and (b.width, b.height, b.frames) == (s.width, s.height, s.frames) for b in box)
+
+
+def _inside(label: str, warmed_shapes: list[str]) -> bool:
+    try:
+        s, box = parse_shapes(label)[0], parse_shapes(", ".join(warmed_shapes))
+    except Exception:
+        return False
+    def frames(x):
+        return x.frames or 1
+    return (all(min(getattr(b, f) for b in box) <= getattr(s, f) <= max(getattr(b, f) for b in box)
+                for f in ("batch", "width", "height"))
+            and min(map(frames, box)) <= frames(s) <= max(map(frames, box)))

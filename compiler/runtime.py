@@ -30,7 +30,8 @@ from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
 from .config import CompileConfig
 from .recompiles import Recompiles
-from .report import NOTHING_TO_COMPILE, Reason, Report, accelerator_text, build_failure, error_summary
+from .reasons import NOTHING_TO_COMPILE, Reason, build_failure, error_summary
+from .report import Report, accelerator_text
 from .shims import make_shim
 
 log = logging.getLogger(__name__)

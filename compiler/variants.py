@@ -21,7 +21,7 @@ import torch
 
 from . import settings
 from .compat import dynamo
-from .report import error_summary
+from .reasons import error_summary
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 
 from . import background as bg
 from . import cast, variants
-from .report import wrong_result
+from .reasons import wrong_result
 from .runtime import Accelerator
 from .shapes import Shape, probe_shapes
 

@@ -14,7 +14,8 @@ import threading
 import time
 
 from ..compiler import background
-from ..compiler.report import compile_facts, runtime_fallback, status_line, warmup_facts
+from ..compiler.reasons import runtime_fallback
+from ..compiler.report import compile_facts, status_line, warmup_facts
 from ..compiler.warmup import warmup_probes
 
 log = logging.getLogger(__name__)

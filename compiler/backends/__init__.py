@@ -95,7 +95,7 @@ class Backend:
         return f"the {self.name} backend compiles no region bodies"
 
     def available(self, device) -> tuple[bool, str]:
-        """(True, what it does here) or (False, why not: a ``report.Reason`` with the fix, or a
+        """(True, what it does here) or (False, why not: a ``reasons.Reason`` with the fix, or a
         plain sentence)."""
         return True, ""
 
@@ -108,7 +108,7 @@ class Backend:
         return {}
 
     def cast_problem(self):
-        """Why (a ``report.Reason``) regions whose weights ComfyUI casts or patches per call cannot run
+        """Why (a ``reasons.Reason``) regions whose weights ComfyUI casts or patches per call cannot run
         this backend's code with ComfyUI's cast done outside it (None: they can; the cast weights
         are new tensors each call)."""
         return None
@@ -141,7 +141,7 @@ class Backend:
 def resolve(requested: str, device, arch: str = "unet") -> tuple[Backend, list[str]]:
     """Pick the backend to run for a model of ``arch`` ("unet" or "dit"). Returns it plus the story
     of how it was chosen (each unavailable candidate with its reason) for the report."""
-    from ..report import Reason
+    from ..reasons import Reason
     story: list[Reason] = []
     ranked = _ranked()
     if requested == "auto":

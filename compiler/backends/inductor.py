@@ -20,7 +20,7 @@ from .. import precompiled, settings, variants
 from .. import regions as R
 from ..compat.torch_version import torch_too_old
 from ..plan import PROJECTION
-from ..report import Reason
+from ..reasons import Reason
 from . import Backend, register_backend
 
 log = logging.getLogger(__name__)

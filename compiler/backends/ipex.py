@@ -20,7 +20,7 @@ from .. import regions as R
 from .. import weights
 from ..compat import ipex as ipex_compat
 from ..plan import PROJECTION
-from ..report import Reason
+from ..reasons import Reason
 from . import Backend, register_backend
 
 log = logging.getLogger(__name__)

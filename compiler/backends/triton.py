@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from .. import regions as R
 from ..compat import comfy as comfy_compat
 from ..compat import triton as triton_compat
-from ..report import Reason
+from ..reasons import Reason
 from . import Backend, register_backend
 from ._kernel_choice import KernelChoice
 

@@ -14,7 +14,7 @@ from importlib import metadata
 
 import torch
 
-from ..report import Reason
+from ..reasons import Reason
 
 log = logging.getLogger(__name__)
 

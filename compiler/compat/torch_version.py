@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from ..report import Reason
+from ..reasons import Reason
 
 MIN_TORCH = (2, 3)
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..report import Reason
+from ..reasons import Reason
 
 #: torch minor -> the triton-windows series built for it, and the release that says so
 #: (woct0rdho/triton-windows: each series pairs with the torch that upstream triton pairs with)
@@ -208,7 +208,7 @@ def probe_compile(f: Facts) -> str | None:
             f.extra["compile_probe"]()
             _PROBED[key] = None
         except Exception as e:
-            from ..report import build_failure, error_summary
+            from ..reasons import build_failure, error_summary
             build = build_failure(e, f.system)
             _PROBED[key] = build.why if build is not None else error_summary(e)
     return _PROBED[key]

@@ -251,7 +251,7 @@ def test_a_machine_that_cannot_build_turns_every_kind_off_at_once(tiny_unet, mon
     the user reads is the compiler's error line and the Windows fix, not the 300-character command."""
     import platform
     import subprocess
-    from unet_compiler.compiler.report import runtime_fallback
+    from unet_compiler.compiler.reasons import runtime_fallback
     cmd = ["cl", "/nologo", "/O2", "/LD", "C:\\Users\\someone\\AppData\\Local\\Temp\\tmpabc\\cuda_utils.c",
            *[f"/IC:\\ComfyUI_windows_portable\\python_embeded\\Lib\\site-packages\\triton\\include{i}"
              for i in range(8)]]

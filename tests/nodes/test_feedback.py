@@ -264,7 +264,7 @@ def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, ser
 
 def test_probe_reasons_give_their_fix(server):
     from unet_compiler.compiler.compat import ipex as ipex_compat
-    from unet_compiler.compiler.report import Reason
+    from unet_compiler.compiler.reasons import Reason
     bad = ipex_compat.mismatch("2.8.0", "2.13.0")
     assert isinstance(bad, Reason) and str(bad).endswith(f". Fix: {bad.fix}") and "Fix" not in bad.why
     facts = feedback.compiled(fake_accel("ipex", "inductor", [bad.about("ipex"), Reason("chosen", what="inductor")]), "4")
