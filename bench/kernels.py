@@ -5,9 +5,12 @@ Each case is one call the SD1.5 / SDXL UNet makes at the benchmarked latent
 size and batch: "eager torch" is the op sequence the model runs without the
 pack (F.group_norm then F.silu, SDPA, ...), "inductor" is torch.compile of
 that same function (fixed shapes), "triton" is the kernel the triton backend
-launches. Times are medians (triton.testing.do_bench on CUDA); the effective
-bandwidth (bytes in + out / time) or TFLOP/s says how close each is to the
-hardware. On CPU the Triton column runs under TRITON_INTERPRET=1: it checks
+launches. Times are medians (triton.testing.do_bench on CUDA, which clears the L2
+cache before each call); the effective bandwidth (bytes in + out / time) or
+TFLOP/s says how close each is to the hardware. On CUDA the "backend" column is
+what the triton backend runs at that signature, decided as it decides
+(``_kernel_choice.decide``: back-to-back calls, L2 warm as in a UNet): without
+CUDA graphs (wall time, launches paid) / with graphs replaying (device time). On CPU the Triton column runs under TRITON_INTERPRET=1: it checks
 that the kernels run and agree, it is not a speed.
 """
 from __future__ import annotations
@@ -129,6 +132,12 @@ def run(size: str, latent: int, batch: int, device, dtype, iters: int = 5, only:
             except KernelUnsupported as e:
                 row["triton_ms"], row["unsupported"] = None, str(e)
             row["eager_ms"] = _median_ms(partial(case.eager, *inputs), device, iters)
+            if device.type == "cuda" and row["triton_ms"] is not None:
+                from ..compiler.backends._kernel_choice import decide
+                for timing in ("wall", "device"):
+                    choice, t_kernel, t_torch = decide(partial(case.triton, *inputs), partial(case.eager, *inputs),
+                                                       timing)
+                    row[f"backend_{timing}"] = dict(choice=choice, triton_ms=t_kernel, torch_ms=t_torch)
             if inductor:
                 compiled = torch.compile(case.eager, dynamic=False)
                 t0 = time.perf_counter()
@@ -143,7 +152,7 @@ def run(size: str, latent: int, batch: int, device, dtype, iters: int = 5, only:
 def header(device) -> str:
     note = "" if device.type == "cuda" else "   (triton = interpreter on CPU: agreement, not speed)"
     return (f"{'kernel':15s} {'shape':40s} {'triton ms':>10s} {'eager ms':>9s} {'inductor':>9s} "
-            f"{'vs eager':>8s} {'vs ind.':>8s} {'triton rate':>14s} {'max|diff|':>9s}{note}")
+            f"{'vs eager':>8s} {'vs ind.':>8s} {'triton rate':>14s} {'max|diff|':>9s} {'backend':>13s}{note}")
 
 
 def format_row(r: dict, device) -> str:
@@ -157,5 +166,6 @@ def format_row(r: dict, device) -> str:
     else:
         rate = f"{r['bytes'] / t / 1e6:9.1f} GB/s"
     ind, vs_ind = (f"{i:9.3f}", f"{i / t:7.2f}x") if i else ("-", "-")
+    chosen = "/".join(r[f"backend_{m}"]["choice"] for m in ("wall", "device")) if "backend_wall" in r else "-"
     return (f"{r['kernel']:15s} {r['shape']:40s} {t:10.3f} {e:9.3f} {ind:>9s} "
-            f"{e / t:7.2f}x {vs_ind:>8s} {rate:>14s} {r['max_abs_diff']:9.2e}")
+            f"{e / t:7.2f}x {vs_ind:>8s} {rate:>14s} {r['max_abs_diff']:9.2e} {chosen:>13s}")

@@ -64,6 +64,15 @@ def _measure_ms(fn, reps: int = REPS, timing: str = "wall") -> float:
     return sorted(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))[reps // 2]
 
 
+def decide(kernel, reference, timing: str) -> tuple[str, float, float]:
+    """(``"triton"`` or ``"torch"``, kernel ms, torch ms): the kernel where it measured no slower than
+    the torch ops it replaces, each timed by :func:`_measure_ms` with ``timing``. The backend's
+    choice per signature and the bench's kernel table both come from here."""
+    t_kernel = _measure_ms(kernel, timing=timing)
+    t_torch = _measure_ms(reference, timing=timing)
+    return ("triton" if t_kernel <= t_torch else "torch"), t_kernel, t_torch
+
+
 #: the report's name for kernel calls a capture ran as torch ops (``KernelChoice.in_captures``)
 OUT_OF_CAPTURES = "kept out of CUDA graph captures (cudaMallocAsync)"
 
@@ -116,11 +125,10 @@ class KernelChoice(Ops):
                 choice = "triton"  # no timing inside a capture (a graph captures on a signature's 2nd call)
             elif choice is None:
                 try:
-                    t_kernel = _measure_ms(kernel, timing=self.timing)
+                    choice, t_kernel, t_torch = decide(kernel, reference, self.timing)
                 except self.Unsupported as e:   # the kernel refuses these inputs: nothing to measure
                     return self._declined(e, reference, key)
-                t_torch = _measure_ms(reference, timing=self.timing)
-                choice = _CHOICE[key] = "triton" if t_kernel <= t_torch else "torch"
+                _CHOICE[key] = choice
                 log.debug("%s %s: triton %.3f ms, torch %.3f ms (%s time) -> %s", name, sig, t_kernel, t_torch,
                           self.timing, choice)
         if choice == "torch":

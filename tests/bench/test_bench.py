@@ -193,3 +193,21 @@ def test_the_harness_links_without_symlink_rights(tmp_path, monkeypatch):
     monkeypatch.setattr(S, "_SIMULATE_WINDOWS", False)
     with pytest.raises(OSError):          # elsewhere a refused symlink is an error, not a silent copy
         S.link(tmp_path / "again", folder)
+
+
+def test_the_kernel_table_shows_the_backends_choice(monkeypatch):
+    """On CUDA each kernel row carries what the triton backend runs at that signature, decided by the
+    backend's own rule (``_kernel_choice.decide``: wall time without graphs, device time with them),
+    not by the table's L2-flushed medians."""
+    from unet_compiler.bench import kernels as K  # noqa: N812
+    from unet_compiler.compiler.backends import _kernel_choice as KC  # noqa: N812
+    times = {("k", "wall"): 0.05, ("t", "wall"): 0.03, ("k", "device"): 0.01, ("t", "device"): 0.02}
+    monkeypatch.setattr(KC, "_measure_ms", lambda fn, timing="wall": times[(fn(), timing)])
+    row = dict(kernel="groupnorm_silu", shape="2x320x64x64", bytes=1, flops=0.0, triton_ms=0.07, eager_ms=0.08,
+               max_abs_diff=0.0)
+    for timing in ("wall", "device"):
+        choice, tk, tt = KC.decide(lambda: "k", lambda: "t", timing)
+        row[f"backend_{timing}"] = dict(choice=choice, triton_ms=tk, torch_ms=tt)
+    line = K.format_row(row, torch.device("cuda"))
+    assert line.rstrip().endswith("torch/triton"), line
+    assert K.header(torch.device("cuda")).rstrip().endswith("backend")
