@@ -81,9 +81,9 @@ class Report:
 
 # ---- the facts the UI, /history and the log get -------------------------------------
 def compile_facts(rep: Report) -> dict:
-    """What Compile UNet did: the backend that runs, its state (``compiled`` / ``fallback`` /
-    ``eager``) and, unless compiled, the reason and the fix (one sentence each)."""
-
+    """What Compile UNet did: the backend that runs, its state (``planned``: regions will run
+    compiled code once Warmup Shapes or the first step compiled it; ``fallback`` / ``eager``) and,
+    unless planned, the reason and the fix (one sentence each)."""
     requested, backend = rep.backend_requested, rep.backend
     reason = fix = ""
     whole = [why for kind, _, why in rep.skipped if kind == "model"]
@@ -114,7 +114,7 @@ def compile_facts(rep: Report) -> dict:
             f" ({'; '.join(f'{k} x{n}: {why}' for k, n, why in rep.skipped)})" if rep.skipped else "")
         fix = "none needed for correctness; the model runs as loaded"
     else:
-        state = "compiled"
+        state = "planned"   # nothing has run yet: Warmup Shapes and the run report say what compiled
     return {"backend": backend, "requested": requested, "state": state, "reason": reason, "fix": fix,
             "family": rep.family, "regions": dict(rep.regions), "notes": list(rep.notes)}
 
@@ -128,9 +128,9 @@ def _generic_fix(backend: str) -> str:
 def status_line(facts: dict) -> str:
     """One sentence: what runs, in which state, and for a fallback why and the fix."""
     backend, state = facts["backend"], facts["state"]
-    if state == "compiled":
+    if state == "planned":
         n = sum(facts.get("regions", {}).values())
-        return f"{backend}: compiled, {n} regions accelerated; graphs build in Warmup Shapes or on the first run"
+        return f"{backend}: planned, {n} regions; compiled code runs after Warmup Shapes or the first step"
     if state == "eager" and facts["reason"].startswith(NOTHING_TO_COMPILE):
         return f"eager: {facts['reason']}."
     if state == "eager":

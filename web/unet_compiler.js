@@ -2,7 +2,7 @@
 //
 // Listens to the pack's websocket events (sent by nodes/feedback.py) and
 //  - draws a badge on Compile UNet / Warmup Shapes nodes: backend in use and
-//    state (eager / compiling / compiled / fallback);
+//    state (eager / planned / compiling / compiled / fallback);
 //  - keeps the live warmup text ("shape 3/8, 1x768x768, 12.4 s"), which
 //    ComfyUI itself shows under the node from send_progress_text;
 //  - toasts a fallback to eager (or to another backend) with the reason and the fix;
@@ -15,6 +15,7 @@ const EXTENSION = "UNetCompiler.Feedback";
 const NODE_TYPES = new Set(["UNetCompiler_CompileUNet", "UNetCompiler_WarmupShapes"]);
 const COLORS = {
   compiled: "#2e7d32",
+  planned: "#1565c0",
   compiling: "#b26a00",
   fallback: "#c62828",
   eager: "#546e7a",

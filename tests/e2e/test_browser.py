@@ -40,7 +40,7 @@ COMPILE, WARMUP, SELECT = "11", "12", "10"  # node ids in example_workflows/*
 PROMPT_TIMEOUT_S = 900
 # the shape test_comfyui_server.py warms too: in one session the second compile is a cache hit
 SHAPE = "2x64x64"
-BADGE_COLORS = {"compiled": (0x2E, 0x7D, 0x32), "fallback": (0xC6, 0x28, 0x28)}  # web/unet_compiler.js COLORS
+BADGE_COLORS = {"compiled": (0x2E, 0x7D, 0x32), "planned": (0x15, 0x65, 0xC0), "fallback": (0xC6, 0x28, 0x28)}  # web/unet_compiler.js COLORS
 
 
 def _chromium() -> str | None:
@@ -281,7 +281,7 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
     compile_ev = [e for n, e in events if n == "compile"]
     assert len(compile_ev) == 1 and compile_ev[0]["node_id"] == COMPILE, events
     ev = compile_ev[0]
-    assert ev["state"] == "compiled" and ev["backend"] not in ("eager", None), (
+    assert ev["state"] == "planned" and ev["backend"] not in ("eager", None), (
         f"Compile UNet did not compile here: {ev}")
     backend = ev["backend"]
 
@@ -296,11 +296,12 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
     assert any(re.fullmatch(rf"shape 1/1, {SHAPE}, \d+\.\d s", t) for t in texts), texts
     assert not [e for n, e in events if n == "fallback"], events
 
-    for node_id in (COMPILE, WARMUP):
+    # Compile UNet says what it planned (blue), Warmup Shapes what compiled and ran (green)
+    for node_id, said, color in ((COMPILE, "planned", "blue"), (WARMUP, "compiled", "green")):
         state = page.node(node_id)
-        assert any(b.startswith(f"{backend} · compiled") for b in state["badges"]), f"node {node_id}: {state}"
-        assert _badge_pixels(page, node_id, BADGE_COLORS["compiled"]) > 100, (
-            f"node {node_id}: no green badge drawn above the node (see {ARTIFACTS / '03_compiled.png'})")
+        assert any(b.startswith(f"{backend} · {said}") for b in state["badges"]), f"node {node_id}: {state}"
+        assert _badge_pixels(page, node_id, BADGE_COLORS[said]) > 100, (
+            f"node {node_id}: no {color} badge drawn above the node (see {ARTIFACTS / '03_compiled.png'})")
     # Warmup Shapes' badge counts the regions that ran compiled code, as its status line does
     assert any(re.fullmatch(rf"{backend} · compiled (\d+)/\1", b) for b in page.node(WARMUP)["badges"]), \
         page.node(WARMUP)
@@ -310,7 +311,7 @@ def test_badge_progress_and_fallback_toast(browser_page, sd15_checkpoint):
 
     # headless users: the same facts in /history
     entry = _history(server, status[1]["prompt_id"])
-    assert f"status: {backend}: compiled" in _ui_text(entry, COMPILE), _ui_text(entry, COMPILE)
+    assert f"status: {backend}: planned, " in _ui_text(entry, COMPILE), _ui_text(entry, COMPILE)
     warm = _ui_text(entry, WARMUP)
     assert f"warmed {SHAPE}" in warm and f"status: {backend}: compiled, " in warm, warm
     assert " regions ran compiled code, 1 shape(s)" in warm, warm

@@ -63,8 +63,8 @@ def test_no_server_is_a_noop(monkeypatch, caplog):
     feedback.progress_text("hello", "3")
     with caplog.at_level(logging.INFO, logger=feedback.__name__):
         facts = feedback.compiled(fake_accel(), "3")
-    assert facts["state"] == "compiled"
-    assert "inductor: compiled, 54 regions accelerated" in caplog.text  # the log still has it
+    assert facts["state"] == "planned"
+    assert "inductor: planned, 54 regions; compiled code runs after Warmup Shapes" in caplog.text  # the log still has it
 
 
 def test_unrelated_server_module_is_ignored(monkeypatch):
@@ -95,7 +95,7 @@ def test_compiled_event_text_and_target(server):
     facts = feedback.compiled(fake_accel(why=["ipex: not installed", "inductor: chosen (regional torch.compile)"]), 11)
     (data,) = server.named("compile")
     assert server.events[0][2] == "client-1"  # to the client that queued the prompt
-    assert data["node_id"] == "11" and data["backend"] == "inductor" and data["state"] == "compiled"
+    assert data["node_id"] == "11" and data["backend"] == "inductor" and data["state"] == "planned"
     assert data["reason"] == "" and data["fix"] == "" and data["regions"] == {"resblock": 22, "attention": 32}
     assert server.texts == [("11", facts["text"])]
 
@@ -248,9 +248,9 @@ def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, ser
     monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config: AllFail())
     mp = make_comfy_model("sd15")
     cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"), node_id="5")
-    assert "status: inductor: compiled" in text
+    assert "status: inductor: planned, " in text
     (compiled,) = server.named("compile")
-    assert (compiled["node_id"], compiled["state"], compiled["backend"]) == ("5", "compiled", "inductor")
+    assert (compiled["node_id"], compiled["state"], compiled["backend"]) == ("5", "planned", "inductor")
 
     report = patcher.warmup_model(cm, "1x64x64", 77, node_id="6")
     kinds = {d["kind"] for d in server.named("fallback")}
