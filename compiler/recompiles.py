@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from collections import Counter
 
+import torch
+
 from . import variants
 from .compat import comfy as comfy_compat
 from .compat.dynamo import plain_guard, rank
@@ -21,13 +23,19 @@ class Recompiles:
         self.events: list[dict] = []
         self.by_prompt: Counter = Counter()
         self.listener = None
+        #: the model's kind ("unet" or "dit"): the guard words name its dims
+        self.arch = "unet"
 
     def record(self, graphs: int, shape: str | None, seconds: float, marks, warmed_shapes: list[str],
                in_background: bool = False) -> dict:
         """``graphs`` compiled after warmup (for a ``shape`` call, the guards failed since ``marks``)."""
         guards = []
+        outside = not in_background and not torch.is_inference_mode_enabled()
+        if outside:   # warmup compiles under inference mode: a call outside it cannot use that code
+            guards.append("this call ran outside torch.inference_mode, unlike warmup's")
         try:
-            for plain in map(plain_guard, sorted(variants.guard_reasons_since(marks or {}), key=rank)):
+            for plain in (plain_guard(r, self.arch) for r in sorted(variants.guard_reasons_since(marks or {}),
+                                                                       key=rank)):
                 if plain not in guards and len(guards) < 3:
                     guards.append(plain)
         except Exception:
@@ -35,7 +43,7 @@ class Recompiles:
         prompt = comfy_compat.current_prompt()
         self.by_prompt[prompt] += graphs
         event = {"prompt": prompt, "shape": shape, "graphs": graphs, "seconds": round(seconds, 2), "guards": guards,
-                 "background": in_background}
+                 "background": in_background, "outside_inference": outside}
         self.events = (self.events + [event])[-50:]
         event["text"] = recompile_sentence(event, warmed_shapes)
         log.warning("UNet Compiler: %s", event["text"])
@@ -61,7 +69,9 @@ def recompile_sentence(e: dict, warmed_shapes: list[str]) -> str:
                    " (inside the warmed range: a specialisation or patch warmup did not prime)" if inside
                    else " (outside the warmed range)")
     why = "; ".join(e.get("guards") or []) or "dynamo recorded no failed guard (a new code path)"
-    fix = ("none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
+    fix = ("call the model under torch.inference_mode() as ComfyUI's sampling does (the code warmup compiled "
+           "serves only such calls)" if e.get("outside_inference") else
+           "none needed: the new code is kept for the next prompts; if it repeats every prompt, report it "
            "with this line" if inside or not e.get("shape") else
            f"add {e['shape']} to Warmup Shapes (its batch is the UNet's: twice the image batch with CFG"
            + ("; this call is half a warmed batch: ComfyUI calls cond and uncond apart when their hooks differ "

@@ -23,6 +23,10 @@ class Report:
     family: str = ""
     #: "unet", or "dit" (a diffusion transformer, whose regions are its blocks)
     arch: str = "unet"
+    #: the model's class (``UNetModel``, ``Flux``, ``UNet2DConditionModel``, ...); "" when unknown
+    model: str = ""
+    #: whether the plan found a model the pack does not accelerate (another family): no arch said
+    other_model: bool = False
     precision: str = "auto"
     dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (warmup.fix_shape)
     regions: dict = field(default_factory=dict)       # kind -> count
@@ -39,10 +43,15 @@ class Report:
     #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
     diff_recorded: str | None = None
 
+    def _kind(self) -> str:
+        """``UNet (UNetModel)``, ``DiT (Flux)``, ``model (AuraFlow)``: what the pack took it for, and its class."""
+        kind = "model" if self.other_model else "DiT" if self.arch == "dit" else "UNet"
+        return f"{kind} ({self.model})" if self.model and self.model != kind else kind
+
     def text(self, stats=None) -> str:
         lines = [f"UNet Compiler: backend {self.backend}"
                  + (f" (asked {self.backend_requested})" if self.backend_requested != self.backend else "")
-                 + f", {self.family} {'DiT' if self.arch == 'dit' else 'UNet'}, precision {self.precision}, dynamic shapes {_DYNAMIC[self.dynamic_shapes]}"]
+                 + f", {self.family} {self._kind()}, precision {self.precision}, dynamic shapes {_DYNAMIC[self.dynamic_shapes]}"]
         lines += [f"  backend choice: {w}" for w in self.why]
         if self.regions:
             lines.append("  accelerated regions: " + ", ".join(f"{k} x{n}" for k, n in self.regions.items()))

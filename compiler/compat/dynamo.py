@@ -40,7 +40,13 @@ _SIZE = re.compile(r"tensor '(?P<name>.+?)' size mismatch at index (?P<dim>\d+)\
 _DTYPE = re.compile(r"tensor '(?P<name>.+?)' dtype mismatch\. expected (?P<exp>\w+), actual (?P<act>\w+)")
 _SYM = re.compile(r"(?P<name>L\['[^']+'\](?:\.\w+)*|[A-Za-z_][\w.]*)\.size\(\)\[(?P<dim>\d+)\]")
 _NAME = re.compile(r"^L\['(?P<n>[^']+)'\]")
-_DIMS = {0: "batch (dim 0)", 1: "channels (dim 1)", 2: "height (dim 2)", 3: "width (dim 3)"}
+#: a region input's dims in the model's language: a UNet's [B, C, H, W] (a transformer block's input
+#: is [B, tokens, C]: its dim 1 is what changes with the resolution); a DiT block's [B, tokens, width]
+#: (tokens: image patches, times frames on a video model, plus text tokens where they are joined)
+_DIMS = {"unet": {0: "batch (dim 0)", 1: "channels or tokens (dim 1)", 2: "height (dim 2)", 3: "width (dim 3)"},
+         "dit": {0: "batch (dim 0)", 1: "tokens (dim 1)", 2: "width (dim 2)"}}
+#: a guard that raised instead of answering (a Python error about an input, not a compiled shape)
+_RAISED = re.compile(r"object has no attribute|object is not subscriptable|not supported between|Error\b")
 
 
 def _name(raw: str) -> str:
@@ -60,8 +66,10 @@ def rank(reason: str) -> int:
     return 0 if _SIZE.search(reason) or _SYM.search(reason) else 1 if _DTYPE.search(reason) else 2
 
 
-def plain_guard(reason: str) -> str:
-    """One guard failure in plain words, with the raw guard kept short after it."""
+def plain_guard(reason: str, arch: str = "unet") -> str:
+    """One guard failure in plain words (dims named as ``arch``'s, "unet" or "dit"), with the raw
+    guard kept short after it; a guard that raised on this call's inputs is said as such."""
+    dims = _DIMS.get(arch, _DIMS["unet"])
     reason = re.sub(r"^\[?\d+/\d+\]?:?\s*", "", str(reason).strip())   # dynamo's compile id
     reason = reason.split("  #", 1)[0].strip()                           # the source line dynamo appends
     raw = reason if len(reason) <= 160 else reason[:157] + "..."
@@ -74,8 +82,8 @@ def plain_guard(reason: str) -> str:
             return f"{what}: dtype {m.group('act')}, compiled for {m.group('exp')}"
         dim = int(m.group("dim"))
         if pattern is _SIZE:
-            return f"{what}: {_DIMS.get(dim, f'dim {dim}')} is {m.group('act')}, the code was compiled for exactly {m.group('exp')}"
-        return f"{what}: {_DIMS.get(dim, f'dim {dim}')} outside the range the code was compiled for (guard: {raw})"
+            return f"{what}: {dims.get(dim, f'dim {dim}')} is {m.group('act')}, the code was compiled for exactly {m.group('exp')}"
+        return f"{what}: {dims.get(dim, f'dim {dim}')} outside the range the code was compiled for (guard: {raw})"
     m = _PARAM_FLAG.search(reason)
     if m:
         flag = "requires_grad" if m.group("what") == "requires_grad" else "inference-tensor state"
@@ -87,4 +95,7 @@ def plain_guard(reason: str) -> str:
         return f"an input is (or is not) an inference tensor, unlike warmup's (guard: {raw})"
     if "___check_obj_id" in reason or "___check_type_id" in reason or "ID_MATCH" in reason:
         return f"an object the code depends on was replaced (a module, option or patch) (guard: {raw})"
+    if _RAISED.search(reason):
+        return ("an input is not what the code was compiled for (None, or another type, where it had a tensor), "
+                "so its check could not run")
     return f"guard: {raw}"

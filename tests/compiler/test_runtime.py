@@ -227,6 +227,28 @@ def test_guards_in_plain_words():
     assert sorted([shape, flag], key=rank) == [flag, shape]
 
 
+def test_guards_speak_the_models_language():
+    """A DiT's block input is [batch, tokens, width]: a token count (60 image + 64 text tokens, or
+    frames x patches) is never called channels; a guard that raised on a None input is said in words,
+    not as Python's error; a call outside inference mode says so, with its own fix."""
+    from unet_compiler.compiler.compat.dynamo import plain_guard
+    from unet_compiler.compiler.recompiles import Recompiles, recompile_sentence
+    size = "0/1: tensor 'L['x']' size mismatch at index 1. expected 60, actual 124"
+    assert plain_guard(size, "dit") == "region input x: tokens (dim 1) is 124, the code was compiled for exactly 60"
+    assert "channels (dim 1)" not in plain_guard(size, "unet")
+    raised = plain_guard("2/3: 'NoneType' object has no attribute 'size'")
+    assert "NoneType" not in raised and raised.startswith("an input is not what the code was compiled for"), raised
+    rc = Recompiles()
+    with torch.no_grad():   # not inference mode: warmup's code does not serve the call
+        event = rc.record(1, "2x64x64", 0.5, {}, ["2x64x64"])
+    assert event["guards"][0] == "this call ran outside torch.inference_mode, unlike warmup's", event
+    assert "Fix: call the model under torch.inference_mode()" in event["text"], event["text"]
+    with torch.inference_mode():
+        event = rc.record(1, "2x64x64", 0.5, {}, ["2x64x64"])
+    assert "inference_mode" not in event["text"] and "Fix: none needed" in event["text"], event["text"]
+    assert recompile_sentence(dict(event, outside_inference=True), ["2x64x64"]).count("inference_mode") == 1
+
+
 def test_the_cache_preloads_for_the_device_the_model_runs_on(tiny_unet, monkeypatch):
     """ComfyUI compiles while the weights are still on the CPU and loads them on the GPU later: the
     preloaded variants' dispatch state (autocast) must be the load device's, else every fp16/bf16
