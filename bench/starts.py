@@ -109,8 +109,9 @@ def report_text(entry: dict) -> str:
 
 
 def graphs_of(text: str) -> tuple[int | None, int | None]:
-    m = re.search(r"graphs compiled: (\d+)(?: \((\d+) from the compile cache\))?", text)
-    return (int(m.group(1)), int(m.group(2) or 0)) if m else (None, None)
+    """(graphs compiled and loaded, of those loaded from the compile cache), from a report's calls line."""
+    m = re.search(r"graphs compiled: (\d+)(?:; loaded from the compile cache: (\d+))?", text)
+    return (int(m.group(1)) + int(m.group(2) or 0), int(m.group(2) or 0)) if m else (None, None)
 
 
 def wait_for_done(server, timeout: float = 3600.0) -> re.Match:
@@ -177,7 +178,8 @@ def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shap
     finally:
         server.stop()
     log(f"  {name}: first prompt {row.first_s:.1f} s, second {row.second_s:.1f} s"
-        + (f", {row.graphs} graph(s) compiled ({row.from_cache} from the compile cache)" if row.graphs is not None
+        + (f", {row.graphs - row.from_cache} graph(s) compiled, {row.from_cache} loaded from the compile cache"
+           if row.graphs is not None
            else ""))
     return row
 

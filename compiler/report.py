@@ -60,10 +60,8 @@ class Report:
         lines += [f"  left eager: {k} x{n}: {why}" for k, n, why in self.skipped]
         lines += [f"  note: {n}" for n in self.notes]
         for label, secs, graphs in self.warmup:
-            cached = self.from_cache.get(label, 0)
-            how = (", all from the compile cache" if cached and cached >= graphs else
-                   f", {cached} of them from the compile cache" if cached else "")
-            lines.append(f"  warmed {label}: {secs:.1f} s, {graphs} graph(s) compiled{how}")
+            loaded = min(self.from_cache.get(label, 0), graphs)
+            lines.append(f"  warmed {label}: {secs:.1f} s, {compiled_and_loaded(graphs - loaded, loaded)}")
         if self.max_abs_diff is not None:
             lines.append(f"  max |compiled - eager| {self.diff_label}: {self.max_abs_diff:.3g}"
                          + (f" (tolerance {self.diff_tolerance:.2g}"
@@ -75,8 +73,9 @@ class Report:
         if stats is not None:
             lines.append(
                 f"  calls: {stats.get('calls', 0)} accelerated, {stats.get('eager_calls', 0)} eager; "
-                f"graphs compiled: {stats.get('graphs_compiled', 0)}"
-                + (f" ({stats['graphs_from_cache']} from the compile cache)" if stats.get("graphs_from_cache") else "")
+                f"graphs compiled: {stats.get('graphs_compiled', 0) - stats.get('graphs_from_cache', 0)}"
+                + (f"; loaded from the compile cache: {stats['graphs_from_cache']}" if stats.get("graphs_from_cache")
+                   else "")
                 + "; recompiles after warmup: "
                 f"{stats.get('recompiles_after_warmup', 0)}; region calls run eager for patches/lowvram: "
                 f"{stats.get('region_eager', 0)}"
@@ -89,6 +88,11 @@ class Report:
 
 
 # ---- the facts the UI, /history and the log get -------------------------------------
+def compiled_and_loaded(compiled: int, loaded: int) -> str:
+    """``3 graph(s) compiled`` (in this process), then ``, 2 loaded from the compile cache`` when any were."""
+    return f"{compiled} graph(s) compiled" + (f", {loaded} loaded from the compile cache" if loaded else "")
+
+
 def compile_facts(rep: Report) -> dict:
     """What Compile UNet did: the backend that runs, its state (``planned``: regions will run
     compiled code once Warmup Shapes or the first step compiled it; ``fallback`` / ``eager``) and,

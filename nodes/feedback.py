@@ -15,7 +15,7 @@ import time
 
 from ..compiler import background
 from ..compiler.reasons import runtime_fallback
-from ..compiler.report import compile_facts, status_line, warmup_facts
+from ..compiler.report import compile_facts, compiled_and_loaded, status_line, warmup_facts
 from ..compiler.warmup import warmup_probes
 
 log = logging.getLogger(__name__)
@@ -197,6 +197,7 @@ class WarmupFeedback:
         self._calls = 0
         self._t0 = time.perf_counter()
         self._graphs0 = accel.stats["graphs_compiled"]
+        self._loaded0 = accel.stats["graphs_from_cache"]
         self._lock = threading.Lock()
         self._label = None      # what is running now, for the ticker
         self._since = 0.0
@@ -255,7 +256,8 @@ class WarmupFeedback:
         still runs: a patch left out of warmup, or a model warmup could not call)."""
         accel = self.accel
         secs = time.perf_counter() - self._t0
-        graphs = accel.stats["graphs_compiled"] - self._graphs0
+        loaded = accel.stats["graphs_from_cache"] - self._loaded0
+        graphs = accel.stats["graphs_compiled"] - self._graphs0 - loaded   # compiled in this process
         ran, regions = accel.ran_compiled()
         facts = warmup_facts(accel.report, accel.backend.name, accel.failed, (ran, regions), accel.cast_eager)
         state, reason, fix = facts["state"], facts["reason"], facts["fix"]
@@ -272,7 +274,7 @@ class WarmupFeedback:
                                                         total=self.total, t0=self._t0)
         else:
             text = (f"{accel.backend.name}: {state}, {ran} of {regions} regions ran compiled code, {self.total} "
-                    f"shape(s) in {secs:.1f} s, {graphs} graph(s) compiled"
+                    f"shape(s) in {secs:.1f} s, {compiled_and_loaded(graphs, loaded)}"
                     + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
                     + (f" (as compiled, {accel.report.diff_recorded})"
                        if diff is not None and accel.report.diff_recorded else ""))
@@ -280,7 +282,7 @@ class WarmupFeedback:
                 text += f": {reason}. Fix: {fix}."
         if problem:
             text += f"; {problem}"
-        self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, max_abs_diff=diff,
+        self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, loaded=loaded, max_abs_diff=diff,
                    tolerance=accel.report.diff_tolerance,
                    reason=reason, fix=fix, **({"ran": ran, "regions": regions} if state != "compiling" else {}))
         level = logging.WARNING if state == "fallback" else logging.INFO
