@@ -4,8 +4,9 @@ Graphs are per leaf region, never the whole UNet call: ComfyUI's dispatch betwee
 regions stays eager Python. Weights are live: a graph's key holds the addresses of
 its region's parameters and buffers, so an in-place update is seen by the next
 replay and a replaced parameter drops the region's graphs. At most ``max_shapes``
-graphs per region and, on CUDA, static buffers within a budget of the card's memory (so the
-number of shapes follows the latent size); an out-of-memory capture leaves that shape without a
+graphs per region and, on CUDA, static inputs plus the private pool the captures grew (their
+outputs and temporaries) within a budget of the card's memory (so the number of shapes follows the
+latent size); an out-of-memory capture leaves that shape without a
 graph, any other failed capture turns graphs off for the model, and its calls run without them.
 ``release()`` frees every graph (ComfyUI's unload callback calls it); ``idle()``, at a prompt's end,
 keeps them for the next prompt while the card has room. ``measured``
@@ -87,6 +88,10 @@ class CudaGraphs:
             torch.cuda.synchronize(device)
             best = min(best, time.perf_counter() - t0)
         return out, best
+
+    def reserved(self, device) -> int:
+        """Bytes torch's allocator holds on ``device`` (a capture's growth of it is its pool's)."""
+        return torch.cuda.memory_reserved(device)
 
     def short_of_room(self, device) -> str | None:
         """Why graphs should not outlive a prompt on ``device``: the card (outside torch's cache) has
@@ -236,11 +241,23 @@ class RegionGraphs:
         self.device = None
         #: called once if graphs turn off for this model (the backend then times calls as launched)
         self.on_off = None
+        #: bytes the captures grew the allocator's reservation by (the private pool: static outputs and
+        #: every temporary the graphs replay into); None: not measured (a stand-in without ``reserved``)
+        self.pool_bytes: int | None = None
 
     @property
     def bytes(self) -> int:
         """Static input + output buffers held (the pool's temporaries come on top)."""
         return sum(_entry_bytes(e) for r in self.regions.values() for e in r.graphs.values())
+
+    @property
+    def held(self) -> int:
+        """Device memory the graphs hold: static inputs plus the pool the captures grew (outputs and
+        temporaries); the static buffers alone where the pool is not measured."""
+        if self.pool_bytes is None:
+            return self.bytes
+        return self.pool_bytes + sum(t.numel() * t.element_size() for r in self.regions.values()
+                                     for _, static_in, _ in r.graphs.values() for t in static_in if t is not None)
 
     def run(self, impl, module, args):
         """``impl(module, *args)``, through a captured graph where possible."""
@@ -290,7 +307,7 @@ class RegionGraphs:
             self.skipped[f"more than {self.max_shapes} shapes for one region"] += 1
             return impl(module, *args)
         budget = self._budget(device)
-        if budget is not None and self.bytes + _bytes(args) + _bytes(args[:1]) > budget:
+        if budget is not None and self.held + _bytes(args) + _bytes(args[:1]) > budget:
             self.skipped[f"static buffers at their budget ({budget / 2**20:.0f} MiB)"] += 1
             return impl(module, *args)
         return self._capture(reg, key, impl, module, args, device)
@@ -319,6 +336,7 @@ class RegionGraphs:
             self.stats["released"] += n
             self.released = why
             self._trim(new_pool=True)
+            self.pool_bytes = 0 if self.pool_bytes is not None else None
         return n
 
     def idle(self, why: str) -> int:
@@ -362,7 +380,11 @@ class RegionGraphs:
                 _, t_launch = self._timed(lambda: impl(module, *call_args), device)
             else:
                 self.graphs.first_call(lambda: impl(module, *call_args), device)
+            reserved = getattr(self.graphs, "reserved", None)   # a stand-in without it holds no device memory
+            before = reserved(device) if reserved is not None else None
             graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
+            if before is not None:
+                self.pool_bytes = (self.pool_bytes or 0) + max(0, reserved(device) - before)
             _outputs(static_out)
             if measure:
                 out, t_graph = self._timed(lambda: _replay((graph, static_in, static_out), args), device)
@@ -408,14 +430,15 @@ class RegionGraphs:
             return [f"  cuda graphs: on{auto}, nothing captured yet (a region is captured on its 2nd call at a shape)"]
         regions = sum(1 for r in self.regions.values() if r.graphs)
         budget = f" (budget {self.budget / 2**20:.0f} MiB)" if self.budget is not None else ""
+        pool = f", {self.pool_bytes / 2**20:.0f} MiB graph pool" if self.pool_bytes is not None else ""
         if self.measured:
             line = (f"  cuda graphs (auto): {s['kept']} kept where a replay measured faster than launching "
                     f"the region's kernels, {s['not kept']} not kept; "
                     f"{regions} region(s), {s['replays']} replays, {self.bytes / 2**20:.0f} MiB of static "
-                    f"buffers held{budget}")
+                    f"buffers held{pool}{budget}")
         else:
             line = (f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays, "
-                    f"{self.bytes / 2**20:.0f} MiB of static buffers held{budget}")
+                    f"{self.bytes / 2**20:.0f} MiB of static buffers held{pool}{budget}")
         if s["dropped for new weights"]:
             line += f", {s['dropped for new weights']} dropped when weights were replaced"
         if s["kept across prompts"]:

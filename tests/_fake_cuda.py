@@ -34,10 +34,12 @@ def _tensors(o):
 
 
 class _Record(TorchDispatchMode):
-    def __init__(self, ops, allocated: set | None = None):
+    def __init__(self, ops, allocated: set | None = None, on_alloc=None):
         super().__init__()
         self.ops = ops
         self.allocated = allocated   # storages the capture allocated (their data_ptr), when tracked
+        self.on_alloc = on_alloc     # called with the bytes of each storage the capture allocates
+        self._seen: set = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -46,10 +48,17 @@ class _Record(TorchDispatchMode):
             raise CaptureError(f"operation not permitted when stream is capturing ({name})")
         out = func(*args, **kwargs)
         self.ops.append((func, args, kwargs, out))
-        if self.allocated is not None and isinstance(out, (torch.Tensor, tuple, list)):
+        if isinstance(out, (torch.Tensor, tuple, list)):
             inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            self.allocated.update(p for p in (t.untyped_storage().data_ptr() for t in _tensors(out))
-                                  if p not in inputs)   # a view shares its base's memory
+            for t in _tensors(out):
+                s = t.untyped_storage()
+                if s.data_ptr() in inputs or s.data_ptr() in self._seen:   # a view shares its base's memory
+                    continue
+                self._seen.add(s.data_ptr())
+                if self.allocated is not None:
+                    self.allocated.add(s.data_ptr())
+                if self.on_alloc is not None:
+                    self.on_alloc(s.nbytes())
         return out
 
 
@@ -87,6 +96,9 @@ class FakeCUDA:
         self.capture_allocated: set = set()
         #: why the real process would have aborted (a Triton launch on capture-allocated memory)
         self.aborted: str | None = None
+        #: torch.cuda.memory_reserved(): grows by what each capture allocates (its private pool, which a
+        #: real capture never gives back until the graphs are freed and the cache emptied)
+        self.reserved = 0
         self._streams = [self.Stream()]
         fake = self
 
@@ -99,7 +111,8 @@ class FakeCUDA:
                 fake.capturing = True
                 self.pool = pool
                 fake.capture_allocated.clear()
-                self._mode = _Record(self.ops, fake.capture_allocated if fake.allocator == "cudaMallocAsync" else None)
+                self._mode = _Record(self.ops, fake.capture_allocated if fake.allocator == "cudaMallocAsync" else None,
+                                     on_alloc=fake._grow)
                 self._mode.__enter__()
 
             def capture_end(self):
@@ -153,6 +166,12 @@ class FakeCUDA:
     def empty_cache(self):
         self.log["empty_cache"] += 1
 
+    def _grow(self, nbytes: int) -> None:
+        self.reserved += nbytes
+
+    def memory_reserved(self, device=None):
+        return self.reserved
+
     def triton_pointer_check(self, args) -> None:
         """What triton's launcher does with each pointer argument (cuPointerGetAttribute): under
         cudaMallocAsync, memory a running capture allocated is refused."""
@@ -172,7 +191,7 @@ def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocato
     fake = FakeCUDA(total, free, allocator)
     for name in ("Stream", "current_stream", "stream", "current_device", "synchronize",
                  "is_current_stream_capturing", "graph_pool_handle", "get_device_properties", "mem_get_info",
-                 "empty_cache", "CUDAGraph"):
+                 "empty_cache", "CUDAGraph", "memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: fake.allocator)
     if allocator == "cudaMallocAsync":

@@ -693,3 +693,34 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
             _sample(u, s)
         assert cuda.aborted is None and accel.graphs.off is None and accel.graphs.stats["captured"] > 0
         assert accel.backend.ops.in_captures and not accel.backend.ops.declined
+
+
+def test_the_graph_pool_counts_against_the_budget(tiny_unet, monkeypatch):
+    """What the captures allocate (static outputs and every temporary a replay writes, in the private
+    pool: the fake's memory_reserved grows by it) is held memory: counted in the report and against
+    the budget, so a budget the static buffers alone would fit stops capturing where the pool does
+    not. (Before: only static inputs and outputs were counted, the pool came on top unseen.)"""
+    from tests._fake_cuda import fake_cuda
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    u = tiny_unet()
+    ref = _sample(u, 0)
+    with fake_cuda(monkeypatch) as cuda:
+        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
+        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)
+        accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
+        g = accel.graphs
+        for _ in range(3):
+            torch.testing.assert_close(_sample(u, 0), ref, rtol=1e-5, atol=1e-5)
+        n = len(accel._shims)
+        assert g.stats["captured"] == n and g.pool_bytes == cuda.reserved > 0
+        assert g.held > 2 * g.bytes, (g.held, g.bytes)   # the temporaries outweigh the static buffers here
+        assert "MiB graph pool" in "\n".join(g.status_lines())
+        # room for the next shape's static buffers (half the batch: half the bytes) twice over, not
+        # for what is held with the pool: the next shape captures nothing
+        g.budget = 2 * g.bytes
+        before = g.stats["captured"]
+        for _ in range(3):
+            _sample(u, 1, b=1)
+        assert g.stats["captured"] == before, "captured past the budget once the pool is counted"
+        assert any("budget" in why for why in g.skipped)
+        assert g.release("unload") == n and g.pool_bytes == 0
