@@ -648,6 +648,8 @@ def _triton_on_fake_cuda(u, monkeypatch, **config):
     return accel
 
 
+@pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
+                    "without a GPU); on a GPU the allocator probe (bench gpu) runs the real capture")
 def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkeypatch):
     """ComfyUI's default allocator, cudaMallocAsync, as the H100 run met it (tests/_fake_cuda.py: a
     Triton launch inside a capture on memory the capture allocated is refused and the process aborts):
@@ -675,6 +677,8 @@ def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkey
     assert "cudaMallocAsync" in text and "--disable-cuda-malloc" in text and "captured" in text
 
 
+@pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
+                    "without a GPU); on a GPU the allocator probe (bench gpu) runs the real capture")
 def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
     """The stand-in's fidelity: the pack's kernels inside a capture under cudaMallocAsync (what the
     H100 run did with the refusal lifted) meet triton's pointer refusal, and the fake records the
