@@ -288,6 +288,27 @@ def test_real_cuda_graphs_on_gpu(backend, tiny_unet):
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA GPU: real CUDA graph capture is tested on GPU machines only")
+def test_real_cuda_graphs_under_cuda_malloc_async():
+    """ComfyUI's default allocator on a real GPU, in its own process (an abort there kills only it):
+    the triton backend's graphs capture and replay a tiny bf16 UNet with the kernels kept out of the
+    captures, within the bf16 gate, and the process exits cleanly (on the H100 the kernels inside a
+    capture aborted it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+    p = subprocess.run([sys.executable, "-m", "unet_compiler.bench.gpu_probes", "stage", "pack"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(ln[7:] for ln in p.stdout.splitlines() if ln.startswith("RESULT ")))
+    assert res["graphs"] and "captured" in res["graphs"][0] and " 0 captured" not in res["graphs"][0], res
+    assert any("kept out of CUDA graph captures" in ln for ln in res["kernels"]), res
+    assert res["max_abs_diff"] <= 0.1, res
+
+
+@pytest.mark.skipif(not CUDA, reason="no CUDA GPU: real CUDA graph capture is tested on GPU machines only")
 def test_real_cuda_graphs_capture_the_kernels_in_bf16(tiny_unet, monkeypatch):
     """What a GPU user runs: a bf16 model, the triton backend with graphs on. Every region is captured
     with the pack's kernels inside (attention included: bf16 is not declined), replays answer within
