@@ -159,6 +159,7 @@ def _stats(out: str) -> dict:
     return json.loads(out.split("STATS", 1)[1])
 
 
+@pytest.mark.long   # three processes compiling: minutes (CI: test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of)
 def test_restart_and_second_worker_compile_nothing(tmp_path, tiny_unet):
     """1: cold, nothing anywhere. 2: a restart: the pack's folder holds its entry and torch's own
     caches (the pack placed them there). 3: a second worker on another machine: only the pack's
@@ -238,6 +239,7 @@ def _steps(tmp_path, name, *steps) -> dict:
     return json.loads(proc.stdout.split("STATE", 1)[1])
 
 
+@pytest.mark.long   # workers compiling in turn: minutes (CI: test_two_processes_saving_one_entry_lose_nothing)
 def test_an_entry_keeps_every_save_and_every_workers_graphs(tmp_path):
     """torch's loader keeps only the last of several saves of one process (a shape compiled after
     warmup saves again), and a worker that loaded an entry saves only what it compiled itself. The

@@ -652,6 +652,11 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
         assert rg.off is not None and "not permitted when stream is capturing" in rg.off and not cuda.capturing
 
 
+#: a one-level tiny UNet: every region kind, half the interpreted kernel launches
+ONE_LEVEL = dict(block_out_channels=(32,), down_block_types=("CrossAttnDownBlock2D",),
+                 up_block_types=("CrossAttnUpBlock2D",))
+
+
 def _triton_on_fake_cuda(u, monkeypatch, **config):
     """``u`` accelerated by the triton backend as on a CUDA device (the interpreter's kernels on CPU
     tensors; run inside tests/_fake_cuda.py's fake_cuda), its allocator read from the fake."""
@@ -679,16 +684,16 @@ def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkey
     report says why the captures hold no kernels and how to get them there. (Before: graphs refused
     under cudaMallocAsync.)"""
     from tests._fake_cuda import fake_cuda
-    u = tiny_unet()
-    refs = [_sample(u, s) for s in range(4)]
+    u = tiny_unet(**ONE_LEVEL)
+    refs = [_sample(u, s) for s in range(3)]
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
         assert accel.graphs is not None, accel.text()
-        outs = [_sample(u, s) for s in range(4)]
+        outs = [_sample(u, s) for s in range(3)]
         assert cuda.aborted is None, cuda.aborted
         g, ops = accel.graphs, accel.backend.ops
         assert g.off is None and g.stats["captured"] == len(accel._shims) > 0 and cuda.log["capture_begin"] > 0
-        assert g.stats["replays"] == 3 * len(accel._shims)
+        assert g.stats["replays"] == 2 * len(accel._shims)
         assert sum(ops.fired.values()) > 0           # the first calls ran the kernels
         assert ops.declined["kept out of CUDA graph captures (cudaMallocAsync)"] > 0
         assert ops.timing == "wall"                  # a kernel serves only calls that pay their launches
@@ -705,7 +710,7 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
     H100 run did with the refusal lifted) meet triton's pointer refusal, and the fake records the
     abort that followed; under the native allocator the same capture holds the kernels."""
     from tests._fake_cuda import fake_cuda
-    u = tiny_unet()
+    u = tiny_unet(**ONE_LEVEL)
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
         accel.backend.ops.in_captures = True      # the kernels inside the captures, as before

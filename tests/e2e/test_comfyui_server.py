@@ -191,6 +191,7 @@ def test_compiled_matches_eager(eager_result, request):
     )
 
 
+@pytest.mark.long   # a recompile through the server (CI: tests/compiler/test_runtime.py names it in process)
 def test_recompile_during_sampling_reaches_that_prompts_history(comfy_server, sd15_checkpoint, request):
     """The compiled graph again with a batch of 2 images (UNet batch 4, outside the one warmed shape):
     ComfyUI reuses the cached Compile UNet / Warmup Shapes outputs, so none of the pack's nodes runs,

@@ -260,7 +260,8 @@ def test_flux_block_replace_and_the_calls_its_body_declines(comfy, compiled_flux
     _close(got[0], want[0], 1e-5)
 
 
-@pytest.mark.parametrize("key", ["z_image", "qwen_image", "sd35_medium"])
+# SD3.5's joint blocks are long (CI: SD3's through the server, tests/e2e/test_api_bad_input.py)
+@pytest.mark.parametrize("key", ["z_image", "qwen_image", pytest.param("sd35_medium", marks=pytest.mark.long)])
 def test_the_other_block_calls_compiled(comfy, key):
     """Z-Image (Lumina 2's blocks: grouped-query attention, refiners with and without modulation,
     tokens padded to 32), Qwen-Image (its own block, a 5-D latent) and SD3.5 Medium (joint blocks
