@@ -308,7 +308,7 @@ class RegionGraphs:
             return impl(module, *args)
         budget = self._budget(device)
         if budget is not None and self.held + _bytes(args) + _bytes(args[:1]) > budget:
-            self.skipped[f"static buffers at their budget ({budget / 2**20:.0f} MiB)"] += 1
+            self.skipped[f"graph memory at its budget ({budget / 2**20:.0f} MiB)"] += 1
             return impl(module, *args)
         return self._capture(reg, key, impl, module, args, device)
 

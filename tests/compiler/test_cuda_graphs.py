@@ -423,7 +423,7 @@ def test_static_buffers_stay_within_their_budget(graph_standin):
         torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
     assert fake.captures == 1 and rg.bytes == one_shape
     budget_mib = int(one_shape * 1.5) / 2**20
-    assert rg.skipped[f"static buffers at their budget ({budget_mib:.0f} MiB)"] == 1
+    assert rg.skipped[f"graph memory at its budget ({budget_mib:.0f} MiB)"] == 1
     assert "budget 0 MiB" in "\n".join(rg.status_lines())
     # a small latent fits many shapes within the same budget
     rg = RegionGraphs(graphs=graph_standin(), budget=one_shape * 4)
