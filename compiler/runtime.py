@@ -145,8 +145,10 @@ class Accelerator:
         self._autocast = _autocast_dtype(self.config.precision, self.model_dtype, rep.notes)
 
         self.graphs = self._graphs(device)
-        out_of_captures = kernels_in_captures_problem(self.backend) if self.graphs is not None else None
-        if out_of_captures:
+        # also without graphs of its own: a capture another party runs (a user's, a pack's) must not
+        # take a Triton kernel there either
+        out_of_captures = kernels_in_captures_problem(self.backend)
+        if out_of_captures and self.graphs is not None:
             self.report.notes.append(f"cuda graphs: {out_of_captures}")
         self.backend.kernels_in_captures = out_of_captures is None
         # a kernel serves only calls that pay their launches where captures cannot hold it

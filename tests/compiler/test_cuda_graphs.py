@@ -561,6 +561,7 @@ def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
     monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: "refused")
     a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
     assert a.graphs is None and a.backend.ops.timing == "wall"
+    assert not a.backend.ops.in_captures   # no graphs of its own, but another party's capture: still out
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="native"))
     monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
     a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
