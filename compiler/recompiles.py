@@ -19,12 +19,12 @@ class Recompiles:
     """One accelerator's compiles after warmup (``events``: the last 50; ``by_prompt``: graphs per
     prompt id); ``listener`` (optional ``callable(event)``) is told of each and never breaks a call."""
 
-    def __init__(self):
+    def __init__(self, arch: str = "unet"):
         self.events: list[dict] = []
         self.by_prompt: Counter = Counter()
         self.listener = None
         #: the model's kind ("unet" or "dit"): the guard words name its dims
-        self.arch = "unet"
+        self.arch = arch
 
     def record(self, graphs: int, shape: str | None, seconds: float, marks, warmed_shapes: list[str],
                in_background: bool = False) -> dict:

@@ -25,8 +25,6 @@ class Report:
     arch: str = "unet"
     #: the model's class (``UNetModel``, ``Flux``, ``UNet2DConditionModel``, ...); "" when unknown
     model: str = ""
-    #: whether the plan found a model the pack does not accelerate (another family): no arch said
-    other_model: bool = False
     precision: str = "auto"
     dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (warmup.fix_shape)
     regions: dict = field(default_factory=dict)       # kind -> count
@@ -45,7 +43,8 @@ class Report:
 
     def _kind(self) -> str:
         """``UNet (UNetModel)``, ``DiT (Flux)``, ``model (AuraFlow)``: what the pack took it for, and its class."""
-        kind = "model" if self.other_model else "DiT" if self.arch == "dit" else "UNet"
+        other = any(k == "model" for k, _, _ in self.skipped)   # a family the pack does not accelerate
+        kind = "model" if other else "DiT" if self.arch == "dit" else "UNet"
         return f"{kind} ({self.model})" if self.model and self.model != kind else kind
 
     def text(self, stats=None) -> str:

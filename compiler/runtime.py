@@ -118,8 +118,7 @@ class Accelerator:
         self.warmed = False
         #: the shape labels warmup ran, and every compile after it (``recompiles.listener`` is told)
         self.warmed_shapes: list[str] = []
-        self.recompiles = Recompiles()
-        self.recompiles.arch = self.plan.arch
+        self.recompiles = Recompiles(self.plan.arch)
         #: background mode (Warmup Shapes' ``background``); None: compiles happen in the calling thread
         self.background: background.BackgroundMode | None = None
         self._bypass = False
@@ -131,7 +130,7 @@ class Accelerator:
         self.device_type = torch.device(device).type
 
         rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
-                                   model=type(unet).__name__, other_model=self.plan.not_a_unet is not None,
+                                   model=type(unet).__name__,
                                    precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
         off = _off_because(self.plan)
         self.backend, why = choose(self.config.backend, device, off, self.plan.arch)

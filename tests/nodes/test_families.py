@@ -240,6 +240,7 @@ def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
     # eager by design, not a fallback: no backend resolved, nothing for the user to fix
     assert "UNet Compiler: backend eager (asked inductor)" in text
     assert "status: eager: nothing to compile, running eager: comfy.ldm." in text
+    assert "comfy model (" in text, text   # the header names the class of a family the pack leaves alone
     assert "Fix:" not in text and "fallback" not in text
     # Warmup Shapes has nothing to prime and says so (before: it stopped on "no cross-attention")
     warm = patcher.warmup_model(cm, "2x64x64", 77)
