@@ -4,10 +4,13 @@ One call on a GPU machine, within a time budget (default 470 s, for a 500 s call
 order, each capped and skipped when too little time is left:
 
     tests         the GPU tests: kernels + triton backend, and real CUDA graphs + graph memory, at once
-    probe_choice  kernel vs torch at SD1.5 / SDXL shapes: wall, device and host time per call
     probe_alloc   CUDA graph capture under the native allocator and cudaMallocAsync (ComfyUI's default)
-    bench_sd15    SD1.5 512x512 batch 2 bf16: eager, eager + cudnn.benchmark, triton, triton + graphs
-    probe_prompt  SDXL 1024x1024 batch 2: steady step, each prompt's first step, host ms, memory
+    probe_prompt_async  SDXL 1024x1024 batch 2 prompts under cudaMallocAsync, as a stock ComfyUI runs
+    probe_prompt  the same under torch's native allocator: steady step, each prompt's first step, host ms,
+                  memory, graph pool
+    probe_choice  kernel vs torch at SD1.5 / SDXL shapes: wall, device and host time per call
+    bench_sd15    SD1.5 512x512 batch 2 bf16: eager, eager + cudnn.benchmark, triton, triton + graphs,
+                  whole-model torch.compile (ComfyUI's TorchCompileModel), side by side
     bench_sdxl_kernels  the per-kernel table at SDXL shapes, with what is left
 
 Every step writes ``DIR/<step>.log``; ``DIR/summary.txt`` grows as the steps end (so a call cut
@@ -36,6 +39,7 @@ class Step:
     min_s: int           # skipped when less than this is left
     commands: list       # argv lists run at once (each its own log: <name>.log, <name>.2.log, ...)
     keep: list = field(default_factory=list)   # regexes of log lines the summary keeps
+    env: dict = field(default_factory=dict)    # set for this step's commands (e.g. the allocator)
 
 
 def _py(*args) -> list:
@@ -55,18 +59,21 @@ def steps() -> list[Step]:
                 "tests/nodes/test_dit.py::test_blocks_that_return_two_streams_are_captured")],
              [r"^(FAILED|ERROR)", r"^SKIPPED.*(cuda|CUDA|GPU|ComfyUI)", r" passed| failed| error",
               r"not precompiled|graph (capture|replay) failed"]),
+        Step("probe_alloc", 90, 40, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
+        Step("probe_prompt_async", 90, 45, [_py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl",
+                                                "--latent", "128", "--steps", "10", "--prompts", "2")],
+             [r"^PROBE", r"Error|Traceback"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+        Step("probe_prompt", 90, 45, [_py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl",
+                                          "--latent", "128", "--steps", "10", "--prompts", "2")],
+             [r"^PROBE", r"Error|Traceback"]),
         Step("probe_choice", 45, 20, [_py("-m", "unet_compiler.bench.gpu_probes", "choice")],
              [r"^(groupnorm|geglu|attention|bias_residual)", r"Error"]),
-        Step("probe_alloc", 90, 40, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
-        Step("bench_sd15", 140, 70, [_py("-m", "unet_compiler.bench", "run", "--device", "cuda", "--dtype", "bf16",
+        Step("bench_sd15", 200, 70, [_py("-m", "unet_compiler.bench", "run", "--device", "cuda", "--dtype", "bf16",
                                          "--size", "sd15", "--latent", "64", "--batch", "2", "--iters", "20",
-                                         "--kernels", "--kernels-skip-inductor", "--backend", "triton,triton+graphs",
-                                         "--skip-whole", "--out", "{out}/bench")],
-             [r"^(path|eager|unet_compiler|machine:|per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)",
+                                         "--kernels", "--kernels-skip-inductor", "--backend",
+                                         "triton,triton+graphs,whole", "--skip-whole", "--out", "{out}/bench")],
+             [r"^(path|eager|unet_compiler|whole|machine:|per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)",
               r"triton kernels (fired|not used)|torch measured faster|cuda graphs|failed|Traceback"]),
-        Step("probe_prompt", 120, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl",
-                                           "--latent", "128", "--steps", "10", "--prompts", "2")],
-             [r"^PROBE", r"Error|Traceback"]),
         Step("bench_sdxl_kernels", 60, 20, [_py("-m", "unet_compiler.bench", "kernels", "--device", "cuda", "--dtype",
                                                 "bf16", "--size", "sdxl", "--latent", "128", "--batch", "2", "--iters",
                                                 "10", "--skip-inductor", "--out", "{out}/bench")],
@@ -125,7 +132,7 @@ class Check:
             self.say(f"== {step.name}: skipped, {self.left():.0f} s left (needs {step.min_s} s)")
             return None
         start = self.clock()
-        env = dict(self.env)
+        env = {k: v for k, v in self.env.items() if k not in step.env} | step.env
         if step.name == "tests":
             env["UNET_COMPILER_LONG_TESTS"] = "1"   # the GPU tests marked long run here too
             if self.stubs:

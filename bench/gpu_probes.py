@@ -195,6 +195,7 @@ def prompt(size: str, lat: int, steps: int, prompts: int) -> None:
     from ..compiler.api import accelerator_of, uncompile_unet
     from .run import _inputs, _unet
     dev = torch.device("cuda")
+    allocator = torch.cuda.memory.get_allocator_backend()
     mib = lambda: dict(allocated=torch.cuda.memory_allocated() >> 20, reserved=torch.cuda.memory_reserved() >> 20)  # noqa: E731
     u = _unet(size, dev).to(dev, BF)
     a, kw = _inputs(u, 2, lat, dev, BF)
@@ -202,7 +203,7 @@ def prompt(size: str, lat: int, steps: int, prompts: int) -> None:
     with torch.inference_mode():
         med, piped = timed_steps(step, steps)
         host, full = host_ms_step(step)
-        emit("prompt", mode="eager", size=size, latent=lat, step_ms=med, steps_ms=piped, host_ms=host,
+        emit("prompt", mode="eager", allocator=allocator, size=size, latent=lat, step_ms=med, steps_ms=piped, host_ms=host,
              queue_full=full, mem_mib=mib())
         for mode in ("triton+graphs", "auto"):
             try:
@@ -232,13 +233,14 @@ def prompt(size: str, lat: int, steps: int, prompts: int) -> None:
                     torch.cuda.synchronize()
                     per.append(dict(freed=freed, mem_after_prompt_end=m2, first_step_ms=first,
                                     prompt_ms=(time.perf_counter() - t0) * 1e3))
-                emit("prompt", mode=mode, warmup_s=warm_s, max_abs_diff=diff, step_ms=med, steps_ms=piped,
+                emit("prompt", mode=mode, allocator=allocator, warmup_s=warm_s, max_abs_diff=diff, step_ms=med, steps_ms=piped,
                      host_ms=host, queue_full=full, mem_before=m0, mem_warm=m1,
-                     static_mib=(accel.graphs.bytes >> 20) if accel.graphs else None, prompts=per,
+                     static_mib=(accel.graphs.bytes >> 20) if accel.graphs else None,
+                     held_mib=(accel.graphs.held >> 20) if accel.graphs else None, prompts=per,
                      report=[ln.strip() for ln in report(u).splitlines() if any(
                          w in ln for w in ("graph", "fired", "measured faster", "not used", "compiled"))])
             except Exception as e:
-                emit("prompt", mode=mode, error=f"{type(e).__name__}: {e}"[:400])
+                emit("prompt", mode=mode, allocator=allocator, error=f"{type(e).__name__}: {e}"[:400])
             finally:
                 try:
                     uncompile_unet(u)

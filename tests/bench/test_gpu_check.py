@@ -13,11 +13,13 @@ from unet_compiler.bench import gpu as G  # noqa: N812
 
 def test_the_plan_puts_steps_in_priority_order_within_the_budget():
     names = [name for name, _ in G.plan(470)]
-    assert names == ["tests", "probe_choice", "probe_alloc", "bench_sd15", "probe_prompt", "bench_sdxl_kernels"]
+    assert names == ["tests", "probe_alloc", "probe_prompt_async", "probe_prompt", "probe_choice", "bench_sd15",
+                     "bench_sdxl_kernels"]
     caps = dict(G.plan(470))
-    assert caps["tests"] == 150 and caps["bench_sd15"] == 140 and sum(caps.values()) <= 470 - 10
+    assert caps["tests"] == 150 and caps["probe_alloc"] == 90 and sum(caps.values()) <= 470 - 10
+    assert caps["bench_sd15"] == 0 and caps["bench_sdxl_kernels"] == 0           # what the budget leaves out
     assert dict(G.plan(200, {"tests", "bench_sd15"})) == {"tests": 150, "bench_sd15": 0}   # too little left
-    assert dict(G.plan(200, {"bench_sd15"})) == {"bench_sd15": 140}
+    assert dict(G.plan(250, {"bench_sd15"})) == {"bench_sd15": 200}
 
 
 def test_steps_are_capped_skipped_and_summarised_as_they_end(tmp_path, monkeypatch):
@@ -32,6 +34,9 @@ def test_steps_are_capped_skipped_and_summarised_as_they_end(tmp_path, monkeypat
     assert (tmp_path / "slow.log").read_text().startswith("started") and (tmp_path / "slow.2.log").exists()
     late = G.Step("late", 60, 30, [[sys.executable, "-c", "print('never')"]])
     assert check.run(late) is None
+    envd = G.Step("envd", 5, 1, [[sys.executable, "-c", "import os; print('conf', os.environ['PYTORCH_CUDA_ALLOC_CONF'])"]],
+                  [r"^conf"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
+    assert check.run(envd) == 0 and "conf backend:cudaMallocAsync" in (tmp_path / "envd.log").read_text()
     assert "== late: skipped" in (tmp_path / "summary.txt").read_text() and not (tmp_path / "late.log").exists()
 
 
