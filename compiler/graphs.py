@@ -253,11 +253,14 @@ class RegionGraphs:
     @property
     def held(self) -> int:
         """Device memory the graphs hold: static inputs plus the pool the captures grew (outputs and
-        temporaries); the static buffers alone where the pool is not measured."""
+        temporaries), never less than the static buffers themselves (under cudaMallocAsync a capture
+        can reuse memory the allocator already reserved, so the growth undercounts); the static
+        buffers alone where the pool is not measured."""
         if self.pool_bytes is None:
             return self.bytes
-        return self.pool_bytes + sum(t.numel() * t.element_size() for r in self.regions.values()
-                                     for _, static_in, _ in r.graphs.values() for t in static_in if t is not None)
+        return max(self.bytes, self.pool_bytes + sum(
+            t.numel() * t.element_size() for r in self.regions.values()
+            for _, static_in, _ in r.graphs.values() for t in static_in if t is not None))
 
     def run(self, impl, module, args):
         """``impl(module, *args)``, through a captured graph where possible."""

@@ -133,6 +133,8 @@ def test_each_launcher_checks_a_signature_once(monkeypatch):
     for mod in (groupnorm, epilogue, geglu, attention):
         monkeypatch.setattr(mod, "check_tensor", counted)
         monkeypatch.setattr(mod, "_PLANS", _common.Plans())
+    # planning, not the fp32 choice, is under test: on a GPU fp32 attention is declined (SDPA runs it)
+    monkeypatch.setattr(attention, "fp32_declined", lambda *a: False)
     x, w = rand(2, 64, 4, 4), rand(64)
     h, q = rand(2, 16, 64), rand(2, 2, 16, 32)
     cases = [(groupnorm, lambda t: groupnorm.groupnorm(t, 32, w, w, 1e-5, silu=True), x),
