@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--kernels-skip-inductor", action="store_true", help="no inductor column in the kernel table")
     b.add_argument("--bf16-eager", action="store_true", help="add an eager row with the model in bf16")
     b.add_argument("--skip-whole", action="store_true", help="skip the whole-model torch.compile baseline")
+    b.add_argument("--skip-shape-changes", action="store_true",
+                   help="time the one shape only: no calls at the other batch sizes and resolutions (a short GPU "
+                        "call; whole-model torch.compile recompiles at each)")
     b.add_argument("--compat", action="store_true",
                    help="after the bench table, the model-family compatibility table (needs a ComfyUI tree: "
                         "COMFYUI_PATH or ~/comfy/ComfyUI)")

@@ -268,8 +268,10 @@ def bench_row(args):
     _progress(args.row_progress, f"{name}: timing {args.iters} steps, each beside an eager one…")
     eager_s, step_s, ref, out = _time_pair(eager, lambda: compiled_model(*a, **kw).sample, args.iters, dev)
     peak = _peak_mib(dev)
-    _progress(args.row_progress, f"{name}: shape changes…")
-    trans = _transitions(compiled_model, unet, dev, dtype)
+    trans = []
+    if not args.skip_shape_changes:
+        _progress(args.row_progress, f"{name}: shape changes…")
+        trans = _transitions(compiled_model, unet, dev, dtype)
     if spec not in WHOLE and spec != CUDNN:
         text = report(unet)
     row = dict(path=name, spec=spec, step_s=step_s, eager_s=eager_s, cold_s=cold,
@@ -311,6 +313,8 @@ def _run_row(args, spec, where="") -> dict:
         return dict(path=f"{spec} (failed, exit {proc.returncode})", spec=spec, failed=True)
     if row["report"]:
         print("\n" + row["report"], flush=True)
+    print(f"row {spec}: {row['step_s'] * 1e3:.1f} ms a step, eager {row['eager_s'] * 1e3:.1f} ms beside it, "
+          f"cold {row['cold_s']:.1f} s, max abs diff {row['max_abs_diff']:.1e}", flush=True)   # kept if a later row is cut
     return row
 
 
@@ -444,6 +448,8 @@ def _print_table(args, rows, flops):
     if flops:
         print(f"(one forward = {flops / 1e12:.2f} TFLOP counted by torch.utils.flop_counter; MFU against "
               f"{args.peak_tflops:g} TFLOP/s)")
+    if not any(r["shape_changes"] for r in ok):
+        return
     print("\nshape changes after the timed runs (graphs compiled = recompiles; seconds include compiling):")
     for r in ok:
         if r["shape_changes"]:
