@@ -133,8 +133,14 @@ def stage(name: str) -> dict:
         outs = [u(*i).sample for i in ins]
         torch.cuda.synchronize()
     a = accelerator_of(u)
-    return dict(max_abs_diff=max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs, strict=True)),
-                graphs=a.graphs.status_lines() if a.graphs else None, kernels=a.backend.status_lines())
+    res = dict(max_abs_diff=max(float((o.float() - r.float()).abs().max()) for o, r in zip(outs, refs, strict=True)),
+               graphs=a.graphs.status_lines() if a.graphs else None, kernels=a.backend.status_lines())
+    torch.cuda.synchronize()
+    print("RELEASE", file=sys.stderr, flush=True)   # what ComfyUI's unload does; stderr after it is counted
+    a.release_graphs("probe: unload")
+    torch.cuda.synchronize()
+    print("RELEASED", file=sys.stderr, flush=True)
+    return res
 
 
 def alloc() -> None:
@@ -152,7 +158,9 @@ def alloc() -> None:
             except subprocess.TimeoutExpired as e:
                 rc, out, err = "timeout", str(e.stdout or ""), str(e.stderr or "")
             res = [ln[7:] for ln in out.splitlines() if ln.startswith("RESULT ")]
+            at_release = err.partition("\nRELEASE\n")[2].partition("RELEASED")[0]
             emit("alloc", allocator=conf or "native", stage=name, rc=rc, result=json.loads(res[-1]) if res else None,
+                 release_warnings=at_release.count("uncaptured free") if "RELEASED" in err else None,
                  err_head=err[:1200] if rc else "", err_tail=err[-600:] if rc else "")
             print(f"{conf or 'native':26s} {name:6s} rc={rc} {res[-1] if res else err.strip()[:200]}", flush=True)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 import weakref
 from collections import Counter
 
@@ -191,6 +192,25 @@ def _replay(entry, args):
     return _served(static_out)
 
 
+def _let_go(entries) -> None:
+    """Free the static outputs of ``entries`` (graph, static inputs, static output) now. Under
+    cudaMallocAsync torch warns on stderr for every captured allocation freed outside a capture (one
+    line per output; SDXL's 227 regions: 227 lines at each unload); freed here through ``set_()``, a
+    call of torch's own, the warning comes back as a Python warning, which is silenced. A tensor that
+    cannot be emptied so (a parameter a region returned as is) is left to its owner."""
+    outs = [t for e in entries for t in (_outputs(e[2]) if e[2] is not None else ())
+            if not isinstance(t, torch.nn.Parameter)]
+    if not outs:
+        return
+    with warnings.catch_warnings(), torch.inference_mode():
+        warnings.filterwarnings("ignore", message="Attempting uncaptured free of a captured allocation")
+        for t in outs:
+            try:
+                t.set_()
+            except RuntimeError:
+                pass
+
+
 def _entry_bytes(entry) -> int:
     _, static_in, static_out = entry
     return sum(t.numel() * t.element_size() for t in static_in if t is not None) + _bytes(_outputs(static_out))
@@ -285,6 +305,7 @@ class RegionGraphs:
         if ptrs != reg.ptrs:
             if reg.graphs:
                 self.stats["dropped for new weights"] += len(reg.graphs)
+                _let_go(reg.graphs.values())
             reg.graphs.clear()
             reg.seen.clear()
             reg.ptrs = ptrs
@@ -338,6 +359,7 @@ class RegionGraphs:
         a shape it ran before captures again. Returns how many graphs were freed."""
         n = sum(len(r.graphs) for r in self.regions.values())
         for r in self.regions.values():
+            _let_go(r.graphs.values())
             r.graphs.clear()
         if n:
             self.stats["released"] += n
@@ -370,6 +392,8 @@ class RegionGraphs:
         self.off = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         log.warning("UNet Compiler: CUDA graph %s failed (%s); graphs are off for this model and regions run "
                     "without them", what, self.off, exc_info=True)
+        for r in self.regions.values():
+            _let_go(r.graphs.values())
         self.regions.clear()
         if self.on_off is not None:
             self.on_off()
@@ -399,6 +423,7 @@ class RegionGraphs:
                 if t_graph > KEEP_BELOW * t_launch:   # not launch-bound here: no graph, no buffers
                     reg.refused[key] = "auto: replay not faster than launching its kernels"
                     self.stats["not kept"] += 1
+                    _let_go([(graph, static_in, static_out)])
                     return out
                 self.stats["kept"] += 1
                 reg.kept.add(key)
