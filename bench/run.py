@@ -135,6 +135,7 @@ def _save(args, rows, kernel_rows=()):
     data = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "device": args.device, "size": args.size, "latent": args.latent,
             "batch": args.batch, "dtype": args.dtype,
+            "allocator": torch.cuda.memory.get_allocator_backend() if args.device.startswith("cuda") else None,
             "rows": [dict({k: v for k, v in r.items() if k not in ("report", "shape_changes")},
                           **({"speedup": r["eager_s"] / r["step_s"]} if not r.get("failed") else {}))
                      for r in rows],
