@@ -1,7 +1,8 @@
 """The development env and the README's two commands, with no shell (Windows included):
 
     python bin/dev.py setup [--if-missing] [--dry-run] [ENV]   make or update the env
-    python bin/dev.py test [PYTEST ARGS]                        the tests (python -m pytest -q ...)
+    python bin/dev.py test [--full | --all] [PYTEST ARGS]       the tests (python -m pytest -q ...): the
+                                                                quick lane; --full the full lane, --all both
     python bin/dev.py bench [BENCH ARGS]                        the main job (python -m unet_compiler.bench run ...)
 
 ENV is the venv's folder, relative to the checkout (default ``$UNET_COMPILER_ENV``, else ``.venv``).
@@ -123,6 +124,18 @@ def run_in_env(args: list[str]) -> int:
     return subprocess.run(cmd, cwd=ROOT).returncode
 
 
+def lane_args(rest: list[str]) -> list[str]:
+    """pytest's arguments for ``test``: ``--full`` the full lane (tests marked ``full``: servers, soak,
+    browser, minute-long in-process tests; tests/_lanes.py), ``--all`` every test; otherwise the quick
+    lane (``-m "not full"``) unless the arguments name tests or a marker (then they run as asked)."""
+    if "--full" in rest:
+        return ["-m", "full", *(a for a in rest if a != "--full")]
+    if "--all" in rest:
+        return [a for a in rest if a != "--all"]
+    named = any(not a.startswith("-") for a in rest) or any(a == "-m" or a.startswith("-m=") for a in rest)
+    return rest if named else ["-m", "not full", *rest]
+
+
 def main(argv: list[str]) -> int:
     cmd, rest = (argv[0], argv[1:]) if argv else ("", [])
     if cmd == "setup":
@@ -135,7 +148,7 @@ def main(argv: list[str]) -> int:
             return 2
         return setup(env_dir(names[0] if names else None), "--if-missing" in flags, "--dry-run" in flags)
     if cmd == "test":
-        return run_in_env(["-m", "pytest", "-q", *rest])
+        return run_in_env(["-m", "pytest", "-q", *lane_args(rest)])
     if cmd == "bench":
         return run_in_env(["-m", "unet_compiler.bench", "run", *rest])
     print(__doc__.strip().split("\n\n")[1], file=sys.stderr)

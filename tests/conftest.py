@@ -32,7 +32,12 @@ from unet_compiler.bench.families import comfy_path, comfy_problem  # noqa: E402
 LONG_ENV = "UNET_COMPILER_LONG_TESTS"
 
 
+@pytest.hookimpl(tryfirst=True)   # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
+    from tests._lanes import lane
+    for item in items:
+        if lane(item.nodeid) == "full":
+            item.add_marker(pytest.mark.full)
     if os.environ.get(LONG_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"long: set {LONG_ENV}=1 to run it (CI's set leaves it out for time)")

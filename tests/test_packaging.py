@@ -373,3 +373,21 @@ def test_the_packs_text_files_are_read_and_written_as_utf8():
     assert not found, "\n".join(found)
     bad = ast.parse('open("/proc/cpuinfo")\nPath("x").read_text()\nopen(p, "rb")\nopen(p, "w", encoding="utf-8")')
     assert len(_text_io_without_encoding(ROOT / "x.py", bad)) == 2   # what the check catches
+
+
+def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
+    """``bin/test`` alone is the quick lane, ``--full`` the tests marked full, ``--all`` both; tests
+    named on the command line (or a marker) run as asked. Every test tests/_lanes.py names for the
+    full lane exists (a renamed test would otherwise slip into the quick lane unnoticed)."""
+    from tests._lanes import FULL, lane
+    dev = _dev()
+    assert dev.lane_args([]) == ["-m", "not full"] and dev.lane_args(["-x"]) == ["-m", "not full", "-x"]
+    assert dev.lane_args(["--full", "-x"]) == ["-m", "full", "-x"] and dev.lane_args(["--all"]) == []
+    assert dev.lane_args(["tests/e2e/test_soak.py"]) == ["tests/e2e/test_soak.py"]
+    assert dev.lane_args(["-m", "e2e"]) == ["-m", "e2e"]
+    assert lane("tests/e2e/test_soak.py::test_soak_after_a_range_warmup") == "full"
+    assert lane("tests/test_packaging.py::test_the_test_command_runs_the_quick_lane_and_full_the_rest") == "quick"
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "full", "-p", "no:cacheprovider"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
+    collected = {ln.strip() for ln in out.splitlines() if "::" in ln}
+    assert FULL <= collected, sorted(FULL - collected)

@@ -1,0 +1,53 @@
+"""The two test lanes. The quick lane (``bin/test``, the README's command: every module's unit and
+in-process tests, about 15 minutes on a 2-core machine) is every test not marked ``full``; the full
+lane (``bin/test --full``) is the rest: every test under tests/e2e (real ComfyUI servers, the soak,
+the browser) and the in-process tests named here, each a minute or so of compile on such a machine
+whose module keeps quicker tests of the same code in the quick lane. ``.ci/run`` runs both; tests
+marked ``long`` run in neither unless UNET_COMPILER_LONG_TESTS=1."""
+from __future__ import annotations
+
+FULL_DIRS = ("tests/e2e/",)
+
+FULL = frozenset({
+    "tests/nodes/test_families.py::test_family[svd]",
+    "tests/nodes/test_families.py::test_family[sd15]",
+    "tests/nodes/test_families.py::test_family[sd2]",
+    "tests/nodes/test_dit.py::test_the_other_block_calls_compiled[qwen_image]",
+    "tests/nodes/test_dit.py::test_the_other_block_calls_compiled[z_image]",
+    "tests/nodes/test_dit.py::test_flux_compiled_is_eager_with_no_recompiles",
+    "tests/nodes/test_dit.py::test_wan22_per_frame_timesteps_compiled_and_warmed",
+    "tests/nodes/test_dit.py::test_fp8_flux_runs_compiled_with_comfyuis_cast",
+    "tests/nodes/test_dit.py::test_flux2_warms_its_own_latent_scale",
+    "tests/test_security.py::test_a_real_compile_writes_only_where_it_may",
+    "tests/compiler/test_background.py::test_the_compile_thread_makes_no_tracer_patch_the_sampling_thread_can_meet",
+    "tests/compiler/test_background.py::test_a_range_in_the_background_traces_as_the_sampling_thread_would",
+    "tests/compiler/test_background.py::test_a_new_shape_while_it_runs_is_queued_not_compiled_here",
+    "tests/compiler/test_background.py::test_after_it_is_done_a_new_shape_still_compiles_in_the_background",
+    "tests/compiler/test_background.py::test_a_background_warmup_names_its_shapes_in_the_entry_once_all_compiled",
+    "tests/compiler/test_background.py::test_a_foreground_warmup_ends_background_mode",
+    "tests/compiler/test_diffusers_unet.py::test_one_warmup_shape_compiles_that_shape_static",
+    "tests/compiler/test_diffusers_unet.py::test_parity_and_regions_fired[sd15-inductor]",
+    "tests/nodes/test_comfy_patcher.py::test_parity_and_regions_fired[sd15]",
+    "tests/nodes/test_comfy_patcher.py::test_region_graphs_under_comfyui_dispatch[sd15]",
+    "tests/nodes/test_comfy_patcher.py::test_lora_after_warmup_does_not_recompile",
+    "tests/nodes/test_comfy_patcher.py::test_warmup_status_counts_regions_that_ran_compiled",
+    "tests/compiler/test_precompiled.py::test_a_dynamic_variant_serves_a_size_one_side_without_a_graph_of_its_own",
+    "tests/compiler/test_precompiled.py::test_a_call_no_variant_fits_compiles_one_more_and_names_the_input",
+    "tests/compiler/test_triton_backend.py::test_comfy_unet_parity",
+    "tests/compiler/test_triton_backend.py::test_kernel_variants_do_not_depend_on_spatial_or_token_sizes",
+    "tests/compiler/test_triton_backend.py::test_fp8_stored_comfy_unet_runs_the_kernels_on_comfys_cast",
+    "tests/compiler/test_triton_backend.py::test_measured_choice_runs_torch_where_it_is_faster",
+    "tests/nodes/test_dynamic_vram.py::test_sd15_compiled_equals_eager_with_every_weight_streamed",
+    "tests/nodes/test_dynamic_vram.py::test_warmup_gate_refuses_a_wrong_kernel_and_names_it",
+    "tests/nodes/test_dynamic_vram.py::test_a_demoted_model_runs_its_own_code_and_says_why",
+    "tests/compiler/test_warmup_patched.py::test_deep_shrink_compiled_matches_eager",
+    "tests/compiler/test_cache.py::test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of",
+    "tests/nodes/test_patch_nodes.py::test_patch_node_compiled_equals_eager"
+    "[sd15-HyperTile + RescaleCFG + IPAdapter attn2 + ControlNet + hook LoRA-after]",
+    "tests/nodes/test_patch_nodes.py::test_deep_shrink_changes_resolution_between_steps",
+})
+
+
+def lane(nodeid: str) -> str:
+    """'full' or 'quick' for a test's node id (relative to the checkout)."""
+    return "full" if nodeid.startswith(FULL_DIRS) or nodeid in FULL else "quick"
