@@ -26,7 +26,7 @@ from collections import Counter
 import torch
 
 from . import background
-from .compat.comfy import is_interrupt, is_oom
+from .compat.comfy import is_interrupt, is_oom, reserve_vram
 
 log = logging.getLogger(__name__)
 
@@ -220,11 +220,12 @@ class _Region:
     __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept")
 
     def __init__(self, module):
-        # (owner module, attribute name) for every parameter/buffer: read live each call,
-        # so a replaced Parameter (ComfyUI's set_attr_param) is noticed. The modules are held
-        # weakly: a region's entry must not keep its own key (the region module) alive.
-        self.slots = [(weakref.ref(m), "_parameters", n) for m in module.modules() for n in m._parameters] + \
-                     [(weakref.ref(m), "_buffers", n) for m in module.modules() for n in m._buffers]
+        # (parameter or buffer dict of its owner module, name) for every parameter/buffer: read live
+        # each call, so a replaced Parameter (ComfyUI's set_attr_param) or moved data is noticed.
+        # The dicts, not their modules, are held: a region's entry must not keep its own key (the
+        # region module) alive, and one dict lookup per slot is all a replay pays for the check.
+        self.slots = [(m._parameters, n) for m in module.modules() for n in m._parameters] + \
+                     [(m._buffers, n) for m in module.modules() for n in m._buffers]
         self.ptrs = None
         self.graphs: dict = {}   # signature -> (graph, static inputs, static output)
         self.seen: set = set()
@@ -232,12 +233,7 @@ class _Region:
         self.kept: set = set()   # signatures whose graph measured faster (captured again unmeasured)
 
     def weight_ptrs(self) -> tuple:
-        out = []
-        for ref, where, n in self.slots:
-            m = ref()
-            t = None if m is None else getattr(m, where).get(n)
-            out.append(None if t is None else t.data_ptr())
-        return tuple(out)
+        return tuple([None if (t := d.get(n)) is None else t.data_ptr() for d, n in self.slots])
 
 
 #: a measured graph is kept when its replay takes at most this share of the launches it replaces
@@ -268,6 +264,10 @@ class RegionGraphs:
         #: bytes the captures grew the allocator's reservation by (the private pool: static outputs and
         #: every temporary the graphs replay into); None: not measured (a stand-in without ``reserved``)
         self.pool_bytes: int | None = None
+        #: the pool's idle part ComfyUI's free-memory count is told about (``_account``); given back
+        #: when these graphs go, or with this object
+        self.reserved_for_comfy = 0
+        weakref.finalize(self, reserve_vram, id(self), 0)
 
     @property
     def bytes(self) -> int:
@@ -309,6 +309,7 @@ class RegionGraphs:
             reg.graphs.clear()
             reg.seen.clear()
             reg.ptrs = ptrs
+            self._account()
         device = tensors[0].device
         key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
         entry = reg.graphs.get(key)
@@ -366,7 +367,17 @@ class RegionGraphs:
             self.released = why
             self._trim(new_pool=True)
             self.pool_bytes = 0 if self.pool_bytes is not None else None
+            self._account()
         return n
+
+    def _account(self) -> None:
+        """ComfyUI's free-memory count told what the pool holds idle: the pool less the static outputs
+        in it (those are allocated, so ComfyUI counts them as used). Not where the pool is unmeasured
+        (under cudaMallocAsync ComfyUI counts graph memory as used; a stand-in holds none)."""
+        if self.pool_bytes is None:
+            return
+        outs = sum(_bytes(_outputs(e[2])) for r in self.regions.values() for e in r.graphs.values())
+        self.reserved_for_comfy = reserve_vram(id(self), self.pool_bytes - outs)
 
     def idle(self, why: str) -> int:
         """The end of a prompt (ComfyUI's ON_CLEANUP): the graphs stay for the next prompt of this
@@ -395,6 +406,7 @@ class RegionGraphs:
         for r in self.regions.values():
             _let_go(r.graphs.values())
         self.regions.clear()
+        self._account()
         if self.on_off is not None:
             self.on_off()
 
@@ -424,10 +436,12 @@ class RegionGraphs:
                     reg.refused[key] = "auto: replay not faster than launching its kernels"
                     self.stats["not kept"] += 1
                     _let_go([(graph, static_in, static_out)])
+                    self._account()
                     return out
                 self.stats["kept"] += 1
                 reg.kept.add(key)
                 reg.graphs[key] = (graph, static_in, static_out)
+                self._account()
                 self.stats["captured"] += 1
                 self.stats["replays"] += 1
                 return out
@@ -448,6 +462,7 @@ class RegionGraphs:
             self._turn_off("capture", e)
             return impl(module, *args)
         reg.graphs[key] = (graph, static_in, static_out)
+        self._account()
         self.stats["captured"] += 1
         # the capture recorded the work without running it: replay once for this call's result
         graph.replay()
@@ -464,6 +479,8 @@ class RegionGraphs:
         regions = sum(1 for r in self.regions.values() if r.graphs)
         budget = f" (budget {self.budget / 2**20:.0f} MiB)" if self.budget is not None else ""
         pool = f", {self.pool_bytes / 2**20:.0f} MiB graph pool" if self.pool_bytes is not None else ""
+        if self.reserved_for_comfy:
+            pool += f" ({self.reserved_for_comfy / 2**20:.0f} MiB of it idle, kept out of ComfyUI's free-memory count)"
         if self.measured:
             line = (f"  cuda graphs (auto): {s['kept']} kept where a replay measured faster than launching "
                     f"the region's kernels, {s['not kept']} not kept; "

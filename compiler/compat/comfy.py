@@ -210,3 +210,29 @@ def _paused(graph):
         yield
     finally:
         graph.resume()
+
+
+#: bytes each holder (a key: its id) asked a loaded ComfyUI to keep free beside its models
+_RESERVED: dict[int, int] = {}
+_RESERVED_LOCK = threading.Lock()
+
+
+def reserve_vram(key: int, nbytes: int) -> int:
+    """Tell a loaded ComfyUI that ``nbytes`` of torch's reserved but idle device memory are held by
+    ``key``'s owner (a CUDA graph pool's temporaries, which only its replays use): ComfyUI's free
+    memory count (``model_management.get_free_memory``: the card's free memory plus torch's reserved
+    minus active) counts them as free. They are added to ``model_management.EXTRA_RESERVED_VRAM``,
+    what its loader keeps free beside the models it loads (``--reserve-vram``'s figure), in place of
+    ``key``'s previous figure; 0 takes it back. Returns the bytes now held for ``key`` (0 where no
+    ComfyUI is loaded)."""
+    mm = sys.modules.get("comfy.model_management")
+    with _RESERVED_LOCK:
+        old = _RESERVED.pop(key, 0)
+        extra = getattr(mm, "EXTRA_RESERVED_VRAM", None) if mm is not None else None
+        if not isinstance(extra, (int, float)):
+            return 0
+        nbytes = max(0, int(nbytes))
+        if nbytes:
+            _RESERVED[key] = nbytes
+        mm.EXTRA_RESERVED_VRAM = extra + nbytes - old
+        return nbytes

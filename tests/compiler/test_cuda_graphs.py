@@ -801,3 +801,39 @@ def test_released_graphs_empty_their_outputs_inside_a_torch_call(tiny_unet, monk
         for _ in range(3):
             torch.testing.assert_close(_sample(u, 0), ref, rtol=1e-5, atol=1e-5)
         assert g.stats["captured"] == 2 * len(accel._shims)
+
+
+def test_the_pools_idle_part_is_kept_out_of_comfyuis_free_memory(comfy, tiny_unet, monkeypatch):
+    """ComfyUI's free-memory count (``get_free_memory``: the card's free memory plus torch's reserved
+    minus active) counts a live graph pool's idle temporaries as free, though only the graphs'
+    replays can use them. While the graphs are held that idle part (the pool less its static outputs)
+    is added to what ComfyUI's loader keeps free (``EXTRA_RESERVED_VRAM``, ``--reserve-vram``'s figure,
+    read by ``minimum_inference_memory``), and taken back when they go, or with their owner."""
+    import gc
+
+    from tests._fake_cuda import fake_cuda
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    mm = comfy.mm
+    base, floor = mm.extra_reserved_memory(), mm.minimum_inference_memory()
+    u = tiny_unet()
+    with fake_cuda(monkeypatch):
+        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
+        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)
+        accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
+        g = accel.graphs
+        for _ in range(3):
+            _sample(u, 0)
+        outs = sum(G._bytes(G._outputs(e[2])) for r in g.regions.values() for e in r.graphs.values())
+        idle = g.pool_bytes - outs
+        assert idle > 0 and g.reserved_for_comfy == idle
+        assert mm.extra_reserved_memory() == base + idle and mm.minimum_inference_memory() == floor + idle
+        assert "kept out of ComfyUI's free-memory count" in "\n".join(g.status_lines())
+        g.release("unload")
+        assert mm.extra_reserved_memory() == base and g.reserved_for_comfy == 0
+        for _ in range(3):
+            _sample(u, 0)
+        assert mm.extra_reserved_memory() > base
+        accel.graphs = g = None          # the owner goes without a release: its share goes with it
+        del accel
+        gc.collect()
+        assert mm.extra_reserved_memory() == base
