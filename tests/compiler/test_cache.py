@@ -1,4 +1,4 @@
-"""compiler/cache.py: the pack's persistent compile cache (torch's Mega-Cache, one entry per
+"""compiler/cache/: the pack's persistent compile cache (torch's Mega-Cache, one entry per
 model and setup). A second process with cold torch caches compiles nothing; a bad entry is
 never handed to torch's loader; an unwritable folder runs memory-only and says so."""
 from __future__ import annotations
