@@ -3,6 +3,7 @@ already loaded (a ComfyUI model can only exist if it is)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import sys
 import threading
@@ -157,12 +158,26 @@ def current_prompt() -> str | None:
     return getattr(ctx, "prompt_id", None)
 
 
+_CAST_FLAGS = ("comfy_cast_weights", "weight_function", "bias_function")
+
+
 def has_cast_weights(module) -> bool:
     """True when ComfyUI casts or patches this module's weights per call
     (lowvram partial load, manual_cast, weight_function LoRA patches)."""
-    return bool(getattr(module, "comfy_cast_weights", False)
-                or getattr(module, "weight_function", None)
-                or getattr(module, "bias_function", None))
+    # ComfyUI's op flags are class attributes its patcher sets per instance: read from the instance's
+    # __dict__, else the class's (kept per class), never through nn.Module.__getattr__, whose miss
+    # (a raised AttributeError) on a module without them costs more than the rest of this check
+    d, cls = module.__dict__, type(module)
+    for name, on_class in zip(_CAST_FLAGS, _class_has(cls), strict=True):
+        if d[name] if name in d else on_class and getattr(cls, name):
+            return True
+    return False
+
+
+@functools.lru_cache(maxsize=None)
+def _class_has(cls) -> tuple:
+    """Which of the flags ``cls`` defines (their values are read live: a class attribute may change)."""
+    return tuple(hasattr(cls, name) for name in _CAST_FLAGS)
 
 
 def is_interrupt(e: BaseException) -> bool:

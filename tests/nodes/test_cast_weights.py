@@ -203,3 +203,28 @@ def test_mixed_precision_checkpoint_runs_compiled(comfy, make_comfy_model):
     assert type(leaf.weight).__name__ == "QuantizedTensor" and cast.per_call(leaf) and cast.why_not(leaf) is None
     _compiled_matches_eager(mp)
     assert type(leaf.weight).__name__ == "QuantizedTensor"   # put back after each call
+
+
+def test_the_per_call_check_reads_comfyuis_flags_where_its_patcher_sets_them(comfy):
+    """``has_cast_weights`` (asked for every leaf of a region at each call) answers as ``getattr``
+    would for ComfyUI's op flags: the class's (manual_cast: cast), an instance's set by its patcher
+    (a partial load, a LoRA weight function), a class flag changed later; a module that is not
+    ComfyUI's (a diffusers UNet's) has none, without the raised miss of nn.Module.__getattr__."""
+    from unet_compiler.compiler.compat.comfy import has_cast_weights
+    ops = comfy.ops
+    plain, stock, cast_op = torch.nn.Linear(2, 2), ops.disable_weight_init.Linear(2, 2), ops.manual_cast.Linear(2, 2)
+    assert not has_cast_weights(plain) and not has_cast_weights(stock) and has_cast_weights(cast_op)
+    stock.comfy_cast_weights = True                      # what a partial load sets per op
+    assert has_cast_weights(stock)
+    del stock.comfy_cast_weights
+    stock.weight_function = [lambda w: w]                # a LoRA patched per call
+    assert has_cast_weights(stock)
+    stock.weight_function = []
+    assert not has_cast_weights(stock)
+
+    class Flagged(torch.nn.Linear):
+        comfy_cast_weights = False
+    f = Flagged(2, 2)
+    assert not has_cast_weights(f)
+    Flagged.comfy_cast_weights = True                    # read live, not remembered per class
+    assert has_cast_weights(f)
