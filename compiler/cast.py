@@ -246,22 +246,27 @@ def needs_cast(module) -> bool:
 
 def stand_in(module, args):
     """A copy of ``module`` whose cast leaves show zeros of the weights :func:`applied` shows for a call
-    on ``args`` (their shape, the compute dtype and device, ``args``' inference mode; shallow:
-    untouched submodules and tensors are shared), for a thread that must not change the model
-    another thread runs. ComfyUI's cast is not called: it pins memory, reads the per-call state the
-    sampling thread's casts use (Dynamic VRAM's ``_prefetch``, ``_v_signature``) and allocates a
-    second copy of the weights; the compiled code depends on the weights' shape, dtype and device
-    only."""
+    on ``args`` (their shape, the compute dtype and device, contiguous, ``args``' inference mode;
+    shallow: untouched submodules and tensors are shared), for a thread that must not change the
+    model another thread runs. ComfyUI's cast is not called: it pins memory, reads the per-call
+    state the sampling thread's casts use (Dynamic VRAM's ``_prefetch``, ``_v_signature``) and
+    allocates a second copy of the weights; the compiled code depends on the weights' shape, dtype,
+    device and strides only. So the zeros are views of one buffer the size of the largest weight,
+    not a copy of each: beside sampling the thread holds one weight's worth, not the region's."""
     todo = {id(m) for m in module.modules() if per_call(m) and _has_weights(m)}
     if not todo:
         return module
     dtype, device = compute_of(args)
     inference = next(a for a in args if isinstance(a, torch.Tensor)).is_inference()
-    keep = set()
+    keep, largest = set(), 1
     for name, m in module.named_modules():
         if id(m) in todo:
             parts = name.split(".") if name else []
             keep.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+            largest = max([largest] + [t.numel() for t in (getattr(m, "weight", None), getattr(m, "bias", None))
+                                       if t is not None])
+    with torch.inference_mode(inference):
+        zeros = torch.zeros(largest, dtype=dtype, device=device)
 
     def copy(m, name):
         new = object.__new__(type(m))
@@ -270,7 +275,7 @@ def stand_in(module, args):
         new._modules = {k: (copy(c, f"{name}.{k}" if name else k) if (f"{name}.{k}" if name else k) in keep else c)
                         for k, c in m._modules.items()}
         if id(m) in todo:
-            _show(new, *(None if t is None else torch.zeros(tuple(t.shape), dtype=dtype, device=device)
+            _show(new, *(None if t is None else zeros[:t.numel()].view(tuple(t.shape))
                          for t in (getattr(m, "weight", None), getattr(m, "bias", None))))
         return new
     with torch.inference_mode(inference):

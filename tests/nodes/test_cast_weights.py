@@ -162,7 +162,11 @@ def test_a_stand_in_shows_the_cast_and_leaves_the_model_alone(comfy, make_comfy_
     copy = cast.stand_in(block, (torch.zeros(1, 32, 8, 8), torch.zeros(1, 128)))
     assert copy is not block and not cast.needs_cast(copy) and cast.needs_cast(block)
     for n, p in copy.named_parameters():
-        assert p.dtype == torch.float32 and p.shape == stored[n].shape and not p.any(), n
+        assert p.dtype == torch.float32 and p.shape == stored[n].shape and p.is_contiguous() and not p.any(), n
+    # one buffer the size of the largest weight, seen through views: no second copy of the region's weights
+    storages = {p.untyped_storage().data_ptr() for p in copy.parameters()}
+    largest = max(p.numel() for p in stored.values())
+    assert len(storages) == 1 and next(copy.parameters()).untyped_storage().nbytes() == largest * 4
     assert {n: p for n, p in block.named_parameters()} == stored
     assert all(p.dtype == torch.float8_e4m3fn for p in block.parameters())
 
