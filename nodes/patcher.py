@@ -12,9 +12,11 @@ import weakref
 
 import torch
 
+from ..compiler import cast
 from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, is_interrupt, is_video, latent_frames,
                                      latent_scale, latent_time_scale)
+from ..compiler.reasons import Reason
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import (check_context_tokens, check_frames, check_memory, context_dim, first_level_channels,
                                label_of, memory_name, parse_shapes, unet_inputs)
@@ -328,6 +330,20 @@ def _per_frame_timesteps(base, x) -> bool:
     return own and x.dim() == 5 and x.shape[2] > 1
 
 
+def nothing_runs_compiled(accel):
+    """The reason (a Reason) every region of ``accel``'s plan would run the model's own code at its
+    next call, as its loaded weights stand (each region has leaves whose per-call weights the pack
+    cannot serve: another pack's ops); None when any region would run compiled code."""
+    reasons = []
+    for region in accel.plan.regions:
+        failed = accel.failed.get(region.kind)
+        why = cast.plan(region.leaves)[1] or (Reason.of(failed) if failed is not None else None)
+        if why is None:
+            return None
+        reasons.append(why)
+    return reasons[0] if reasons else None
+
+
 def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False):
     """Run the model's real apply_model (wrappers, patches and the sampling
     state they read) for each shape under inference_mode with a cancellable
@@ -348,6 +364,15 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
         return accel.text() + f"\n  status: {done['text']}"
     check_frames(shapes, is_video(model.model))
     comfy.model_management.load_models_gpu([model])
+    why = nothing_runs_compiled(accel)
+    if why is not None:
+        # every region's weights are made per call in a way the pack cannot serve (another pack's
+        # dequantising ops): probes would only spend eager calls, so none run
+        note = f"Warmup Shapes ran no calls: every region runs the model's own code ({why})"
+        if note not in accel.report.notes:
+            accel.report.notes.append(note)
+        done = feedback.WarmupFeedback(accel, shapes, node_id).skipped(why)
+        return accel.text() + f"\n  status: {done['text']}"
     base = model.model
     device = model.load_device
     dtype = base.manual_cast_dtype or base.get_dtype()

@@ -116,6 +116,40 @@ def test_ops_with_their_own_arithmetic_stay_eager_and_are_named(comfy, make_comf
     assert f"{n - 1} of {n} regions ran compiled code" in text, text
 
 
+def test_warmup_spends_no_calls_where_every_region_runs_another_packs_ops(comfy, make_comfy_model):
+    """Every leaf that matters another pack's ops (a GGUF-style loader): no region can run compiled
+    code, so Warmup Shapes says so at once, with the reason and the ops' name, and makes no call of
+    the model (its probes would each be an eager call of the whole UNet: minutes on a GGUF model);
+    sampling then runs the model's own code, right."""
+    mp = make_comfy_model("sd15", weight_dtype=torch.float16)
+    unet = mp.model.diffusion_model
+
+    def other(base):
+        class Dequant(base):
+            def forward_comfy_cast_weights(self, input, *args, **kwargs):
+                return super().forward_comfy_cast_weights(input, *args, **kwargs)
+        Dequant.__module__ = "other_pack.ops"
+        return Dequant
+    linear, conv = other(comfy.ops.manual_cast.Linear), other(comfy.ops.manual_cast.Conv2d)
+    for m in unet.modules():
+        if type(m) is comfy.ops.manual_cast.Linear:
+            m.__class__ = linear
+        elif type(m) is comfy.ops.manual_cast.Conv2d:
+            m.__class__ = conv
+    ref = _apply(mp, "sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    calls = []
+    hook = unet.register_forward_pre_hook(lambda *a: calls.append(1))
+    text = patcher.warmup_model(cm, "1x64x64, 2x64x64, 2x96x96", 77)
+    hook.remove()
+    assert calls == [], f"warmup called the model {len(calls)} time(s) with nothing to compile"
+    assert "nothing to warm up (3 shape(s) skipped)" in text and "other_pack.ops" in text, text
+    assert "Warmup Shapes ran no calls: every region runs the model's own code" in text, text
+    _close(_apply(cm, "sd15"), ref)
+    accel = patcher.accelerator_of(cm)
+    assert accel.ran_compiled()[0] == 0 and accel.stats["region_eager_cast"] > 0
+
+
 def test_fp8_matmul_ops_are_named(comfy, make_comfy_model):
     """ComfyUI's fp8 matmul ops (fp8_e4m3fn_fast on fp8 GPUs) keep their scaled fp8 matmul: named."""
     mp = make_comfy_model("sd15", weight_dtype=torch.float8_e4m3fn)
