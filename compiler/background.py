@@ -391,8 +391,10 @@ class BackgroundMode:
         self._listener = None
         self._lock = threading.Lock()
 
-    def started(self) -> None:
-        """Warmup recorded the model's calls for the thread (again: its compiles are warmup's again)."""
+    def started(self, settle: bool = True) -> None:
+        """Warmup recorded the model's calls for the thread (again: its compiles are warmup's again).
+        ``settle`` False: a warmup that stopped part way; the model stays in background mode and its
+        first empty queue after this, once sampling's calls queued what warmup could not, is done."""
         self._marks = guard_marks()
         if self.done is not None:
             self.t0, self.done = time.perf_counter(), None
@@ -407,7 +409,7 @@ class BackgroundMode:
                 mode._queue_empty()
             self._listener = listener
             BACKGROUND.listeners.append(listener)
-        if not BACKGROUND.active:    # nothing was queued (all from the compile cache), or done already
+        if settle and not BACKGROUND.active:   # nothing was queued (all from the compile cache), or done already
             self._queue_empty()
 
     def end(self) -> None:

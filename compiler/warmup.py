@@ -121,6 +121,19 @@ def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
     return accel.cache.recorded_compare(shape.label) if accel.cache is not None else None
 
 
+@contextlib.contextmanager
+def _done_line_if_stopped(accel, background: bool):
+    """A background warmup that raises (a model that cannot be called outside sampling) leaves the model
+    in background mode: its sampling calls queue the compiles, and the report's background line ends
+    with "done" once the thread has compiled them."""
+    try:
+        yield
+    except BaseException:
+        if background and accel.background is not None:
+            accel.background.started(settle=False)
+        raise
+
+
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
                 background: bool = False):
     """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
@@ -168,7 +181,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         # (``Variants.preload``) instead of before the first compiled call
         with accel.bypass():
             ref = run_one(shapes[0])
-    with (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()), \
+    with _done_line_if_stopped(accel, background), \
+            (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()), \
             (bg.BACKGROUND.record(accel.background_mode().owner) if background else contextlib.nullcontext()):
         served_from_entry = False
         for probe in probes:

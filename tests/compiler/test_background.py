@@ -487,3 +487,31 @@ def test_activity_is_idle_after_a_quiet_second_and_only_cpu_jobs_wait_for_it(mon
     assert B.waits_for_idle("cpu") and not B.waits_for_idle("cuda")
     monkeypatch.setenv("UNET_COMPILER_BACKGROUND_CPU", "beside")
     assert not B.waits_for_idle("cpu")
+
+
+def test_a_warmup_that_stops_still_ends_with_a_done_line(tiny_unet, fresh, monkeypatch):
+    """A background warmup whose model cannot be called outside sampling (AnimateDiff's motion
+    modules raised there) stops; the model stays in background mode, its sampling calls queue the
+    compiles, and once the thread has compiled them the report says done (before: "running ... 0 to
+    go" for good)."""
+    unet, accel = _compiled(tiny_unet, monkeypatch)
+    outside = [True]
+
+    def refuse(module, args):
+        if outside[0]:
+            raise RuntimeError("this model cannot be called outside sampling")
+    hook = unet.conv_in.register_forward_pre_hook(refuse)
+    with pytest.raises(RuntimeError, match="outside sampling"):
+        api.warmup(unet, "2x64x64", background=True)
+    outside[0] = False
+    _check(unet, _inputs())                       # sampling: queued for the thread, the model's code runs
+    assert fresh.queue, "sampling's misses go to the thread"
+    fresh.gate.set()
+    assert api.wait_for_background(300) and not fresh.failures
+    deadline = time.monotonic() + 10
+    while "background compile: done" not in accel.text() and time.monotonic() < deadline:
+        time.sleep(0.1)                           # (the listener runs in the thread, after the queue empties)
+    assert "background compile: done" in accel.text(), accel.text()
+    assert accel.background.owner.variants > 0
+    hook.remove()
+    _check(unet, _inputs(seed=1))
