@@ -37,6 +37,8 @@ class Report:
     #: the largest ``max_abs_diff`` warmup's gate accepts (``warmup.tolerance``); over it the regions
     #: whose code made the difference run the model's own code
     diff_tolerance: float | None = None
+    #: why the tolerance is not the model dtype's ("" when it is): e.g. an attention patch's own code
+    diff_tolerance_why: str = ""
     #: when ``max_abs_diff`` was measured, if not in this warmup: an earlier warmup recorded it in the
     #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
     diff_recorded: str | None = None
@@ -64,6 +66,7 @@ class Report:
         if self.max_abs_diff is not None:
             lines.append(f"  max |compiled - eager| {self.diff_label}: {self.max_abs_diff:.3g}"
                          + (f" (tolerance {self.diff_tolerance:.2g}"
+                            + (f": {self.diff_tolerance_why}" if self.diff_tolerance_why else "")
                             + (", over it: refused" if self.max_abs_diff > self.diff_tolerance else "") + ")"
                             if self.diff_tolerance is not None else "")
                          + (f" (measured when this code was compiled, {self.diff_recorded}; all of it came from "

@@ -30,11 +30,26 @@ QUANTIZED_TOLERANCE = 0.25
 
 def tolerance(accel: Accelerator, ref: torch.Tensor | None) -> float:
     """The gate's tolerance for ``accel``'s compare against the eager output ``ref``."""
+    return tolerance_and_why(accel, ref)[0]
+
+
+def tolerance_and_why(accel: Accelerator, ref: torch.Tensor | None, since=None) -> tuple[float, str]:
+    """(the gate's tolerance, why it is not the model dtype's: "" when it is). Where an attention
+    patch runs its own code in the calls compared (a sage-style override that casts q, k and v to
+    fp16), that code's rounding, fed by compiled neighbours whose own rounding differs slightly, sets
+    the difference: fp16's tolerance then, and the report names the patch. ``since``: the
+    accelerator's ``patches_seen`` before the compared calls (only the patches they ran count)."""
     dtype = accel.autocast_dtype or accel.compute_dtype or torch.float32
     scale = 1.0 if ref is None else max(1.0, float(ref.float().abs().max()))
     if any(cast.quantized(leaf) for region in accel.plan.regions for leaf in region.leaves):
-        return QUANTIZED_TOLERANCE * scale
-    return TOLERANCE.get(dtype, max(TOLERANCE.values())) * scale
+        return QUANTIZED_TOLERANCE * scale, "quantized matmuls"
+    tol = TOLERANCE.get(dtype, max(TOLERANCE.values()))
+    seen = accel.patches_seen - since if since is not None else accel.patches_seen
+    patches = [name.split(":")[0] for name in seen if "optimized_attention_override" in name or " replace " in name]
+    if patches and tol < TOLERANCE[torch.float16]:
+        return TOLERANCE[torch.float16] * scale, (f"fp16's, as an attention patch runs its own code "
+                                                  f"({', '.join(patches)}), which may compute in fp16")
+    return tol * scale, ""
 
 
 def _diff(out, ref) -> float:
@@ -173,6 +188,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         rep.notes.append(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
                          f"compile cache entry, which holds their code")
     ref = None
+    patches0 = accel.patches_seen.copy()
     compare = compare and not background and bool(shapes)   # (background: nothing compiled to compare yet)
     kept = recorded_compare(accel, shapes[0]) if compare else None
     fresh0 = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
@@ -229,7 +245,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                         accel.cache.record_compare(shape.label, rep.max_abs_diff)
                 else:
                     rep.max_abs_diff, rep.diff_recorded = kept["max_abs_diff"], kept["measured"]
-                rep.diff_tolerance = tolerance(accel, ref if ref is not None else out)
+                rep.diff_tolerance, rep.diff_tolerance_why = tolerance_and_why(accel, ref if ref is not None else out,
+                                                                               patches0)
                 if rep.max_abs_diff > rep.diff_tolerance:       # the gate: never serve a wrong result
                     gate(accel, run_one, shape, ref, rep.max_abs_diff, rep.diff_tolerance)
                 ref = None

@@ -32,6 +32,7 @@ FULL = frozenset({
     "tests/nodes/test_comfy_patcher.py::test_region_graphs_under_comfyui_dispatch[sd15]",
     "tests/nodes/test_comfy_patcher.py::test_lora_after_warmup_does_not_recompile",
     "tests/nodes/test_comfy_patcher.py::test_warmup_status_counts_regions_that_ran_compiled",
+    "tests/nodes/test_comfy_patcher.py::test_an_attention_patch_that_casts_gets_fp16s_tolerance_named",
     "tests/compiler/test_precompiled.py::test_a_dynamic_variant_serves_a_size_one_side_without_a_graph_of_its_own",
     "tests/compiler/test_precompiled.py::test_a_call_no_variant_fits_compiles_one_more_and_names_the_input",
     "tests/compiler/test_triton_backend.py::test_comfy_unet_parity",

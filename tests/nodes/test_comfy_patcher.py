@@ -387,3 +387,26 @@ def test_graphs_outlive_a_prompt_and_are_freed_on_unload_or_short_room(make_comf
     assert accel.graphs.bytes == 0 and accel.graphs.released == "ComfyUI unloaded the model"
     assert "freed (ComfyUI unloaded the model)" in accel.text()
     assert not mp.get_all_callbacks("on_cleanup")   # the source patcher got nothing
+
+
+def test_an_attention_patch_that_casts_gets_fp16s_tolerance_named(make_comfy_model):
+    """An attention override that computes in fp16 (KJNodes' sage patch casts q, k and v): its own
+    rounding, fed by compiled neighbours, sets warmup's compare, so the gate takes fp16's tolerance
+    and the report says which patch made it so; without a patch, the model dtype's and no reason."""
+    mp = make_comfy_model("sd15")
+
+    def sage_like(func, q, k, v, *args, **kwargs):
+        return func(q.half().float(), k.half().float(), v.half().float(), *args, **kwargs)
+
+    patched = mp.clone()
+    patched.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = sage_like
+    cm, _ = patcher.compile_model(patched, CFG)
+    text = patcher.warmup_model(cm, "2x64x64", 77)
+    rep = patcher.accelerator_of(cm).report
+    assert rep.diff_tolerance is not None and rep.diff_tolerance >= 5e-2, text
+    assert "as an attention patch runs its own code (optimized_attention_override (" in text and "sage_like" in text
+    assert "over it: refused" not in text, text
+    plain, _ = patcher.compile_model(mp.clone(), CFG)
+    text = patcher.warmup_model(plain, "2x64x64", 77)
+    rep = patcher.accelerator_of(plain).report
+    assert rep.diff_tolerance_why == "" and "attention patch" not in text, text
