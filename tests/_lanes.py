@@ -6,12 +6,27 @@ whose module keeps quicker tests of the same code in the quick lane. ``.ci/run``
 marked ``long`` run in neither unless UNET_COMPILER_LONG_TESTS=1."""
 from __future__ import annotations
 
-FULL_DIRS = ("tests/e2e/",)
+#: node-id prefixes of the full lane: every server test, every family's parity (the quick lane keeps
+#: the families' call shapes and one family's warmed box)
+FULL_PREFIXES = ("tests/e2e/", "tests/nodes/test_families.py::test_family[")
 
 FULL = frozenset({
-    "tests/nodes/test_families.py::test_family[svd]",
-    "tests/nodes/test_families.py::test_family[sd15]",
-    "tests/nodes/test_families.py::test_family[sd2]",
+    # the tiny Flux compiled once for the module (a minute): every test that takes it
+    "tests/nodes/test_dit.py::test_flux_lora_after_compile_and_a_strength_change",
+    "tests/nodes/test_dit.py::test_flux_block_replace_and_the_calls_its_body_declines",
+    "tests/nodes/test_dit.py::test_an_image_model_refuses_video_frames_before_work",
+    "tests/nodes/test_dit.py::test_flux_controlnet_residuals_reference_latents_and_step_caches",
+    "tests/nodes/test_dit.py::test_wan_compiled_over_frames_sizes_and_batches",
+    "tests/compiler/test_diffusers_unet.py::test_parity_and_regions_fired[sdxl-inductor]",
+    "tests/nodes/test_comfy_patcher.py::test_parity_and_regions_fired[sdxl]",
+    "tests/nodes/test_comfy_patcher.py::test_region_graphs_under_comfyui_dispatch[sdxl]",
+    "tests/nodes/test_dynamic_vram.py::test_quantized_leaves_keep_comfys_quantized_matmul",
+    "tests/nodes/test_dynamic_vram.py::test_unets_over_prompts_with_lora_and_resident_set_changes[sd15]",
+    "tests/nodes/test_dynamic_vram.py::test_flux_over_prompts_with_lora_and_resident_set_changes",
+    "tests/compiler/test_cuda_graphs.py::test_the_fake_allocator_aborts_where_the_h100_did",
+    "tests/nodes/test_patch_nodes.py::test_hook_keyframes_reapply_weights_during_sampling",
+    "tests/compiler/test_lifetime.py::test_a_dropped_unet_is_freed_with_its_prepacked_weights[inductor]",
+    "tests/compiler/test_background.py::test_warmup_shapes_node_in_the_background",
     "tests/nodes/test_dit.py::test_the_other_block_calls_compiled[qwen_image]",
     "tests/nodes/test_dit.py::test_the_other_block_calls_compiled[z_image]",
     "tests/nodes/test_dit.py::test_flux_compiled_is_eager_with_no_recompiles",
@@ -52,4 +67,4 @@ FULL = frozenset({
 
 def lane(nodeid: str) -> str:
     """'full' or 'quick' for a test's node id (relative to the checkout)."""
-    return "full" if nodeid.startswith(FULL_DIRS) or nodeid in FULL else "quick"
+    return "full" if nodeid.startswith(FULL_PREFIXES) or nodeid in FULL else "quick"

@@ -44,6 +44,11 @@ def test_pyproject_registry_fields():
         shipped = ".".join(("unet_compiler",) + rel.parts)
         assert (shipped in pkgs) == (rel.parts[:1] != ("bench",)), rel
     assert "runs from a checkout" in (ROOT / "__main__.py").read_text(encoding="utf-8")
+    # ... with the front-end extension and every example workflow beside the code
+    data = meta["tool"]["setuptools"]["package-data"]["unet_compiler"]
+    shipped = {f for pattern in data for f in ROOT.glob(pattern)}
+    for f in [*(ROOT / "web").glob("*.js"), *(ROOT / "example_workflows").rglob("*.json")]:
+        assert f in shipped, f
 
 
 def _subpackages(folder: Path):
@@ -82,7 +87,9 @@ def test_readme_commands_are_what_ci_runs():
     for script, cmd in ((bench, "bench"), (test, "test"), (setup, "setup")):
         assert script.rstrip().endswith(f'exec python3 "$(dirname "$0")/dev.py" {cmd} "$@"'), script
     src = (ROOT / "bin" / "dev.py").read_text(encoding="utf-8")
-    assert 'run_in_env(["-m", "pytest", "-q", *rest])' in src
+    assert 'run_in_env(["-m", "pytest", "-q", *lane_args(rest)])' in src   # the quick lane unless asked
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "\nbin/test\nbin/test --full\n" in ci, "CI runs the README's command, then the full lane"
     assert 'run_in_env(["-m", "unet_compiler.bench", "run", *rest])' in src
     assert 'os.environ.get("UNET_COMPILER_ENV") or ".venv"' in src and "setup(env, if_missing=True)" in src
     assert all((ROOT / "bin" / name).stat().st_mode & 0o111 for name in ("bench", "setup", "test"))
