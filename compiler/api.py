@@ -106,6 +106,12 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
     if not isinstance(background, bool):
         raise TypeError(f"warmup: background must be True or False, got {background!r}")
     accel = accelerator_of(module)
+    if accel is not None and accel.plan.arch == "dit":
+        raise ValueError(f"warmup: {type(module).__name__} is a DiT, whose conditioning (text tokens, pooled "
+                         f"vectors, guidance, positions) ComfyUI's model builds: this function builds a UNet's "
+                         f"only. Fix: warm it with Warmup Shapes on its ModelPatcher (the node, or "
+                         f"unet_compiler.nodes.patcher.warmup_model), or call it once at each shape you will "
+                         f"use (each call compiles what it needs)")
     p = next(module.parameters())
     shapes = as_shapes(shapes)
     check_frames(shapes, video=False)           # a diffusers UNet2DConditionModel makes images

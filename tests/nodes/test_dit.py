@@ -546,3 +546,19 @@ def test_rope_cuts_longer_freqs_as_comfyuis_does(comfy):
         if n > 10 and not getattr(apply_rope1, "__module__", "").startswith("comfy_kitchen"):
             continue        # (ComfyUI's own fallback raises there)
         _close(R.TORCH_OPS.rope(x, freqs), apply_rope1(x, freqs), 1e-6)
+
+
+def test_the_library_warmup_refuses_a_bare_dit_with_the_fix(comfy):
+    """``unet_compiler.warmup`` builds a UNet's inputs; on a bare ComfyUI DiT module (no
+    ModelPatcher, whose model builds the conditioning) it says so and names what warms one, before
+    any work, instead of failing on a missing cross-attention; the module's calls stay compiled."""
+    from unet_compiler.compiler import api
+    mp = F.build_dit(F.DIT_FAMILIES[FLUX])
+    module = mp.model.diffusion_model
+    api.compile_unet(module, "inductor")
+    try:
+        with pytest.raises(ValueError, match="is a DiT.*Warmup Shapes"):
+            api.warmup(module, "1x128x128")
+        assert api.accelerator_of(module).report.warmup == []
+    finally:
+        api.uncompile_unet(module)
