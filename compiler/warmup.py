@@ -35,9 +35,9 @@ def tolerance(accel: Accelerator, ref: torch.Tensor | None) -> float:
 
 def tolerance_and_why(accel: Accelerator, ref: torch.Tensor | None, since=None) -> tuple[float, str]:
     """(the gate's tolerance, why it is not the model dtype's: "" when it is). Where an attention
-    patch runs its own code in the calls compared (a sage-style override that casts q, k and v to
+    override runs its own code in the calls compared (a sage-style override that casts q, k and v to
     fp16), that code's rounding, fed by compiled neighbours whose own rounding differs slightly, sets
-    the difference: fp16's tolerance then, and the report names the patch. ``since``: the
+    the difference: fp16's tolerance then, and the report names the override. ``since``: the
     accelerator's ``patches_seen`` before the compared calls (only the patches they ran count)."""
     dtype = accel.autocast_dtype or accel.compute_dtype or torch.float32
     scale = 1.0 if ref is None else max(1.0, float(ref.float().abs().max()))
@@ -45,7 +45,9 @@ def tolerance_and_why(accel: Accelerator, ref: torch.Tensor | None, since=None) 
         return QUANTIZED_TOLERANCE * scale, "quantized matmuls"
     tol = TOLERANCE.get(dtype, max(TOLERANCE.values()))
     seen = accel.patches_seen - since if since is not None else accel.patches_seen
-    patches = [name.split(":")[0] for name in seen if "optimized_attention_override" in name or " replace " in name]
+    # (an override replaces the attention function itself, as sage patches do; a replace patch, as
+    # IPAdapter's, runs beside the model's own attention precision and keeps the model dtype's)
+    patches = [name.split(":")[0] for name in seen if "optimized_attention_override" in name]
     if patches and tol < TOLERANCE[torch.float16]:
         return TOLERANCE[torch.float16] * scale, (f"fp16's, as an attention patch runs its own code "
                                                   f"({', '.join(patches)}), which may compute in fp16")
