@@ -49,6 +49,8 @@ def _py(*args) -> list:
 def steps() -> list[Step]:
     tests = ["-m", "pytest", "-q", "-o", "log_level=INFO", "-p", "no:cacheprovider"]
     xdist = ["-n", "4", "--dist", "loadfile"] if _has("xdist") else []
+    prompt = _py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl", "--latent", "128", "--steps", "10",
+                 "--prompts", "2")
     return [
         Step("tests", 190, 60, [
             _py(*tests, "-rfEs", *xdist, "tests/kernels", "tests/compiler/test_triton_backend.py"),
@@ -60,12 +62,9 @@ def steps() -> list[Step]:
              [r"^(FAILED|ERROR)", r"^SKIPPED.*(cuda|CUDA|GPU|ComfyUI)", r" passed| failed| error",
               r"not precompiled|graph (capture|replay) failed"]),
         Step("probe_alloc", 120, 40, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
-        Step("probe_prompt_async", 90, 45, [_py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl",
-                                                "--latent", "128", "--steps", "10", "--prompts", "2")],
-             [r"^PROBE", r"Error|Traceback"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
-        Step("probe_prompt", 90, 45, [_py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl",
-                                          "--latent", "128", "--steps", "10", "--prompts", "2")],
-             [r"^PROBE", r"Error|Traceback"]),
+        Step("probe_prompt_async", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"],
+             {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+        Step("probe_prompt", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"]),
         Step("probe_choice", 45, 20, [_py("-m", "unet_compiler.bench.gpu_probes", "choice")],
              [r"^(groupnorm|geglu|attention|bias_residual)", r"Error"]),
         Step("bench_sd15", 200, 70, [_py("-m", "unet_compiler.bench", "run", "--device", "cuda", "--dtype", "bf16",

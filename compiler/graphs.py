@@ -198,8 +198,7 @@ def _let_go(entries) -> None:
     line per output; SDXL's 227 regions: 227 lines at each unload); freed here through ``set_()``, a
     call of torch's own, the warning comes back as a Python warning, which is silenced. A tensor that
     cannot be emptied so (a parameter a region returned as is) is left to its owner."""
-    outs = [t for e in entries for t in (_outputs(e[2]) if e[2] is not None else ())
-            if not isinstance(t, torch.nn.Parameter)]
+    outs = [t for e in entries for t in _outputs(e[2]) if not isinstance(t, torch.nn.Parameter)]
     if not outs:
         return
     with warnings.catch_warnings(), torch.inference_mode():
@@ -282,9 +281,8 @@ class RegionGraphs:
         buffers alone where the pool is not measured."""
         if self.pool_bytes is None:
             return self.bytes
-        return max(self.bytes, self.pool_bytes + sum(
-            t.numel() * t.element_size() for r in self.regions.values()
-            for _, static_in, _ in r.graphs.values() for t in static_in if t is not None))
+        return max(self.bytes, self.pool_bytes + sum(_bytes(static_in) for r in self.regions.values()
+                                                     for _, static_in, _ in r.graphs.values()))
 
     def run(self, impl, module, args):
         """``impl(module, *args)``, through a captured graph where possible."""
@@ -306,10 +304,10 @@ class RegionGraphs:
             if reg.graphs:
                 self.stats["dropped for new weights"] += len(reg.graphs)
                 _let_go(reg.graphs.values())
-            reg.graphs.clear()
+                reg.graphs.clear()
+                self._account()
             reg.seen.clear()
             reg.ptrs = ptrs
-            self._account()
         device = tensors[0].device
         key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
         entry = reg.graphs.get(key)

@@ -208,6 +208,15 @@ def _sample(u, seed, b=2):
         return u(x, torch.full((b,), 500.0 + seed), c).sample
 
 
+def _production_graphs(u, monkeypatch):
+    """``u`` accelerated through the production CudaGraphs (inside ``fake_cuda``), its side streams
+    fresh and its CPU tensors taken for CUDA's; returns the accelerator."""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    monkeypatch.setattr(G, "_SIDE_STREAMS", {})
+    monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)   # CPU tensors stand for CUDA's
+    return _graphed_uncompiled(u, G.CudaGraphs)[0]
+
+
 def _graphed_uncompiled(u, standin):
     """Accelerate ``u`` with the regions' own (uncompiled) bodies routed through
     RegionGraphs on the stand-in: the runtime's path without a compile."""
@@ -627,9 +636,7 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
 
     refs = [_sample(u, s) for s in range(4)]
     with fake_cuda(monkeypatch, total=24 << 30, free=20 << 30) as cuda:
-        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
-        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)   # CPU tensors stand for CUDA's
-        accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
+        accel = _production_graphs(u, monkeypatch)
         outs = [_sample(u, s) for s in range(4)]
         for out, ref in zip(outs, refs, strict=True):
             torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
@@ -741,9 +748,7 @@ def test_the_graph_pool_counts_against_the_budget(tiny_unet, monkeypatch):
     u = tiny_unet()
     ref = _sample(u, 0)
     with fake_cuda(monkeypatch) as cuda:
-        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
-        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)
-        accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
+        accel = _production_graphs(u, monkeypatch)
         g = accel.graphs
         for _ in range(3):
             torch.testing.assert_close(_sample(u, 0), ref, rtol=1e-5, atol=1e-5)
@@ -784,9 +789,7 @@ def test_released_graphs_empty_their_outputs_inside_a_torch_call(tiny_unet, monk
         warnings.warn("Attempting uncaptured free of a captured allocation with address 0x2a9a002400", stacklevel=2)
         return real_set(self, *a)
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync"):
-        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
-        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)
-        accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
+        accel = _production_graphs(u, monkeypatch)
         g = accel.graphs
         for _ in range(3):
             _sample(u, 0)
@@ -817,9 +820,7 @@ def test_the_pools_idle_part_is_kept_out_of_comfyuis_free_memory(comfy, tiny_une
     base, floor = mm.extra_reserved_memory(), mm.minimum_inference_memory()
     u = tiny_unet()
     with fake_cuda(monkeypatch):
-        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
-        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)
-        accel, _ = _graphed_uncompiled(u, G.CudaGraphs)
+        accel = _production_graphs(u, monkeypatch)
         g = accel.graphs
         for _ in range(3):
             _sample(u, 0)
