@@ -9,16 +9,23 @@ graph (its arithmetic, its functions, its offload stream), and the leaf shows th
 weight for the call (:func:`applied`). The compiled graph is then the one a plain model runs: no
 variant per storage dtype, LoRA strength, keyframe or partial-load split.
 
-A leaf whose per-call weights are not the stock cast (fp8 matmul ops, quantized matmuls, another
-pack's ops) is :func:`plan`'s reason: its region runs the model's own code and the report names it.
+Another pack's ops whose per-call weights come from a cast method of their own (``cast_bias_weight``
+on the leaf, as ComfyUI-GGUF's dequantising ops: its dequantisation and its LoRA patches) are
+served the same way, with that method as the cast: once per leaf, compute dtype and patch state,
+the leaf's own per-call forward on a small probe is checked against the plain op on its own cast
+(:func:`plan` with the call's inputs) and a leaf that differs runs its own code. Any other per-call
+weights (fp8 matmul ops, quantized matmuls, ops with arithmetic of their own) are :func:`plan`'s
+reason: the region runs the model's own code and the report names it.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
+import math
 import sys
 import threading
+import weakref
 from collections import Counter
 
 import torch
@@ -33,6 +40,8 @@ _BUSY: set[int] = set()          # region modules whose leaves show cast weights
 _BUSY_LOCK = threading.Lock()
 #: what the per-call casts did (tests read it): ``copied``, views of reused buffers copied before the region ran
 STATS: Counter = Counter()
+#: per own-cast leaf: {(dtype, device, weight functions?, bias functions?): None (checked) or the Reason it failed}
+_OWN_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _ops():
@@ -100,20 +109,105 @@ def why_not(leaf) -> Reason | None:
     if getattr(ops, "fp8_ops", None) is not None and fn is getattr(ops.fp8_ops.Linear, "forward_comfy_cast_weights", 0):
         return Reason("fp8 matmul (weight_dtype fp8_e4m3fn_fast): ComfyUI's scaled fp8 matmul runs it",
                       "to compile these regions, load with weight_dtype fp8_e4m3fn (same storage, cast per call)")
+    if fn is not None and own_cast(cls):
+        return next((why for why in _OWN_CHECKED.get(leaf, {}).values() if why is not None), None)
     if fn is None or not _stock(fn, ops) or getattr(cls.forward, "__module__", None) != ops.__name__:
         return _other_ops(name)
     return None
 
 
-def plan(leaves) -> tuple[tuple, Reason | None]:
+@functools.lru_cache(maxsize=None)
+def own_cast(cls) -> bool:
+    """Whether ``cls`` (a ComfyUI op class: its ``forward``) takes its per-call weights from a cast
+    method of its own, ``cls.cast_bias_weight(leaf, input, dtype=, device=, bias_dtype=) -> (weight,
+    bias)`` (ComfyUI-GGUF's ``GGMLLayer``: dequantisation and LoRA patches), in its own
+    ``forward_comfy_cast_weights``; a leaf kind :func:`_probe` can check (linear, conv, norms)."""
+    ops = _ops()
+    fn = getattr(cls, "cast_bias_weight", None)
+    if (ops is None or not callable(fn) or getattr(fn, "__module__", None) == ops.__name__
+            or getattr(cls.forward, "__module__", None) != ops.__name__
+            or _stock(getattr(cls, "forward_comfy_cast_weights", None), ops)):
+        return False
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return ({"input", "dtype", "device", "bias_dtype"} <= set(params)
+            and issubclass(cls, (torch.nn.Linear, torch.nn.modules.conv._ConvNd, torch.nn.GroupNorm,
+                                 torch.nn.LayerNorm)))
+
+
+def own_cast_ops(leaves) -> list[str]:
+    """The op classes (module.qualname) among ``leaves`` whose per-call weights come from their own
+    cast (:func:`own_cast`) and passed its check: what the report names."""
+    names = {f"{type(m).__module__}.{type(m).__qualname__}" for m in leaves
+             if per_call(m) and own_cast(type(m)) and _OWN_CHECKED.get(m)
+             and all(why is None for why in _OWN_CHECKED[m].values())}
+    return sorted(names)
+
+
+def _probe(leaf, dtype, device) -> torch.Tensor | None:
+    """A small input ``leaf`` (linear, conv, group or layer norm) takes: one row, one kernel window."""
+    if isinstance(leaf, torch.nn.Linear):
+        shape = (2, leaf.in_features)
+    elif isinstance(leaf, torch.nn.modules.conv._ConvNd):
+        shape = (1, leaf.in_channels, *(d * (k - 1) + 1 for k, d in zip(leaf.kernel_size, leaf.dilation, strict=True)))
+    elif isinstance(leaf, torch.nn.GroupNorm):
+        shape = (1, leaf.num_channels, 2, 2)
+    elif isinstance(leaf, torch.nn.LayerNorm):
+        shape = (2, *leaf.normalized_shape)
+    else:
+        return None
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+
+
+def _check_own(leaf, dtype, device) -> Reason | None:
+    """Whether ``leaf``'s own per-call forward is the plain op on its own cast (for this compute dtype
+    and device, with or without weight functions), checked once on a probe: its forward's result
+    against the plain forward's on its cast weights (the same arithmetic: equal to a few ulps)."""
+    key = (dtype, device, bool(getattr(leaf, "weight_function", None)), bool(getattr(leaf, "bias_function", None)))
+    seen = _OWN_CHECKED.setdefault(leaf, {})
+    if key in seen:
+        return seen[key]
+    cls = type(leaf)
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    why = None
+    try:
+        with torch.inference_mode():
+            x = _probe(leaf, dtype, device)
+            own = torch.Tensor(leaf.forward_comfy_cast_weights(x))
+            w, b, _ = _cast(leaf, dtype, device)
+            saved = _show(leaf, w, b)
+            try:
+                plain = leaf(x)
+            finally:
+                _restore(saved)
+        scale = float(own.abs().max()) + 1.0
+        if own.shape != plain.shape or not float((own.float() - plain.float()).abs().max()) <= (
+                8 * torch.finfo(dtype).eps * scale):
+            why = Reason(f"weights made per call by another pack's ops ({name}): its forward is not the plain "
+                         f"op on its own cast", "none needed for correctness: its regions run its own code")
+    except Exception as e:    # a cast or forward this check cannot call: the leaf's own code runs
+        why = Reason(f"weights made per call by another pack's ops ({name}), whose cast could not be "
+                     f"checked ({type(e).__name__}: {e})", "none needed for correctness: its regions run its own code")
+    seen[key] = why
+    return why
+
+
+def plan(leaves, args=None) -> tuple[tuple, Reason | None]:
     """The leaves of a region whose weights ComfyUI casts or patches this call, and the reason the
-    region must run the model's own code instead (None: casting them outside serves it)."""
-    todo = []
+    region must run the model's own code instead (None: casting them outside serves it). With the
+    call's ``args``, leaves whose ops cast by a method of their own are checked for this call's
+    compute dtype first (:func:`own_cast`; once per leaf and patch state)."""
+    todo, compute = [], None if args is None else compute_of(args)
     for m in leaves:
         if per_call(m) and not _has_weights(m):
             continue        # nothing to cast (a LayerNorm without affine weights: Flux's, fp8 or not)
         if per_call(m):
             why = why_not(m)
+            if why is None and compute is not None and own_cast(type(m)):
+                why = _check_own(m, *compute)
             if why:
                 return (), why
             todo.append(m)
@@ -137,6 +231,10 @@ def _cast(leaf, dtype, device):
     cast buffer, newer ComfyUI's offload cast buffers) is copied first: the region reads every leaf
     at once, after all of them were cast."""
     ops = _ops()
+    if own_cast(type(leaf)):
+        # another pack's own cast (its dequantisation and patches): a plain tensor of the compute dtype
+        w, b = leaf.cast_bias_weight(None, dtype=dtype, device=device, bias_dtype=dtype)
+        return _held(leaf, _plain(w), "weight"), _held(leaf, _plain(b), "bias"), None
     if _takes_offloadable(ops.cast_bias_weight):
         w, b, handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
     else:
@@ -148,13 +246,18 @@ def _cast(leaf, dtype, device):
     return _held(leaf, w, "weight"), _held(leaf, b, "bias"), handle
 
 
+def _plain(t):
+    """``t`` as a plain tensor (another pack's tensor subclass, as GGUF's, stays out of the graph)."""
+    return t if t is None or type(t) in (torch.Tensor, torch.nn.Parameter) else t.as_subclass(torch.Tensor)
+
+
 def _held(leaf, t, name):
     """``t`` (a cast weight of ``leaf``) or a copy of it that no later cast overwrites: the leaf's own
-    parameter, its VBAR slot (pinned until uncast) and a tensor that owns its memory are kept as
-    they are; a view into a larger buffer is copied."""
+    parameter, its VBAR slot (pinned until uncast) and a tensor whose storage is its own (all of it,
+    a view or not) are kept as they are; a view into a larger buffer is copied."""
     if t is None or t is leaf.__dict__.get(f"_v_{name}") or t is leaf._parameters.get(name):
         return t
-    if t._base is None and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     STATS["copied"] += 1
     return t.clone()
@@ -263,8 +366,9 @@ def stand_in(module, args):
         if id(m) in todo:
             parts = name.split(".") if name else []
             keep.update(".".join(parts[:i]) for i in range(len(parts) + 1))
-            largest = max([largest] + [t.numel() for t in (getattr(m, "weight", None), getattr(m, "bias", None))
-                                       if t is not None])
+            # (the shape a cast shows: another pack's packed weights report it, their bytes differ)
+            largest = max([largest] + [math.prod(t.shape) for t in (getattr(m, "weight", None),
+                                                                     getattr(m, "bias", None)) if t is not None])
     with torch.inference_mode(inference):
         zeros = torch.zeros(largest, dtype=dtype, device=device)
 
@@ -275,7 +379,7 @@ def stand_in(module, args):
         new._modules = {k: (copy(c, f"{name}.{k}" if name else k) if (f"{name}.{k}" if name else k) in keep else c)
                         for k, c in m._modules.items()}
         if id(m) in todo:
-            _show(new, *(None if t is None else zeros[:t.numel()].view(tuple(t.shape))
+            _show(new, *(None if t is None else zeros[:math.prod(t.shape)].view(tuple(t.shape))
                          for t in (getattr(m, "weight", None), getattr(m, "bias", None))))
         return new
     with torch.inference_mode(inference):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import settings
+from . import cast, settings
 from .reasons import DISABLE_ENV, NOTHING_TO_COMPILE, Reason
 
 _DYNAMIC = {True: "on", False: "off", None: "on, the one warmup shape compiled for exactly it"}
@@ -195,6 +195,10 @@ def accelerator_text(accel) -> str:
         extra.append(f"  weights ComfyUI casts or patches per call (fp8 or other storage dtypes, partial loads, "
                      f"weight functions): {accel.stats['region_cast_compiled']} region call(s) compiled with "
                      f"ComfyUI's cast outside the graph" + (", without CUDA graphs" if accel.graphs is not None else ""))
+        own = cast.own_cast_ops(leaf for region in accel.plan.regions for leaf in region.leaves)
+        if own:
+            extra.append(f"  weights another pack's ops make per call ({', '.join(own)}): dequantized or patched "
+                         f"by those ops' own cast outside the graph, checked once per leaf against their forward")
     extra += [f"  left eager per call: {kind} regions whose weights ComfyUI casts per call: {why}"
               for kind, why in accel.cast_eager.items()]
     extra += accel.cache.lines() if accel.cache is not None else []

@@ -34,7 +34,7 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
     if kind == P.ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
-                    or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None):
+                    or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused, (x,))) is None):
                 stats["region_eager"] += 1
                 return original(module, x, context=context, value=value, mask=mask,
                                 transformer_options=transformer_options)
@@ -56,7 +56,7 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
         if kwargs.get("scale", 0) in (None, 1.0):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
-        if kwargs or kind in failed or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
+        if kwargs or kind in failed or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused, args)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         return run()(kind, impl, module, original, args, None, casts)
@@ -87,7 +87,7 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
             if (given.pop("attn_mask", None) is not None or any(v is not None for v in given.values())
                     or "optimized_attention_override" in opts):
                 inputs = None
-        if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused)) is None:
+        if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused, inputs)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         rest = {k: v for k, v in bound.items() if k != first}      # the own forward's call, less its first input
@@ -167,11 +167,12 @@ def _handed(kind, vec) -> tuple | None:
     return tuple(t for m in mods for t in m)
 
 
-def _casts(kind, leaves, stats, cast_eager, refused):
-    """The leaves whose weights ComfyUI casts or patches this call (fp8 or another storage dtype, a
-    partial load, weight functions), or None when the region must run the model's own code for them:
-    counted, with the reason kept per kind for the report."""
-    todo, why = cast.plan(leaves)
+def _casts(kind, leaves, stats, cast_eager, refused, args):
+    """The leaves whose weights ComfyUI (or another pack's ops, by their own cast) casts or patches
+    this call on ``args`` (fp8 or another storage dtype, a partial load, weight functions, GGUF's
+    dequantisation), or None when the region must run the model's own code for them: counted, with
+    the reason kept per kind for the report."""
+    todo, why = cast.plan(leaves, args)
     if todo and refused:
         why = refused
     if why is None:
