@@ -171,7 +171,8 @@ def _check_own(leaf, dtype, device) -> Reason | None:
     if key in seen:
         return seen[key]
     cls = type(leaf)
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    stored = getattr(getattr(leaf, "weight", None), "tensor_type", None)     # GGUF's quant type, where it says
+    name = f"{cls.__module__}.{cls.__qualname__}" + (f", weights {getattr(stored, 'name', stored)}" if stored else "")
     why = None
     try:
         with torch.inference_mode():

@@ -129,8 +129,38 @@ def test_a_gguf_style_leaf_whose_forward_is_not_its_cast_runs_its_own_code(gg):
     text = patcher.warmup_model(cm, "2x64x64", 77)
     accel = patcher.accelerator_of(cm)
     _close(_apply(cm, "sd15"), ref)
-    assert "not the plain op on its own cast" in str(cast.why_not(leaf))
+    assert "not the plain op on its own cast" in str(cast.why_not(leaf)) and "weights Q8_0" in str(cast.why_not(leaf))
     assert set(accel.cast_eager) == {"feedforward"}, accel.cast_eager
     assert "other_pack.ops." in accel.text() and "Scaled" in accel.text(), accel.text()
     n = _regions(accel)
     assert accel.stats["region_cast_compiled"] > 0 and f"of {n} regions ran compiled code" in text, text
+
+
+def test_a_gguf_model_compiles_in_the_background(gg, monkeypatch):
+    """Warmup Shapes in the background on a Q4_K model: the compile thread traces a stand-in whose
+    weights have the dequantized shapes (GGUF's packed bytes are smaller) and never calls the pack's
+    cast; afterwards every region serves sampling calls, == eager."""
+    import functools
+    import threading
+
+    from unet_compiler.compiler import api
+    mp = _gguf.tiny_unet(gg, "sd15", "Q4_K")
+    ref = _apply(mp, "sd15")
+    calls = []
+    real = gg.ops.GGMLLayer.cast_bias_weight
+
+    @functools.wraps(real)
+    def counted(*args, **kwargs):
+        calls.append(threading.get_ident())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(gg.ops.GGMLLayer, "cast_bias_weight", counted)
+    cm, _ = patcher.compile_model(mp, CFG)
+    patcher.warmup_model(cm, "2x64x64", 77, background=True)
+    assert api.wait_for_background(600)
+    accel = patcher.accelerator_of(cm)
+    _close(_apply(cm, "sd15"), ref, tol=TOLERANCE["Q4_K"])
+    n = _regions(accel)
+    assert accel.ran_compiled() == (n, n) and not accel.failed, accel.text()
+    done = next(line for line in accel.text().splitlines() if "background compile:" in line)
+    assert "done" in done and "failed" not in done, done
+    assert calls and set(calls) == {threading.get_ident()}, "the compile thread called the pack's cast"
