@@ -88,7 +88,8 @@ def parser() -> argparse.ArgumentParser:
     st = sub.add_parser("storage", help="weight storage dtypes (fp8 ...) on a ComfyUI SD1.5 UNet: eager vs "
                         "Compile UNet vs TorchCompileModel, step time and memory (needs a ComfyUI tree)")
     st.add_argument("--dtypes", default="default,fp8_e4m3fn,fp8_e5m2",
-                    help="comma list of UNETLoader weight_dtype values, plus fp16 and bf16 (default %(default)s)")
+                    help="comma list of UNETLoader weight_dtype values, plus fp16 and bf16, and GGUF files "
+                    "ComfyUI-GGUF loads: gguf_Q8_0, gguf_Q4_K, gguf_Q5_K, gguf_F16 (default %(default)s)")
     st.add_argument("--latent", type=int, default=16, help="latent side (pixels / 8)")
     st.add_argument("--batch", type=int, default=2)
     st.add_argument("--iters", type=int, default=5)

@@ -2,7 +2,10 @@
 
 The random-weight SD1.5 checkpoint (built once, as the e2e tests build it) loaded the way ComfyUI's
 "Load Diffusion Model" (UNETLoader) loads it at each ``weight_dtype``: fp32 (default on CPU),
-fp8_e4m3fn, fp8_e5m2, ... (ComfyUI then casts every weight to fp32 on each call). For each: one
+fp8_e4m3fn, fp8_e5m2, ... (ComfyUI then casts every weight to fp32 on each call), and the way
+ComfyUI-GGUF's UnetLoaderGGUF loads a GGUF file of it (``gguf_Q8_0``, ``gguf_Q4_K``, ``gguf_Q5_K``,
+``gguf_F16``: its GGMLOps dequantize per call; the file's tensors made as tests/_gguf.py makes them:
+gguf-py's quantizer, random K-quant blocks; needs a ComfyUI-GGUF checkout). For each: one
 UNet call through ComfyUI's ``apply_model``, eager vs Compile UNet vs ComfyUI's built-in
 TorchCompileModel, timed interleaved (median of ``--iters``), the output's relative L2 error vs eager,
 the UNet's weight memory and the step's peak resident memory above the process's before it.
@@ -17,6 +20,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,7 +28,9 @@ from .comfy_server import checkpoint_path, comfyui_or_fail
 from .run import cold_cache_env
 
 DTYPES = {"default": None, "fp8_e4m3fn": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
-          "fp16": torch.float16, "bf16": torch.bfloat16}
+          "fp16": torch.float16, "bf16": torch.bfloat16,
+          **{f"gguf_{q}": q for q in ("Q8_0", "Q4_K", "Q5_K", "F16")}}
+PACK_ROOT = Path(__file__).resolve().parents[1]
 ROW_TAG = "UNET_COMPILER_STORAGE_ROW "
 
 
@@ -68,12 +74,15 @@ def _row(args) -> dict:
     from ..nodes import patcher
     from .patch_compat import node
     dtype = DTYPES[args.row]
-    options = {} if dtype is None else {"dtype": dtype}
-    model = comfy.sd.load_diffusion_model(str(args.checkpoint), model_options=options)
+    if isinstance(dtype, str):
+        model = _gguf_model(args.checkpoint, dtype)
+    else:
+        options = {} if dtype is None else {"dtype": dtype}
+        model = comfy.sd.load_diffusion_model(str(args.checkpoint), model_options=options)
     mm.load_models_gpu([model])
     unet = model.model.diffusion_model
     weights_mib = sum(p.numel() * p.element_size() for p in unet.parameters()) / 2**20
-    stored = str(next(unet.parameters()).dtype).replace("torch.", "")
+    stored = dtype if isinstance(dtype, str) else str(next(unet.parameters()).dtype).replace("torch.", "")
     g = torch.Generator().manual_seed(0)
     lat = args.latent
     with torch.inference_mode():
@@ -94,10 +103,15 @@ def _row(args) -> dict:
     compile_s = time.perf_counter() - t0
     whole = node(TorchCompileModel, model=model, backend="inductor")
     t0 = time.perf_counter()
-    call(whole)()
+    fns = {"eager": call(model), "compiled": call(cm), "whole": call(whole)}
+    whole_failed = None
+    try:
+        call(whole)()
+    except Exception as e:      # (TorchCompileModel on another pack's ops: a row, not a crash)
+        whole_failed = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        del fns["whole"]
     whole_compile_s = time.perf_counter() - t0
 
-    fns = {"eager": call(model), "compiled": call(cm), "whole": call(whole)}
     times = {k: [] for k in fns}
     peaks = {}
     outs = {}
@@ -120,11 +134,41 @@ def _row(args) -> dict:
     accel = patcher.accelerator_of(cm)
     ran, total = accel.ran_compiled()
     row = dict(weight_dtype=args.row, stored=stored, weights_mib=weights_mib, eager_s=med["eager"],
-               compiled_s=med["compiled"], whole_s=med["whole"], compile_s=compile_s, whole_compile_s=whole_compile_s,
-               rel_l2=rel(outs["compiled"]), whole_rel_l2=rel(outs["whole"]), peak_mib=peaks,
+               compiled_s=med["compiled"], whole_s=med.get("whole"), compile_s=compile_s,
+               whole_compile_s=whole_compile_s, whole_failed=whole_failed, rel_l2=rel(outs["compiled"]),
+               whole_rel_l2=rel(outs["whole"]) if "whole" in outs else None, peak_mib=peaks,
                regions=f"{ran} of {total}", region_eager=accel.stats["region_eager"],
                status=[line for line in text.splitlines() if "status:" in line][:1])
     print(ROW_TAG + json.dumps(row), flush=True)
+
+
+def _e(v, fmt=".1e") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _gguf_model(checkpoint, qtype: str):
+    """The checkpoint's UNet as ComfyUI-GGUF's UnetLoaderGGUF returns a ``qtype`` GGUF file of it:
+    ``load_diffusion_model_state_dict`` with its GGMLOps, in its GGUFModelPatcher."""
+    import importlib.util
+
+    import comfy.sd
+    import comfy.utils
+    from comfy import model_detection
+    spec = importlib.util.spec_from_file_location("unet_compiler_bench_gguf", PACK_ROOT / "tests" / "_gguf.py")
+    helper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helper)
+    why = helper.problem()
+    if why:
+        raise SystemExit(why)
+    gg = helper.load()
+    sd = comfy.utils.load_torch_file(str(checkpoint))
+    prefix = model_detection.unet_prefix_from_state_dict(sd)
+    unet = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix)}
+    del sd
+    qsd = {k: helper.quantize(gg, v, qtype, seed=i) for i, (k, v) in enumerate(unet.items())}
+    del unet
+    model = comfy.sd.load_diffusion_model_state_dict(qsd, model_options={"custom_operations": gg.ops.GGMLOps()})
+    return gg.nodes.GGUFModelPatcher.clone(model)
 
 
 def _table(rows, args) -> str:
@@ -139,12 +183,13 @@ def _table(rows, args) -> str:
             lines.append(f"| {r['weight_dtype']} | failed: {r['failed']} | | | | | | |")
             continue
         p = r["peak_mib"]
+        whole = (f"{r['whole_s'] * 1e3:.0f} ms (x{r['eager_s'] / r['whole_s']:.2f})" if r.get("whole_s")
+                 else f"failed: {r.get('whole_failed')}")
         lines.append(
             f"| {r['weight_dtype']} ({r['stored']}) | {r['weights_mib']:.0f} MiB | {r['eager_s'] * 1e3:.0f} ms | "
-            f"{r['compiled_s'] * 1e3:.0f} ms (x{r['eager_s'] / r['compiled_s']:.2f}) | "
-            f"{r['whole_s'] * 1e3:.0f} ms (x{r['eager_s'] / r['whole_s']:.2f}) | {r['regions']} | "
-            f"{r['rel_l2']:.1e} / {r['whole_rel_l2']:.1e} | "
-            f"{p['eager']:.0f} / {p['compiled']:.0f} / {p['whole']:.0f} MiB |")
+            f"{r['compiled_s'] * 1e3:.0f} ms (x{r['eager_s'] / r['compiled_s']:.2f}) | {whole} | {r['regions']} | "
+            f"{r['rel_l2']:.1e} / {_e(r.get('whole_rel_l2'))} | "
+            f"{p['eager']:.0f} / {p['compiled']:.0f} / {_e(p.get('whole'), '.0f')} MiB |")
     lines.append("compile: " + "; ".join(f"{r['weight_dtype']}: Compile UNet + Warmup Shapes {r['compile_s']:.0f} s, "
                                          f"TorchCompileModel's first call {r['whole_compile_s']:.0f} s"
                                          for r in rows if "failed" not in r))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import cast
 from .compat import comfy as comfy_compat
 from .compat import diffusers as diffusers_compat
 
@@ -148,7 +149,9 @@ def build_plan(unet: torch.nn.Module) -> Plan:
                 add(path, m, FEEDFORWARD)
 
     for path, m in unet.named_modules():
-        if type(m) in (torch.nn.Conv2d,) or (isinstance(m, torch.nn.Conv2d) and type(m).__module__.startswith("comfy.ops")):
+        # a plain conv, ComfyUI's, or another pack's whose per-call weights its own cast makes (GGUF's)
+        if type(m) in (torch.nn.Conv2d,) or (isinstance(m, torch.nn.Conv2d) and (
+                type(m).__module__.startswith("comfy.ops") or cast.own_cast(type(m)))):
             if id(m) not in covered:
                 add(path, m, PROJECTION)
     return plan

@@ -71,6 +71,7 @@ def test_each_quant_type_runs_compiled_with_its_own_dequantisation(gg):
         accel = patcher.accelerator_of(cm)
         n = _regions(accel)
         assert f"status: inductor: compiled, {n} of {n} regions ran compiled code" in text, f"{q}: {text}"
+        assert accel.report.regions.get("projection"), f"{q}: its convs are regions too: {accel.text()}"
         out = _apply(cm, "sd15")
         _close(out, ref, tol=TOLERANCE[q])
         assert accel.stats["region_eager"] == 0 and accel.stats["region_cast_compiled"] > 0, f"{q}: {accel.text()}"
