@@ -201,6 +201,8 @@ def accelerator_text(accel) -> str:
                          f"by those ops' own cast outside the graph, checked once per leaf against their forward")
     extra += [f"  left eager per call: {kind} regions whose weights ComfyUI casts per call: {why}"
               for kind, why in accel.cast_eager.items()]
+    inserted = accel.inserted.line()
+    extra += [f"  {inserted}"] if inserted else []
     extra += accel.cache.lines() if accel.cache is not None else []
     extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(accel.patches_seen.items())]
     extra += [f"  recompile: {e['text']}" for e in accel.recompiles.events[-5:]]

@@ -29,6 +29,7 @@ from .cache import CompileCache
 from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
 from .config import CompileConfig
+from .inserted import Inserted
 from .recompiles import Recompiles
 from .reasons import NOTHING_TO_COMPILE, Reason, build_failure, error_summary
 from .report import Report, accelerator_text
@@ -103,6 +104,8 @@ class Accelerator:
                 p.requires_grad_(False)
         self.config = config or CompileConfig()
         self.plan = P.build_plan(unet)
+        #: modules another pack inserts into the planned model later (named in the report)
+        self.inserted = Inserted(unet, self.plan)
         self.stats: Counter = Counter()
         #: what the caller's patches did to the regions ("<patch>: <effect>" -> UNet calls), for the report
         self.patches_seen: Counter = Counter()
@@ -395,6 +398,7 @@ class Accelerator:
     @contextlib.contextmanager
     def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
+        self.inserted.check()
         installed = []
         before, hits_before, loads_before = self._compiled(), cache_hits(), variants.VARIANTS.from_cache
         bg = background.BACKGROUND

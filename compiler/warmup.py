@@ -113,7 +113,8 @@ def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
         # a DiT has no levels: its token grid is the latent / patch (no side reaches 1 by halving)
         levels = 1 if accel.plan.arch == "dit" else _levels(accel.root)
         probes = probe_shapes(shapes, size_one_sides=not (accel.backend.name == "inductor"
-                                                          and variants.size_oblivious()), levels=levels)
+                                                          and variants.size_oblivious()), levels=levels,
+                              batch_unit=accel.inserted.video_length or 1)
         return probes + [p for p in accel.backend.extra_probes(shapes, levels) if p not in probes]
     return []
 

@@ -289,14 +289,15 @@ class WarmupFeedback:
         log.log(level, "UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
         return {"state": state, "text": text, "reason": reason, "fix": fix}
 
-    def skipped(self, why=None) -> dict:
+    def skipped(self, why=None, note: str | None = None) -> dict:
         """The end event and status of a warmup with nothing to run: the model has nothing compiled,
-        or ``why`` (a Reason) every region would run the model's own code."""
+        or ``why`` (a Reason) every region would run the model's own code, or ``note`` says why no
+        entry can be called."""
         facts = compile_facts(self.accel.report)
         if why is not None:
             facts = dict(facts, state="eager", reason=f"every region runs the model's own code: {why.why}",
                          fix=why.fix)
-        text = f"eager: {facts['reason']}; nothing to warm up ({self.total} shape(s) skipped)"
+        text = f"{note or 'eager: ' + facts['reason']}; nothing to warm up ({self.total} shape(s) skipped)"
         self._send("end", text, state=facts["state"], seconds=0.0, graphs=0, max_abs_diff=None,
                    reason=facts["reason"], fix=facts["fix"])
         log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)

@@ -18,8 +18,8 @@ from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_wi
                                      latent_scale, latent_time_scale)
 from ..compiler.reasons import Reason
 from ..compiler.runtime import Accelerator
-from ..compiler.shapes import (check_context_tokens, check_frames, check_memory, context_dim, first_level_channels,
-                               label_of, memory_name, parse_shapes, unet_inputs)
+from ..compiler.shapes import (Shape, check_context_tokens, check_frames, check_memory, context_dim,
+                               first_level_channels, label_of, memory_name, parse_shapes, unet_inputs)
 from ..compiler.warmup import warmup_runs
 from . import feedback
 
@@ -344,6 +344,26 @@ def nothing_runs_compiled(accel):
     return reasons[0] if reasons else None
 
 
+def whole_videos(accel, shapes):
+    """``shapes`` less the entries modules another pack inserted at load cannot take: modules that
+    take whole videos of N frames per call (AnimateDiff's motion modules, ``video_length`` N as that
+    pack last set it) need a batch that is a multiple of N. Each entry left out is said in the
+    report with the entry to give instead."""
+    accel.inserted.check()
+    n = accel.inserted.video_length
+    if not n:
+        return shapes
+    kept = [s for s in shapes if s.batch % n == 0]
+    for s in shapes:
+        if s.batch % n:
+            fix = Shape(2 * n, s.width, s.height, s.frames)
+            accel.report.notes.append(
+                f"warmup entry {s.label} left out: modules another pack inserted take whole videos of {n} frames "
+                f"per call (their video length, as that pack last set it), so a call's batch is a multiple of "
+                f"{n}. Fix: give {fix.label} (one video, cond and uncond) or {n}x{s.width}x{s.height}")
+    return kept
+
+
 def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False):
     """Run the model's real apply_model (wrappers, patches and the sampling
     state they read) for each shape under inference_mode with a cancellable
@@ -373,6 +393,13 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
             accel.report.notes.append(note)
         done = feedback.WarmupFeedback(accel, shapes, node_id).skipped(why)
         return accel.text() + f"\n  status: {done['text']}"
+    kept = whole_videos(accel, shapes)
+    if not kept:
+        note = (f"no entry's batch is a multiple of the {accel.inserted.video_length} frames the model's inserted "
+                f"modules take per call (see the report's warmup entry lines)")
+        done = feedback.WarmupFeedback(accel, shapes, node_id).skipped(note=note)
+        return accel.text() + f"\n  status: {done['text']}"
+    shapes = kept
     base = model.model
     device = model.load_device
     dtype = base.manual_cast_dtype or base.get_dtype()

@@ -34,10 +34,12 @@ LONG_ENV = "UNET_COMPILER_LONG_TESTS"
 
 @pytest.hookimpl(tryfirst=True)   # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    from tests._lanes import lane
+    from tests._lanes import LONG, lane
     for item in items:
         if lane(item.nodeid) == "full":
             item.add_marker(pytest.mark.full)
+        if item.nodeid in LONG:
+            item.add_marker(pytest.mark.long)
     if os.environ.get(LONG_ENV) == "1":
         return
     skip = pytest.mark.skip(reason=f"long: set {LONG_ENV}=1 to run it (CI's set leaves it out for time)")

@@ -389,7 +389,7 @@ def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
     """``bin/test`` alone is the quick lane, ``--full`` the tests marked full, ``--all`` both; tests
     named on the command line (or a marker) run as asked. Every test tests/_lanes.py names for the
     full lane exists (a renamed test would otherwise slip into the quick lane unnoticed)."""
-    from tests._lanes import FULL, lane
+    from tests._lanes import FULL, LONG, lane
     dev = _dev()
     assert dev.lane_args([]) == ["-m", "not full"] and dev.lane_args(["-x"]) == ["-m", "not full", "-x"]
     assert dev.lane_args(["--full", "-x"]) == ["-m", "full", "-x"] and dev.lane_args(["--all"]) == []
@@ -401,3 +401,4 @@ def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
                          cwd=ROOT, capture_output=True, text=True, timeout=300).stdout
     collected = {ln.strip() for ln in out.splitlines() if "::" in ln}
     assert FULL <= collected, sorted(FULL - collected)
+    assert LONG <= collected, sorted(LONG - collected)          # (each still collected, skipped unless asked)

@@ -81,6 +81,15 @@ def test_probe_shapes_cover_specialisations_generic_first():
     assert probe_shapes([Shape(2, 512, 512)]) == [Shape(2, 128, 192)]
 
 
+def test_a_video_boxs_probes_carry_its_fewest_frames():
+    """Video entries (``BxWxHxF``): the probes take the fewest frames an entry gives, and their labels
+    say so (a video model's probe is no one-frame image)."""
+    probes = probe_shapes([Shape(1, 832, 480, 33), Shape(2, 832, 480, 81)])
+    assert probes == [Shape(2, 128, 192, 33), Shape(1, 128, 192, 33)], probes
+    assert probes[0].label == "2x128x192x33"
+    assert probe_shapes([Shape(1, 64, 64), Shape(2, 128, 96, 9)])[0].label == "2x128x192x9"
+
+
 def test_size_oblivious_code_needs_no_probe_per_small_side():
     box = [Shape(2, 64, 64), Shape(4, 128, 128)]
     assert probe_shapes(box) == [Shape(2, 128, 192), Shape(2, 128, 64), Shape(2, 64, 192), Shape(2, 64, 64)]

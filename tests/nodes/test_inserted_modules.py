@@ -1,0 +1,105 @@
+"""Modules another pack inserts into the UNet: AnimateDiff-Evolved's real motion modules
+(``VanillaTemporalModule``, its own ``_inject``) put into ComfyUI's tiny SD1.5 through ComfyUI's
+patcher injections (inserted at load, as its loaders do), before and after Compile UNet.
+
+They are no regions: they run as they are, the report names them, and the result is the same
+model's without the pack; Warmup Shapes calls them only with whole videos (batches a multiple of
+their video length) and says which entry to give for one it leaves out."""
+import pytest
+
+from tests import _ade
+from unet_compiler.compiler.config import CompileConfig
+from unet_compiler.nodes import patcher
+
+from .test_comfy_patcher import _apply, _close
+
+pytestmark = pytest.mark.comfy
+CFG = CompileConfig(backend="inductor")
+FRAMES = 4
+
+
+@pytest.fixture(scope="module")
+def mm(comfy):
+    why = _ade.problem(comfy.path)
+    if why:
+        pytest.skip(why)
+    return _ade.load(comfy.path)
+
+
+def _with_motion(mm, mp):
+    """A clone of ``mp`` with motion modules injected at load (what AnimateDiff's loader returns)."""
+    ade = mp.clone()
+    injection, modules = _ade.motion_injection(mm, mp.model.diffusion_model, FRAMES)
+    ade.set_injections(_ade.KEY, [injection])
+    return ade, modules
+
+
+def _named(accel):
+    text = accel.text()
+    assert "inserted into the model after it was planned run as they are" in text, text
+    assert "VanillaTemporalModule" in text, text
+
+
+@pytest.mark.parametrize("order", ["compile_then_motion", "motion_then_compile"])
+def test_motion_modules_run_as_they_are_and_are_named(make_comfy_model, mm, order):
+    """Both orders: a call of 2 videos x FRAMES frames == the same model without the pack, the motion
+    modules mattered, every UNet region ran compiled code, and the report names the modules."""
+    mp = make_comfy_model("sd15")
+    plain = _apply(mp, "sd15", b=2 * FRAMES)
+    ref_model, _ = _with_motion(mm, mp)
+    ref = _apply(ref_model, "sd15", b=2 * FRAMES)
+    assert (ref - plain).abs().max() > 1e-3, "the motion modules must matter"
+    ref_model.detach()        # (its modules out of the shared UNet again)
+    if order == "compile_then_motion":
+        cm, _ = patcher.compile_model(mp, CFG)
+        model, _ = _with_motion(mm, cm)
+    else:
+        ade, _ = _with_motion(mm, mp)
+        model, _ = patcher.compile_model(ade, CFG)
+    out = _apply(model, "sd15", b=2 * FRAMES)
+    _close(out, ref)
+    accel = patcher.accelerator_of(model)
+    ran, total = accel.ran_compiled()
+    assert ran == total > 0 and accel.stats["region_eager"] == 0, accel.text()
+    _named(accel)
+    assert accel.inserted.found and sum(accel.inserted.found.values()) == 7, accel.inserted.found
+    model.detach()
+
+
+def test_warmup_calls_whole_videos_and_names_the_entry_to_give(make_comfy_model, mm):
+    """Warmup Shapes on a model with motion modules of video length FRAMES: an entry whose batch is
+    no multiple of FRAMES is left out, with the entry to give; the others warm (probes at whole
+    videos too) and sampling-style calls then compile nothing; no "could not be called" stop."""
+    mp = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    model, _ = _with_motion(mm, cm)
+    text = patcher.warmup_model(model, "2x64x64, 8x64x64, 8x96x64", 77)
+    accel = patcher.accelerator_of(model)
+    assert "warmup stopped" not in text, text
+    assert "warmup entry 2x64x64 left out" in text and f"give {2 * FRAMES}x64x64" in text, text
+    assert "warmed 8x64x64" in text and "warmed 8x96x64" in text, text
+    compiled = accel.stats["graphs_compiled"]
+    for b, h, w in ((2 * FRAMES, 8, 8), (FRAMES, 12, 8)):
+        with accel.bypass():
+            ref = _apply(model, "sd15", load=False, b=b, h=h, w=w)
+        _close(_apply(model, "sd15", load=False, b=b, h=h, w=w), ref)
+    assert accel.stats["graphs_compiled"] == compiled and accel.stats["recompiles_after_warmup"] == 0, accel.text()
+    _named(accel)
+    model.detach()
+
+
+def test_every_entry_left_out_says_so_without_a_call(make_comfy_model, mm):
+    """No entry of whole videos: nothing is called, the status says why and each entry's fix."""
+    mp = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    model, _ = _with_motion(mm, cm)
+    calls = []
+    hook = mp.model.diffusion_model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        text = patcher.warmup_model(model, "1x64x64, 2x64x64", 77)
+    finally:
+        hook.remove()
+    assert calls == [], f"{len(calls)} call(s) made"
+    assert f"no entry's batch is a multiple of the {FRAMES} frames" in text, text
+    assert f"give {2 * FRAMES}x64x64" in text, text
+    model.detach()
