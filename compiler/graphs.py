@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch
 
-from . import background
+from .lifecycle import background
 from .compat.comfy import is_interrupt, is_oom, reserve_vram
 
 log = logging.getLogger(__name__)

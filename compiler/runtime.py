@@ -15,14 +15,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 import traceback
 import weakref
 from collections import Counter
 
 import torch
 
-from . import background, cast, settings, variants, weights
+from . import cast, settings, weights
+from .lifecycle import background, variants
+from .lifecycle.ledger import Ledger
 from . import plan as P
 from .backends import choose, graphs_problem, kernels_in_captures_problem
 from .cache import CompileCache
@@ -30,7 +31,7 @@ from .compat import comfy as comfy_compat
 from .compat.torch_version import torch_too_old
 from .config import CompileConfig
 from .inserted import Inserted
-from .recompiles import Recompiles
+from .lifecycle.recompiles import Recompiles
 from .reasons import NOTHING_TO_COMPILE, Reason, build_failure, error_summary
 from .report import Report, accelerator_text
 from .shims import make_shim
@@ -38,18 +39,6 @@ from .shims import make_shim
 log = logging.getLogger(__name__)
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def _graph_count() -> int:
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
-
-
-def cache_hits() -> int:
-    """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["fxgraph_cache_hit"]) + variants.VARIANTS.from_cache
 
 
 def _release(error: BaseException, args) -> None:
@@ -160,6 +149,8 @@ class Accelerator:
             self.graphs.on_off = stopped
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
+        #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
+        self.ledger = Ledger(self.stats, self.recompiles, self.cache, self.backend.compile_count)
         if self.cache is not None and self.cache.load():
             # deserialize its variants beside what runs next (warmup's eager reference forward)
             variants.VARIANTS.preload(functools.partial(_call_modes, device.type if hasattr(device, "type")
@@ -233,10 +224,6 @@ class Accelerator:
         memory goes back where ComfyUI's accounting sees it); the next call at a shape captures
         again. Returns how many graphs were freed."""
         return self.graphs.release(why) if self.graphs is not None else 0
-
-    def _compiled(self) -> int:
-        """Dynamo graphs plus the backend's own compiles (Triton kernel variants)."""
-        return _graph_count() + self.backend.compile_count()
 
     # ---- per-region shim ------------------------------------------------
     def _make_shim(self, region, impl):
@@ -400,11 +387,6 @@ class Accelerator:
         weights.set_epoch(weight_epoch)
         self.inserted.check()
         installed = []
-        before, hits_before, loads_before = self._compiled(), cache_hits(), variants.VARIANTS.from_cache
-        bg = background.BACKGROUND
-        bg_before = (bg.epoch, bg.active)
-        marks = variants.guard_marks() if self.warmed else None
-        t0 = time.perf_counter()
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
                 stack.enter_context(cm)
@@ -416,6 +398,8 @@ class Accelerator:
                 # no autocast weight-cast cache under graphs: a cast cached inside one region's capture
                 # lives in the graph pool and would be read by other graphs after it is freed
                 stack.enter_context(torch.autocast(dev, dtype=self._autocast, cache_enabled=self.graphs is None))
+            # (innermost: the call's compiles are counted before the compile queue's context ends)
+            stack.enter_context(self.ledger.call(shape, self.warmed, self.warmed_shapes))
             try:
                 for module, shim in self._shims:
                     hook = getattr(shim, "hook", "forward")
@@ -426,28 +410,6 @@ class Accelerator:
                 for module, hook in installed:
                     module.__dict__.pop(hook, None)
                 weights.release_scratch()
-                new = self._compiled() - before
-                hits = cache_hits() - hits_before
-                self.stats["calls"] += 1
-                if bg_before[1] or bg.active or bg.epoch != bg_before[0]:
-                    # the background thread compiled meanwhile: its graphs are counted when it is done
-                    # (``_background_compiled``), not as this call's compiles or recompiles; what this
-                    # call took from the compile cache is its own (the thread loads nothing from it)
-                    new = hits
-                if new:
-                    self.stats["graphs_compiled"] += new
-                    self.stats["graphs_from_cache"] += hits
-                    self.stats["compile_seconds"] += time.perf_counter() - t0
-                    if hits < new and self.cache is not None:  # something new to keep
-                        self.cache.compiled_new()
-                    # precompiled variants loaded from the compile cache entry are no recompile (a
-                    # restart's warmup leaves the other listed shapes' variants to their first call);
-                    # a graph dynamo traced again is one, even where inductor's cache had its code
-                    loads = variants.VARIANTS.from_cache - loads_before
-                    if self.warmed and new > loads:
-                        self.stats["recompiles_after_warmup"] += new - loads
-                        self.recompiles.record(new - loads, shape, time.perf_counter() - t0, marks,
-                                               self.warmed_shapes)
 
     # ---- background mode ---------------------------------------------------
     def background_mode(self) -> background.BackgroundMode:
@@ -465,19 +427,9 @@ class Accelerator:
             self.background = None
 
     def _background_compiled(self, graphs: int, seconds: float, first: bool, marks) -> str:
-        """The compile thread's queue emptied: count what it compiled for this model (the first time
-        as warmup's, later as compiles after warmup) and save it. Returns the model's state."""
-        self.stats["graphs_compiled"] += graphs
-        self.stats["compile_seconds"] += seconds
-        mode = self.background
-        if first and mode is not None and not mode.owner.failures and self.cache is not None:
-            for label in mode.primes:
-                self.cache.record_probe(label)
-        if not first:
-            self.stats["recompiles_after_warmup"] += graphs
-            self.recompiles.record(graphs, None, seconds, marks, self.warmed_shapes, in_background=True)
-        if graphs and self.cache is not None:
-            self.cache.compiled_new()
+        """The compile thread's queue emptied for this model: counted in its ledger. Returns the
+        model's state."""
+        self.ledger.background_compiled(graphs, seconds, first, marks, self.background, self.warmed_shapes)
         return "fallback" if self.failed else "compiled"
 
     def text(self) -> str:

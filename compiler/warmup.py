@@ -12,8 +12,9 @@ import time
 
 import torch
 
-from . import background as bg
-from . import cast, variants
+from . import cast
+from .lifecycle import background as bg
+from .lifecycle import variants
 from .reasons import wrong_result
 from .runtime import Accelerator
 from .shapes import Shape, probe_shapes

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from ..compiler import background
+from ..compiler.lifecycle import background
 from ..compiler.reasons import runtime_fallback
 from ..compiler.report import compile_facts, compiled_and_loaded, status_line, warmup_facts
 from ..compiler.warmup import warmup_probes

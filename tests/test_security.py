@@ -210,7 +210,7 @@ MEGACACHE = {
                                                    "only an entry whose .json (format, key, size, sha256) matches",
     ("compiler/cache/megacache.py", "load"): "the same entry, to torch's caches (public call where the "
                                               "serializer is missing)",
-    ("compiler/variants.py", "_deserialize"): "a precompiled region variant of the same entry, which "
+    ("compiler/lifecycle/variants.py", "_deserialize"): "a precompiled region variant of the same entry, which "
                                                  "compiler/cache/entry.py hands over only after its .json matched",
 }
 

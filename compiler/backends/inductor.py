@@ -16,7 +16,8 @@ import shutil
 
 import torch
 
-from .. import precompiled, settings, variants
+from .. import settings
+from ..lifecycle import precompiled, variants
 from .. import regions as R
 from ..compat.torch_version import torch_too_old
 from ..plan import PROJECTION

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from .. import settings, variants
+from .. import settings
+from ..lifecycle import variants
 from . import cpu_isa, megacache, torch_dirs
 from . import files
 from .key import FORMAT, key_facts, key_of

@@ -1,4 +1,4 @@
-"""Warmup Shapes' ``background`` (compiler/background.py): warmup returns having
+"""Warmup Shapes' ``background`` (compiler/lifecycle/background.py): warmup returns having
 compiled nothing, calls meanwhile run the model's own code and match eager, a daemon thread
 compiles what warmup recorded, after which the same calls run the compiled variants with nothing
 traced in the caller; its graphs count once, never as recompiles; a call no variant fits while
@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from unet_compiler.compiler import api
-from unet_compiler.compiler import background as B
-from unet_compiler.compiler import precompiled as P
-from unet_compiler.compiler import variants as V
+from unet_compiler.compiler.lifecycle import background as B
+from unet_compiler.compiler.lifecycle import precompiled as P
+from unet_compiler.compiler.lifecycle import variants as V
 
 pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
 
@@ -367,8 +367,8 @@ def test_out_of_memory_while_compiling_is_never_for_good(monkeypatch):
     body's fault: nothing is marked for plain torch.compile for good. In the compile thread the job
     is dropped and the next miss compiles it; an out-of-memory first call keeps the variant; in the
     sampling thread the error is the call's (the runtime runs the model's own code for it)."""
-    from unet_compiler.compiler import variants
-    from unet_compiler.compiler.precompiled import Precompiled
+    from unet_compiler.compiler.lifecycle import variants
+    from unet_compiler.compiler.lifecycle.precompiled import Precompiled
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     p = Precompiled(lambda m, x: x, "inductor", False, lambda m, x: x, ())
     traced, added = [], []

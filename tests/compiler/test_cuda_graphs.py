@@ -477,7 +477,7 @@ def test_release_frees_every_graph_and_the_next_call_captures_again(graph_standi
 def test_no_capture_while_a_background_compile_runs(graph_standin, monkeypatch):
     """While the compile thread runs (another model's background compile), a region call may run
     its body's own code in place of a variant still compiling: a graph would keep that for good."""
-    from unet_compiler.compiler import background
+    from unet_compiler.compiler.lifecycle import background
     blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(graphs=fake)
     x, e = _inputs()
@@ -528,7 +528,8 @@ def test_backend_auto_on_cuda_measures_its_graphs(monkeypatch, tiny_unet):
     """Backend auto on CUDA with cuda_graphs off: graphs where they win, said in the report; a backend
     named outright with cuda_graphs off: none; cuda_graphs on: every graph (not measured). Measured
     graphs do not stop background compile (no capture while the thread runs)."""
-    from unet_compiler.compiler import background, backends, runtime
+    from unet_compiler.compiler import backends, runtime
+    from unet_compiler.compiler.lifecycle import background
     u = tiny_unet()
     monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
     monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (backends.lookup_backend("inductor")(), []))

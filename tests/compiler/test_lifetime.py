@@ -81,7 +81,7 @@ def dynamo_entries(compiled_fns) -> int:
     precompiled region variants, where they are precompiled bodies)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from unet_compiler.compiler import precompiled, variants
+    from unet_compiler.compiler.lifecycle import precompiled, variants
     n = sum(len(_debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__))
             for f in compiled_fns if hasattr(f, "_torchdynamo_orig_callable"))
     if any(isinstance(f, precompiled.Precompiled) for f in compiled_fns):

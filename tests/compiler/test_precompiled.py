@@ -1,6 +1,6 @@
-"""Precompiled region variants (compiler/variants.py, compiler/precompiled.py): they match eager, a new store fed only
-their bytes serves a UNet with nothing traced (what a restart does), a region dynamo alone can
-follow (a hook inside it) runs plain torch.compile and honours the hook, and a call no variant
+"""Precompiled region variants (compiler/lifecycle/variants.py and precompiled.py): they match
+eager, a new store fed only their bytes serves a UNet with nothing traced (what a restart does), a
+region dynamo alone can follow (a hook inside it) runs plain torch.compile and honours the hook, and a call no variant
 fits compiles one more and names the input that did not fit. The two-process restart is in
 tests/compiler/test_cache.py."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unet_compiler.compiler import api
-from unet_compiler.compiler import variants as V
+from unet_compiler.compiler.lifecycle import variants as V
 
 pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
 
@@ -277,7 +277,7 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     """A body whose precompile fails (a graph break, a torch without the API, a first call that
     raises) is served by plain torch.compile, and the report names it with the reason: never a
     log line alone."""
-    from unet_compiler.compiler import precompiled
+    from unet_compiler.compiler.lifecycle import precompiled
     from unet_compiler.compiler.backends import inductor
     from unet_compiler.compiler.config import CompileConfig
 

@@ -232,7 +232,7 @@ def test_guards_speak_the_models_language():
     frames x patches) is never called channels; a guard that raised on a None input is said in words,
     not as Python's error; a call outside inference mode says so, with its own fix."""
     from unet_compiler.compiler.compat.dynamo import plain_guard
-    from unet_compiler.compiler.recompiles import Recompiles, recompile_sentence
+    from unet_compiler.compiler.lifecycle.recompiles import Recompiles, recompile_sentence
     size = "0/1: tensor 'L['x']' size mismatch at index 1. expected 60, actual 124"
     assert plain_guard(size, "dit") == "region input x: tokens (dim 1) is 124, the code was compiled for exactly 60"
     assert "channels (dim 1)" not in plain_guard(size, "unet")
@@ -255,7 +255,8 @@ def test_the_cache_preloads_for_the_device_the_model_runs_on(tiny_unet, monkeypa
     variant is deserialized twice."""
     import functools
 
-    from unet_compiler.compiler import runtime, variants
+    from unet_compiler.compiler import runtime
+    from unet_compiler.compiler.lifecycle import variants
     from unet_compiler.compiler.cache import CompileCache
     monkeypatch.setattr(lookup_backend("inductor"), "available", lambda self, device: (True, "test"))
     monkeypatch.setattr(CompileCache, "load", lambda self: True)

@@ -326,7 +326,8 @@ def test_fp8_flux_runs_compiled_with_comfyuis_cast(comfy):
     _close(F.dit_apply(cm, 2, 8, 8, seed=3), F.dit_apply(mp, 2, 8, 8, seed=3))
     assert accel.stats["region_cast_compiled"] > 0 and not accel.failed and not accel.cast_eager, accel.text()
     # the compile thread traces a stand-in showing the cast weights (Warmup Shapes' default: background)
-    from unet_compiler.compiler import api, background
+    from unet_compiler.compiler import api
+    from unet_compiler.compiler.lifecycle import background
     failures = len(background.BACKGROUND.failures)
     bg, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     patcher.warmup_model(bg, "2x64x96", 7, background=True)

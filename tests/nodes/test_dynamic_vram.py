@@ -132,7 +132,8 @@ def test_warmup_gate_refuses_a_wrong_kernel_and_names_it(make_comfy_model, monke
     compare is over the tolerance, the feed-forward regions turn to the model's own code (found by
     running each kind alone), the status says fallback with the difference and the tolerance, never
     "compiled", and the next call gives the model's own result."""
-    from unet_compiler.compiler import regions, variants
+    from unet_compiler.compiler import regions
+    from unet_compiler.compiler.lifecycle import variants
     real = regions.Ops.geglu
     monkeypatch.setattr(regions.Ops, "geglu", lambda self, h, approximate: real(self, h, approximate) * 1.5)
     # a fresh variant store: a variant an earlier test compiled for this structure would serve the

@@ -14,7 +14,7 @@ import pytest
 
 from unet_compiler.compiler.backends import Backend
 from unet_compiler.compiler.config import DISABLE_ENV, CompileConfig
-from unet_compiler.compiler.recompiles import Recompiles
+from unet_compiler.compiler.lifecycle.recompiles import Recompiles
 from unet_compiler.compiler.report import Report
 from unet_compiler.compiler.shapes import parse_shapes
 from unet_compiler.nodes import feedback
@@ -54,7 +54,7 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
                            warmed=False, bypassed=False, on_fallback=None, background=None,
                            recompiles=Recompiles(), ran_compiled=lambda: (54, 54), cast_eager={},
-                           plan=SimpleNamespace(arch="unet"))
+                           plan=SimpleNamespace(arch="unet"), inserted=SimpleNamespace(video_length=None))
 
 
 def test_no_server_is_a_noop(monkeypatch, caplog):
@@ -76,7 +76,7 @@ def test_unrelated_server_module_is_ignored(monkeypatch):
 def test_a_cpu_background_compile_is_told_when_comfyuis_queue_is_busy(server, monkeypatch):
     """``prompts_pending``: ComfyUI's queue has a prompt queued or running; ``watch_the_queue``
     makes it one of the background compile's activity signals, once."""
-    from unet_compiler.compiler import background
+    from unet_compiler.compiler.lifecycle import background
     assert feedback.prompts_pending() is False                     # a server without a queue
     remaining = [2]
     server.prompt_queue = SimpleNamespace(get_tasks_remaining=lambda: remaining[0])

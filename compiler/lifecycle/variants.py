@@ -19,14 +19,14 @@ from collections import defaultdict
 
 import torch
 
-from . import settings
-from .compat import dynamo
-from .reasons import error_summary
+from .. import settings
+from ..compat import dynamo
+from ..reasons import error_summary
 
 log = logging.getLogger(__name__)
 
 #: this pack's top-level module name; inside ComfyUI it is the install path (``nodes.load_custom_node``)
-PACKAGE = __name__.rsplit(".compiler.variants", 1)[0]
+PACKAGE = __name__.rsplit(".compiler.lifecycle.variants", 1)[0]
 #: guard kinds that serialize and check values (not object identity)
 _KEEP = frozenset({"TENSOR_MATCH", "SHAPE_ENV", "GRAD_MODE", "GLOBAL_STATE", "DETERMINISTIC_ALGORITHMS",
                    "TORCH_FUNCTION_STATE", "DEFAULT_DEVICE", "AUTOGRAD_SAVED_TENSORS_HOOKS", "CONSTANT_MATCH",

@@ -8,9 +8,9 @@ from collections import Counter
 import torch
 
 from . import variants
-from .compat import comfy as comfy_compat
-from .compat.dynamo import plain_guard, rank
-from .shapes import parse_shapes
+from ..compat import comfy as comfy_compat
+from ..compat.dynamo import plain_guard, rank
+from ..shapes import parse_shapes
 
 log = logging.getLogger(__name__)
 

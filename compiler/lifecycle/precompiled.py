@@ -11,8 +11,8 @@ import logging
 import torch
 
 from . import background, variants
-from .compat import comfy as comfy_compat
-from .reasons import error_summary
+from ..compat import comfy as comfy_compat
+from ..reasons import error_summary
 from .variants import structure
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ class Precompiled:
         probe sizes would each re-pack every weight (~1.3 s for SD1.5) that sampling packs again."""
         if self.options and self.options[0] and not background.BACKGROUND.recording and \
                 any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
-            from .passes import prepack_conv
+            from ..passes import prepack_conv
             with prepack_conv.PackedConvs():
                 return self.body(module, *args)
         return self.body(module, *args)

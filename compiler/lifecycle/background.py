@@ -20,9 +20,10 @@ import weakref
 
 import torch
 
-from . import cast, settings, variants
+from .. import cast, settings
+from . import variants
 from .variants import guard_marks
-from .reasons import error_summary
+from ..reasons import error_summary
 
 log = logging.getLogger(__name__)
 
@@ -360,7 +361,7 @@ def first_calls(fn, modules, args) -> None:
     sampling already packed keeps its copy (``prepack_conv.keeping_packed``)."""
     if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
         return
-    from .passes.prepack_conv import keeping_packed
+    from ..passes.prepack_conv import keeping_packed
     with torch.no_grad(), keeping_packed():
         for m in modules:
             # a module whose weights are cast per call: the sampling thread may be showing them now
