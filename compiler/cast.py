@@ -190,8 +190,10 @@ def _check_own(leaf, dtype, device) -> Reason | None:
             why = Reason(f"weights made per call by another pack's ops ({name}): its forward is not the plain "
                          f"op on its own cast", "none needed for correctness: its regions run its own code")
     except Exception as e:    # a cast or forward this check cannot call: the leaf's own code runs
+        first = str(e).splitlines()[0][:160] if str(e) else ""
         why = Reason(f"weights made per call by another pack's ops ({name}), whose cast could not be "
-                     f"checked ({type(e).__name__}: {e})", "none needed for correctness: its regions run its own code")
+                     f"checked on a probe ({type(e).__name__}: {first})",
+                     "none needed for correctness: its regions run its own code")
     seen[key] = why
     return why
 
