@@ -237,7 +237,7 @@ def _cast(leaf, dtype, device):
     if own_cast(type(leaf)):
         # another pack's own cast (its dequantisation and patches): a plain tensor of the compute dtype
         w, b = leaf.cast_bias_weight(None, dtype=dtype, device=device, bias_dtype=dtype)
-        return _held(leaf, _plain(w), "weight"), _held(leaf, _plain(b), "bias"), None
+        return _held(leaf, _plain(w), "weight", True), _held(leaf, _plain(b), "bias", True), None
     if _takes_offloadable(ops.cast_bias_weight):
         w, b, handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
     else:
@@ -254,13 +254,15 @@ def _plain(t):
     return t if t is None or type(t) in (torch.Tensor, torch.nn.Parameter) else t.as_subclass(torch.Tensor)
 
 
-def _held(leaf, t, name):
+def _held(leaf, t, name, fresh_views: bool = False):
     """``t`` (a cast weight of ``leaf``) or a copy of it that no later cast overwrites: the leaf's own
-    parameter, its VBAR slot (pinned until uncast) and a tensor whose storage is its own (all of it,
-    a view or not) are kept as they are; a view into a larger buffer is copied."""
+    parameter, its VBAR slot (pinned until uncast) and a tensor that owns its memory are kept as
+    they are; a view is copied (a cast buffer the next cast reuses may be exactly one weight's
+    size), unless ``fresh_views``: another pack's own cast, whose dequantized weight is a new
+    tensor each call, often a reshape of one (kept when it covers its whole storage)."""
     if t is None or t is leaf.__dict__.get(f"_v_{name}") or t is leaf._parameters.get(name):
         return t
-    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+    if (t._base is None or fresh_views) and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
     STATS["copied"] += 1
     return t.clone()
