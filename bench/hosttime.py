@@ -7,7 +7,8 @@ pack's kernels is replaced by a counter (the launcher's own Python runs up to th
 plan for an H100, sm_90). Per step and path (the model's own code, the triton backend without CUDA
 graphs, and with every region's graph replaying: replays are no-ops here, what is left is the
 replay path, its input copies and output clones): the pack's own Python per step (the time spent in
-the pack's functions, under cProfile, which inflates every function call a little: an upper bound),
+the pack's functions, under cProfile, which inflates every function call: an upper bound; with
+graphs replaying also the wall time of one step's region calls made again, not profiled),
 the launches per step (the pack's kernels, and aten ops that launch work on a GPU, views excluded).
 Per kernel call: each launcher alone on CPU tensors of the same shapes, its Python up to the stubbed
 launch, not profiled. A meta op's
@@ -147,6 +148,36 @@ def _triton(u, graphs: bool):
     return accel
 
 
+def replay_wall_ms(accel, step, iters: int) -> tuple[float, int]:
+    """(milliseconds of wall time one step's region calls take, not profiled; region calls per step),
+    with every region's graph replaying: each region call of one step is recorded, then all of them
+    are made again through their shims, inside the regions' call context, and timed. No model code
+    runs between them; what is timed is the pack's replay path and the torch calls it makes (input
+    copies, output clones: here meta dispatches, on a GPU launches)."""
+    calls = []
+    shims = list(accel._shims)
+
+    def recording(shim):
+        def call(*a, **k):
+            calls.append((shim, a, k))
+            return shim(*a, **k)
+        call.hook = shim.hook
+        return call
+    accel._shims = [(m, recording(s)) for m, s in shims]
+    try:
+        step()
+    finally:
+        accel._shims = shims
+    best = float("inf")
+    with torch.inference_mode(), accel.active():
+        for _ in range(max(1, iters) * 4):
+            t0 = time.perf_counter()
+            for shim, a, k in calls:
+                shim(*a, **k)
+            best = min(best, time.perf_counter() - t0)
+    return best * 1e3, len(calls)
+
+
 def step_rows(size: str, iters: int) -> list[dict]:
     from ..compiler.api import uncompile_unet
     u, args, kw = _model(size)
@@ -169,8 +200,10 @@ def step_rows(size: str, iters: int) -> list[dict]:
             regions = len(accel._shims) if accel is not None else 0
             stats = dict(accel.graphs.stats) if accel is not None and accel.graphs else {}
             fell_back = dict(accel.stats).get("region_eager", 0) if accel is not None else 0
+            wall_ms, region_calls = replay_wall_ms(accel, step, iters) if "graphs" in mode else (None, None)
         rows.append(dict(size=size, mode=mode, pack_ms=ms, triton_launches=launches, torch_ops=ops.n,
-                         regions=regions, graph_replays=stats.get("replays", 0), region_calls_eager=fell_back))
+                         regions=regions, graph_replays=stats.get("replays", 0), region_calls_eager=fell_back,
+                         replay_wall_ms=wall_ms, region_calls=region_calls))
         if accel is not None:
             uncompile_unet(u)
     return rows
@@ -220,16 +253,20 @@ def main(argv=None) -> int:
     for r in ks:
         print(f"{r['kernel']:34s} {r['host_us']:8.1f} {r['launches']:8d}")
     rows = []
-    print(f"{'model, path':44s} {'pack ms':>8s} {'triton':>7s} {'torch':>6s} {'regions':>7s}")
+    print(f"{'model, path':44s} {'pack ms':>8s} {'triton':>7s} {'torch':>6s} {'regions':>7s} {'wall ms':>8s}")
     for size in filter(None, o.size.split(",")):
         for r in step_rows(size, o.iters):
             rows.append(r)
             print(f"{size + ' 2x' + str(SHAPES[size] * 8) + '², ' + r['mode']:44s} {r['pack_ms']:8.2f} "
-                  f"{r['triton_launches']:7d} {r['torch_ops']:6d} {r['regions']:7d}"
+                  f"{r['triton_launches']:7d} {r['torch_ops']:6d} {r['regions']:7d} "
+                  + (f"{r['replay_wall_ms']:8.2f} ({r['replay_wall_ms'] * 1e3 / r['region_calls']:.1f} us a region call)"
+                     if r["replay_wall_ms"] is not None else f"{'-':>8s}")
                   + (f"  ({r['region_calls_eager']} region calls fell back: not a valid row)"
                      if r["region_calls_eager"] else ""))
     print("pack ms: one CFG step's time in the pack's own functions (cProfile, least of --iters runs); triton: the pack's kernel "
-          "launches per step; torch: aten ops that launch work (views excluded); regions: accelerated regions")
+          "launches per step; torch: aten ops that launch work (views excluded); regions: accelerated regions; "
+          "wall ms: with graphs replaying, one step's region calls made again through the pack, not profiled "
+          "(least of 4 x --iters runs)")
     if o.out:
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)

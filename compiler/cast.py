@@ -198,6 +198,25 @@ def _check_own(leaf, dtype, device) -> Reason | None:
     return why
 
 
+def watch(leaves) -> tuple:
+    """What :func:`idle` reads per call for ``leaves``: each leaf's instance dict, its class and the
+    cast flags its class defines (the flags' values are read live)."""
+    return tuple((leaf.__dict__, type(leaf), comfy_compat.cast_flags_of(type(leaf))) for leaf in leaves)
+
+
+def idle(watched) -> bool:
+    """True when no watched leaf's weights are made per call now (no cast flag, weight or bias
+    function, dequantizing or quantized leaf): :func:`plan` would find nothing to cast. A few dict
+    reads a leaf, for every call of a region; False sends the call to :func:`plan`."""
+    for d, cls, on_class in watched:
+        if d.get("layout_type") is not None or d.get("_full_precision_mm"):
+            return False
+        for name in comfy_compat.CAST_FLAGS:
+            if (d[name] if name in d else name in on_class and getattr(cls, name)):
+                return False
+    return True
+
+
 def plan(leaves, args=None) -> tuple[tuple, Reason | None]:
     """The leaves of a region whose weights ComfyUI casts or patches this call, and the reason the
     region must run the model's own code instead (None: casting them outside serves it). With the

@@ -29,12 +29,13 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
     (counted in ``stats["region_eager"]``; those for cast weights in ``stats["region_eager_cast"]``
     too, their reason in ``cast_eager[kind]``)."""
     module, kind, leaves = region.module, region.kind, region.leaves
+    watched = cast.watch(leaves)
     original = getattr(type(module), region.hook)
 
     if kind == P.ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
-                    or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused, (x,))) is None):
+                    or (casts := _casts(kind, leaves, watched, stats, cast_eager, cast_refused, (x,))) is None):
                 stats["region_eager"] += 1
                 return original(module, x, context=context, value=value, mask=mask,
                                 transformer_options=transformer_options)
@@ -42,7 +43,7 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
                          dict(context=context, value=value, mask=mask, transformer_options=transformer_options), casts)
         return shim
     if kind in DIT_INPUTS:
-        return _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eager, cast_refused)
+        return _dit_shim(module, kind, original, leaves, watched, impl, run, stats, failed, cast_eager, cast_refused)
     if kind == P.ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
             if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
@@ -56,14 +57,14 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
         if kwargs.get("scale", 0) in (None, 1.0):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
-        if kwargs or kind in failed or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused, args)) is None:
+        if kwargs or kind in failed or (casts := _casts(kind, leaves, watched, stats, cast_eager, cast_refused, args)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         return run()(kind, impl, module, original, args, None, casts)
     return shim
 
 
-def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eager, cast_refused):
+def _dit_shim(module, kind, original, leaves, watched, impl, run, stats, failed, cast_eager, cast_refused):
     """A DiT block's gate. ComfyUI calls these blocks by keyword; the body serves the calls
     ``_dit_inputs`` turns into its inputs, whose other arguments are at their defaults (no attention
     mask, no per-token modulation dims); ``transformer_options`` may hold anything but an attention
@@ -87,7 +88,7 @@ def _dit_shim(module, kind, original, leaves, impl, run, stats, failed, cast_eag
             if (given.pop("attn_mask", None) is not None or any(v is not None for v in given.values())
                     or "optimized_attention_override" in opts):
                 inputs = None
-        if inputs is None or (casts := _casts(kind, leaves, stats, cast_eager, cast_refused, inputs)) is None:
+        if inputs is None or (casts := _casts(kind, leaves, watched, stats, cast_eager, cast_refused, inputs)) is None:
             stats["region_eager"] += 1
             return original(module, *args, **kwargs)
         rest = {k: v for k, v in bound.items() if k != first}      # the own forward's call, less its first input
@@ -167,11 +168,14 @@ def _handed(kind, vec) -> tuple | None:
     return tuple(t for m in mods for t in m)
 
 
-def _casts(kind, leaves, stats, cast_eager, refused, args):
+def _casts(kind, leaves, watched, stats, cast_eager, refused, args):
     """The leaves whose weights ComfyUI (or another pack's ops, by their own cast) casts or patches
     this call on ``args`` (fp8 or another storage dtype, a partial load, weight functions, GGUF's
     dequantisation), or None when the region must run the model's own code for them: counted, with
-    the reason kept per kind for the report."""
+    the reason kept per kind for the report. ``watched``: ``cast.watch(leaves)``, the per-call check
+    that finds none (most calls) without planning."""
+    if cast.idle(watched):
+        return ()
     todo, why = cast.plan(leaves, args)
     if todo and refused:
         why = refused

@@ -158,7 +158,9 @@ def current_prompt() -> str | None:
     return getattr(ctx, "prompt_id", None)
 
 
-_CAST_FLAGS = ("comfy_cast_weights", "weight_function", "bias_function")
+#: the op attributes (class defaults, set per instance by ComfyUI's patcher) that make an op cast or
+#: patch its weights per call
+CAST_FLAGS = ("comfy_cast_weights", "weight_function", "bias_function")
 
 
 def has_cast_weights(module) -> bool:
@@ -168,7 +170,7 @@ def has_cast_weights(module) -> bool:
     # __dict__, else the class's (kept per class), never through nn.Module.__getattr__, whose miss
     # (a raised AttributeError) on a module without them costs more than the rest of this check
     d, cls = module.__dict__, type(module)
-    for name, on_class in zip(_CAST_FLAGS, _class_has(cls), strict=True):
+    for name, on_class in zip(CAST_FLAGS, _class_has(cls), strict=True):
         if d[name] if name in d else on_class and getattr(cls, name):
             return True
     return False
@@ -177,7 +179,12 @@ def has_cast_weights(module) -> bool:
 @functools.lru_cache(maxsize=None)
 def _class_has(cls) -> tuple:
     """Which of the flags ``cls`` defines (their values are read live: a class attribute may change)."""
-    return tuple(hasattr(cls, name) for name in _CAST_FLAGS)
+    return tuple(hasattr(cls, name) for name in CAST_FLAGS)
+
+
+def cast_flags_of(cls) -> frozenset:
+    """The names in :data:`CAST_FLAGS` that ``cls`` defines (values read live by the caller)."""
+    return frozenset(n for n, has in zip(CAST_FLAGS, _class_has(cls), strict=True) if has)
 
 
 def is_interrupt(e: BaseException) -> bool:

@@ -21,6 +21,9 @@ def test_steps_on_meta_count_launches_and_the_packs_time():
     assert plain["pack_ms"] > 0
     assert graphed["triton_launches"] == 0 and graphed["graph_replays"] > 0 and graphed["region_calls_eager"] == 0
     assert graphed["torch_ops"] < plain["torch_ops"]
+    # the replay path timed unprofiled: every region call of a step made again, each one replaying
+    assert plain["replay_wall_ms"] is None and graphed["replay_wall_ms"] > 0
+    assert graphed["region_calls"] >= graphed["regions"]
 
 
 def test_each_launcher_alone():

@@ -266,3 +266,44 @@ def test_the_per_call_check_reads_comfyuis_flags_where_its_patcher_sets_them(com
     assert not has_cast_weights(f)
     Flagged.comfy_cast_weights = True                    # read live, not remembered per class
     assert has_cast_weights(f)
+
+
+def test_the_regions_quick_check_finds_what_the_planner_would(comfy, make_comfy_model):
+    """``cast.idle`` (each region call's first check, over the leaves ``cast.watch`` took at compile
+    time) is True only where ``cast.plan`` finds nothing to cast, and reads every flag live: a
+    partial load's flag, a LoRA weight function, a bias function, a class flag changed later, a
+    dequantizing or quantized leaf (its instance attributes), all set after the watch."""
+    ops = comfy.ops
+    plain, stock, cast_op = torch.nn.Linear(2, 2), ops.disable_weight_init.Linear(2, 2), ops.manual_cast.Linear(2, 2)
+
+    def agree(*leaves):
+        idle = cast.idle(cast.watch(leaves))
+        todo, why = cast.plan(leaves)
+        assert not (idle and (todo or why)), (leaves, todo, why)
+        assert idle == (not any(cast.per_call(m) or cast.quantized(m) for m in leaves))
+        return idle
+    assert agree(plain, stock) and not agree(plain, cast_op)
+    watched = cast.watch([plain, stock])
+    for name, value in (("comfy_cast_weights", True), ("weight_function", [lambda w: w]),
+                        ("bias_function", [lambda b: b]), ("_full_precision_mm", True)):
+        setattr(stock, name, value)
+        assert not cast.idle(watched) and not agree(stock), name
+        setattr(stock, name, type(value)())             # what ComfyUI's unpatch leaves: False / []
+        assert cast.idle(watched) and agree(stock), name
+    stock.layout_type = "TensorCoreFP8Layout"          # a mixed-precision leaf (quantized matmul)
+    assert not cast.idle(watched) and not agree(stock)
+    del stock.layout_type
+
+    class Flagged(torch.nn.Linear):
+        comfy_cast_weights = False
+    f = Flagged(2, 2)
+    watched = cast.watch([f])
+    assert cast.idle(watched)
+    Flagged.comfy_cast_weights = True                    # read live, not remembered per class
+    assert not cast.idle(watched) and not agree(f)
+    # a whole model's regions: every region's quick check agrees with the planner, fp8 storage or not
+    for dtype in (torch.float32, torch.float8_e4m3fn):
+        mp = make_comfy_model("sd15", weight_dtype=dtype)
+        from unet_compiler.compiler import plan as P    # noqa: N812
+        for region in P.build_plan(mp.model.diffusion_model).regions:
+            assert cast.idle(cast.watch(region.leaves)) == (cast.plan(region.leaves) == ((), None)), region.path
