@@ -170,7 +170,7 @@ def replay_wall_ms(accel, step, iters: int) -> tuple[float, int]:
         accel._shims = shims
     best = float("inf")
     with torch.inference_mode(), accel.active():
-        for _ in range(max(1, iters) * 4):
+        for _ in range(max(20, iters * 4)):
             t0 = time.perf_counter()
             for shim, a, k in calls:
                 shim(*a, **k)
@@ -266,7 +266,7 @@ def main(argv=None) -> int:
     print("pack ms: one CFG step's time in the pack's own functions (cProfile, least of --iters runs); triton: the pack's kernel "
           "launches per step; torch: aten ops that launch work (views excluded); regions: accelerated regions; "
           "wall ms: with graphs replaying, one step's region calls made again through the pack, not profiled "
-          "(least of 4 x --iters runs)")
+          "(least of 20 runs, or 4 x --iters)")
     if o.out:
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)
