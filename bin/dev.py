@@ -4,6 +4,7 @@
     python bin/dev.py test [--full | --all] [PYTEST ARGS]       the tests (python -m pytest -q ...): the
                                                                 quick lane; --full the full lane, --all both
     python bin/dev.py bench [BENCH ARGS]                        the main job (python -m unet_compiler.bench run ...)
+    <env python> bin/dev.py torchvision-cpu                     make that env's torchvision import beside CPU torch
 
 ENV is the venv's folder, relative to the checkout (default ``$UNET_COMPILER_ENV``, else ``.venv``).
 ``test`` and ``bench`` first make it when it is not a complete env of this checkout, and reuse it
@@ -15,6 +16,7 @@ requirements less its torch lines. Standard library only: it runs before any env
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,9 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 #: ComfyUI's requirements this env never takes from its list: torch stays the pinned CPU build,
 #: torchaudio is not needed (its nodes log an import failure, harmless)
 _TORCH_LINES = ("torch", "torchvision", "torchaudio")
-#: the workplace's one-line fix that makes the registry's torchvision import beside CPU torch
-_TORCHVISION_FIX = ("../shared/tools/patch_torchvision.py", "/work/shared/tools/patch_torchvision.py",
-                    "~/shared/tools/patch_torchvision.py")
+#: a torchvision decorator that registers a fake for one of its C++ ops unconditionally
+_UNGUARDED_FAKE = re.compile(r'^@torch\.library\.register_fake\(("torchvision::\w+")\)$', re.M)
 
 _COMPLETE = """
 import importlib.util as u, os, sys
@@ -84,11 +85,36 @@ def setup_plan(env: Path, comfy: Path | None, windows: bool = os.name == "nt",
             pip + ["-e", f"{ROOT}[test]"]]
     if comfy is not None:
         plan.append(pip + ["-r", str(env / "comfy-requirements.txt"), "requests", "torchvision", "torchsde"])
-        fix = next((p for p in (Path(os.path.expanduser(t)) for t in _TORCHVISION_FIX)
-                    if (p if p.is_absolute() else ROOT / p).is_file()), None)
-        if fix is not None:
-            plan.append([py, str(fix if fix.is_absolute() else ROOT / fix)])
+        plan.append([py, str(ROOT / "bin" / "dev.py"), "torchvision-cpu"])
     return plan
+
+
+def torchvision_cpu() -> int:
+    """Make this interpreter's torchvision import beside a CPU torch. The registry's torchvision
+    wheels for torch 2.13 are CUDA builds: their C++ ops cannot load beside CPU torch, which
+    torchvision copes with (``extension._has_ops()`` is False) except in ``_meta_registrations.py``,
+    where two fakes (``torchvision::nms``, ``::qnms``) are registered unconditionally and ``import
+    torchvision`` (so ComfyUI's start) fails with "operator torchvision::nms does not exist". Those
+    decorators get the ``_has_ops()`` guard the file's other registrations have. Nothing to do (0)
+    when torchvision imports or is absent."""
+    import importlib.util
+    if subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode == 0:
+        return 0
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        return 0
+    path = Path(list(spec.submodule_search_locations)[0]) / "_meta_registrations.py"
+    src = path.read_text(encoding="utf-8")
+    fixed, n = _UNGUARDED_FAKE.subn(r"@(torch.library.register_fake(\1) if torchvision.extension._has_ops() "
+                                    r"else (lambda fn: fn))", src)
+    if n:
+        path.write_text(fixed, encoding="utf-8")
+        for stale in path.parent.glob("__pycache__/_meta_registrations*.pyc"):
+            stale.unlink()
+    ok = subprocess.run([sys.executable, "-c", "import torchvision"], capture_output=True).returncode == 0
+    print(f"torchvision: {n} fake registration(s) guarded in {path}; "
+          + ("it imports now" if ok else "it still does not import"), file=sys.stderr)
+    return 0 if ok else 1
 
 
 def setup(env: Path, if_missing: bool = False, dry_run: bool = False) -> int:
@@ -151,6 +177,8 @@ def main(argv: list[str]) -> int:
         return run_in_env(["-m", "pytest", "-q", *lane_args(rest)])
     if cmd == "bench":
         return run_in_env(["-m", "unet_compiler.bench", "run", *rest])
+    if cmd == "torchvision-cpu" and not rest:
+        return torchvision_cpu()
     print(__doc__.strip().split("\n\n")[1], file=sys.stderr)
     return 2
 

@@ -156,6 +156,43 @@ def test_dev_setup_on_windows_runs_the_envs_own_python():
     assert dev.comfy_requirements("torch\ntorchvision>=0.20\n# x\ntorchaudio ; sys_platform != 'x'\ntorchsde\n"
                                   "numpy>=1.25.0\nTorch==2.1\n") == ["torchsde", "numpy>=1.25.0"]
     assert len(dev.setup_plan(env, comfy=None, windows=True)) == 3
+    assert plan[-1] == [py, str(ROOT / "bin" / "dev.py"), "torchvision-cpu"]    # run by the env's python
+
+
+def test_a_cuda_torchvision_is_made_to_import_beside_cpu_torch(tmp_path):
+    """``dev.py torchvision-cpu`` (the env's last setup step): a torchvision whose C++ ops cannot load
+    and whose meta registrations register two fakes unconditionally (the registry's CUDA build beside
+    CPU torch: ``import torchvision`` fails) gets those registrations guarded and imports; a second
+    run changes nothing; an importing torchvision is left alone."""
+    pkg = tmp_path / "torchvision"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from . import extension, _meta_registrations\n")
+    (pkg / "extension.py").write_text("def _has_ops():\n    return False\n")
+    meta = textwrap.dedent('''\
+        import torch
+        import torch.library
+        import torchvision.extension
+
+        @torch.library.register_fake("torchvision::nms")
+        def meta_nms(dets, scores, iou_threshold):
+            return dets
+
+        @torch.library.register_fake("torchvision::qnms")
+        def meta_qnms(dets, scores, iou_threshold):
+            return dets
+        ''')
+    (pkg / "_meta_registrations.py").write_text(meta)
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path)}
+
+    def run(*args):
+        return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True)
+    assert "torchvision::nms does not exist" in run("-c", "import torchvision").stderr   # the failure itself
+    fixed = run(str(ROOT / "bin" / "dev.py"), "torchvision-cpu")
+    assert fixed.returncode == 0 and "2 fake registration(s) guarded" in fixed.stderr, fixed.stderr
+    assert run("-c", "import torchvision").returncode == 0
+    once = (pkg / "_meta_registrations.py").read_text()
+    again = run(str(ROOT / "bin" / "dev.py"), "torchvision-cpu")
+    assert again.returncode == 0 and (pkg / "_meta_registrations.py").read_text() == once
 
 
 def test_comfyui_without_its_requirements_skips_with_one_line(tmp_path, monkeypatch):
