@@ -610,7 +610,8 @@ def check(c: CaseRun) -> list[tuple[str, str]]:
     nothing of the pack's in it beyond the wrapper and shims handing the call on. Samples in
     plain ComfyUI -> compiled samples, equal within ``REL``, finite; the nodes changed the image
     (else parity proves nothing) or are a no-op in plain ComfyUI too (``NOOPS``); the report
-    names what each patch did; a patch-free case sends nothing to eager; the IPAdapter-style
+    names what each patch did and counts the regions a patch kept from their compiled code in the
+    latest call; a patch-free case sends nothing to eager; the IPAdapter-style
     patch ran inside the compiled model; accelerated ResBlock, feed-forward and attention ran."""
     r, fails = c.row, []
     if c.ref_err is not None:
@@ -651,6 +652,12 @@ def check(c: CaseRun) -> list[tuple[str, str]]:
         fails.append(("patch ran", "the attn2 replace patch must run inside the compiled model"))
     if not expectations(c.name, c.kind) and (r.effects or r.region_eager):
         fails.append(("nothing to eager", f"no UNet patch, yet regions ran eager or a patch was named:\n{c.text}"))
+    counted = next((line for line in c.text.splitlines() if "regions that ran compiled code" in line), "")
+    last, (ran, total) = c.accel.ran_compiled_last(), c.accel.ran_compiled()
+    if last < ran and f"in the latest UNet call {last} of {total}" not in counted:
+        fails.append(("regions counted", f"{ran - last} region(s) that ran compiled code before ran the model's "
+                                         f"own code or a patch's in the latest call; the count does not say so:"
+                                         f"\n{c.text}"))
     if not (r.regions.get("resblock", 0) > 0 and r.regions.get("feedforward", 0) > 0):
         fails.append(("regions ran", c.text))
     if not r.regions.get("attention", 0) or r.notes:

@@ -190,7 +190,11 @@ def accelerator_text(accel) -> str:
     compile cache, patches, recompiles and background compile add."""
     extra = accel.backend.status_lines() + (accel.graphs.status_lines() if accel.graphs is not None else [])
     ran, total = accel.ran_compiled()
-    extra += [f"  regions that ran compiled code: {ran} of {total}"] if total and accel.stats.get("calls") else []
+    if total and accel.stats.get("calls"):
+        last = accel.ran_compiled_last()
+        extra.append(f"  regions that ran compiled code: {ran} of {total}"
+                     + (f"; in the latest UNet call {last} of {total} (the others ran the model's own code or a "
+                        f"patch's code in their place: the patch lines below)" if last < ran else ""))
     if accel.stats.get("region_cast_compiled"):
         extra.append(f"  weights ComfyUI casts or patches per call (fp8 or other storage dtypes, partial loads, "
                      f"weight functions): {accel.stats['region_cast_compiled']} region call(s) compiled with "

@@ -101,8 +101,9 @@ class Accelerator:
         self.failed: dict = {}
         #: region kind -> why calls whose weights ComfyUI casts per call ran the model's own code
         self.cast_eager: dict = {}
-        #: ids of the region modules whose accelerated code ran at least once
+        #: ids of the region modules whose accelerated code ran at least once, and in the latest UNet call
         self.regions_ran: set[int] = set()
+        self.regions_ran_last: set[int] = set()
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
         #: the dtype region inputs had at the first accelerated call (the activations' dtype)
@@ -182,6 +183,11 @@ class Accelerator:
     def ran_compiled(self) -> tuple[int, int]:
         """(regions whose accelerated code ran at least once, regions with an accelerated path)."""
         return len(self.regions_ran), len(self._shims)
+
+    def ran_compiled_last(self) -> int:
+        """Regions whose accelerated code ran in the latest UNet call through the regions (the others
+        ran the model's own code, or a patch's code ran in their place, or they were not called)."""
+        return len(self.regions_ran_last)
 
     def reconfigure(self, config: CompileConfig) -> None:
         """Use ``config`` from now on (before anything compiled: warmup's one-shape policy)."""
@@ -277,6 +283,7 @@ class Accelerator:
         else:
             self.stats[f"ran_{kind}"] += 1
             self.regions_ran.add(id(module))
+            self.regions_ran_last.add(id(module))
             return out
         # The accelerated path raised. The model's own code runs on the same inputs, outside the
         # except block: if it raises too, the error is the model's (ComfyUI would raise it the same
@@ -386,6 +393,7 @@ class Accelerator:
     def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
         self.inserted.check()
+        self.regions_ran_last.clear()
         installed = []
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):

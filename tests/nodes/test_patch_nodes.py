@@ -153,6 +153,28 @@ def test_hook_keyframes_reapply_weights_during_sampling(make, comfy):
     assert H.max_diff(out, unscheduled) > 1e-3
 
 
+def test_the_count_names_regions_a_patch_kept_from_their_code_after_warmup(make):
+    """Compile UNet + Warmup Shapes, then an IPAdapter-style attn2 replace on two blocks (a patch after
+    the pack's nodes): every region ran compiled code in the warmup, but in sampling the patch's
+    code runs in place of those two attention regions. The report's count says so: in the latest
+    UNet call 2 fewer regions ran compiled code, and the patch line names the replace."""
+    ctx, mp = make("sd15")
+    cm = patcher.compile_model(mp, CFG)[0]
+    patcher.warmup_model(cm, "2x64x64", 77)
+    accel = patcher.accelerator_of(cm)
+    ran, total = accel.ran_compiled()
+    assert ran == total and accel.ran_compiled_last() == total
+    H.sample(H.ipadapter_attn2(ctx, cm), ctx.pos, ctx.neg)
+    text = accel.text()
+    patched = len(H.IPA_BLOCKS["sd15"])
+    assert accel.ran_compiled_last() == total - patched
+    assert (f"regions that ran compiled code: {total} of {total}; in the latest UNet call {total - patched} of "
+            f"{total}") in text, text
+    assert "patch attn2 replace" in text, text
+    H.sample(cm, ctx.pos, ctx.neg)               # the unpatched model again: every region, no note
+    assert f"regions that ran compiled code: {total} of {total}\n" in accel.text() + "\n"
+
+
 def test_zz_report_table(capsys):
     """Print the table of every case run in this session (``-s``), and write it where asked."""
     if not ROWS:
