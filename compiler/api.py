@@ -7,6 +7,7 @@ import weakref
 import torch
 
 from .config import CompileConfig
+from .plan import build_plan
 from .runtime import Accelerator
 from .shapes import (as_shapes, check_frames, check_memory, device_free_bytes, first_level_channels, label_of,
                      memory_name, unet_inputs)
@@ -66,8 +67,16 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     in place and return it. Options are :class:`CompileConfig` fields
     (``precision``, ``dynamic_shapes``, ``prepack_conv``). Nothing compiles
     until the first call (or :func:`warmup`). Undo with :func:`uncompile_unet`.
+    A ComfyUI diffusion transformer is refused (ValueError, before any work): its conditioning
+    is its ComfyUI model's to build, so it compiles and warms through its ModelPatcher.
     """
     config = CompileConfig.from_options(backend, **options)
+    if build_plan(module).arch == "dit":
+        raise ValueError(f"compile_unet: {type(module).__name__} is a ComfyUI diffusion transformer, whose "
+                         f"conditioning (text tokens, pooled vectors, guidance, positions) its ComfyUI model builds; "
+                         f"this API builds a UNet's only, so it could not warm it. Fix: compile it through its "
+                         f"ModelPatcher: the Compile UNet and Warmup Shapes nodes, or "
+                         f"unet_compiler.nodes.patcher.compile_model(patcher, config) and then warmup_model(...)")
     uncompile_unet(module)
     accel = Accelerator(module, config)
     module.__dict__[_ATTR] = accel
@@ -106,12 +115,6 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
     if not isinstance(background, bool):
         raise TypeError(f"warmup: background must be True or False, got {background!r}")
     accel = accelerator_of(module)
-    if accel is not None and accel.plan.arch == "dit":
-        raise ValueError(f"warmup: {type(module).__name__} is a DiT, whose conditioning (text tokens, pooled "
-                         f"vectors, guidance, positions) ComfyUI's model builds: this function builds a UNet's "
-                         f"only. Fix: warm it with Warmup Shapes on its ModelPatcher (the node, or "
-                         f"unet_compiler.nodes.patcher.warmup_model), or call it once at each shape you will "
-                         f"use (each call compiles what it needs)")
     p = next(module.parameters())
     shapes = as_shapes(shapes)
     check_frames(shapes, video=False)           # a diffusers UNet2DConditionModel makes images

@@ -170,3 +170,21 @@ def test_one_warmup_shape_compiles_that_shape_static(make_unet):
     compile_unet(r, "inductor")
     warmup(r, "1x64x64, 2x64x64", context_tokens=77)
     assert accelerator_of(r).config.dynamic_shapes is True
+
+
+@pytest.mark.parametrize("cls", ["FluxTransformer2DModel", "SD3Transformer2DModel"])
+def test_diffusers_transformers_are_refused_at_compile_with_what_it_takes(cls):
+    """diffusers' DiTs are no supported UNet: ``compile_unet`` refuses them at once (TypeError naming
+    the class and what it takes), so ``warmup`` is never reached on a model it cannot warm."""
+    import diffusers
+    model_cls = getattr(diffusers, cls, None)
+    if model_cls is None:
+        pytest.skip(f"this diffusers has no {cls}")
+    kw = dict(patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=2,
+              joint_attention_dim=16, pooled_projection_dim=8)
+    kw.update(num_single_layers=1, axes_dims_rope=(2, 2, 4)) if cls.startswith("Flux") else kw.update(
+        sample_size=8, caption_projection_dim=16, out_channels=4, pos_embed_max_size=16)
+    model = model_cls(**kw)
+    with pytest.raises(TypeError, match=f"{cls} is not a supported UNet"):
+        compile_unet(model)
+    assert "forward" not in model.__dict__

@@ -549,17 +549,15 @@ def test_rope_cuts_longer_freqs_as_comfyuis_does(comfy):
         _close(R.TORCH_OPS.rope(x, freqs), apply_rope1(x, freqs), 1e-6)
 
 
-def test_the_library_warmup_refuses_a_bare_dit_with_the_fix(comfy):
-    """``unet_compiler.warmup`` builds a UNet's inputs; on a bare ComfyUI DiT module (no
-    ModelPatcher, whose model builds the conditioning) it says so and names what warms one, before
-    any work, instead of failing on a missing cross-attention; the module's calls stay compiled."""
+def test_the_library_refuses_a_bare_dit_at_compile_with_the_fix(comfy):
+    """``unet_compiler.compile_unet`` builds a UNet's warmup inputs only; on a bare ComfyUI DiT module
+    (no ModelPatcher, whose model builds the conditioning) it refuses before any work, naming the
+    ModelPatcher path that compiles and warms one; the module is left as it was."""
     from unet_compiler.compiler import api
     mp = F.build_dit(F.DIT_FAMILIES[FLUX])
     module = mp.model.diffusion_model
-    api.compile_unet(module, "inductor")
-    try:
-        with pytest.raises(ValueError, match="is a DiT.*Warmup Shapes"):
-            api.warmup(module, "1x128x128")
-        assert api.accelerator_of(module).report.warmup == []
-    finally:
-        api.uncompile_unet(module)
+    with pytest.raises(ValueError, match="is a ComfyUI diffusion transformer.*Compile UNet and Warmup Shapes"):
+        api.compile_unet(module, "inductor")
+    assert "forward" not in module.__dict__ and api._ATTR not in module.__dict__
+    with pytest.raises(ValueError, match="not compiled"):
+        api.accelerator_of(module)
