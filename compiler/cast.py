@@ -199,16 +199,20 @@ def _check_own(leaf, dtype, device) -> Reason | None:
 
 
 def watch(leaves) -> tuple:
-    """What :func:`idle` reads per call for ``leaves``: each leaf's instance dict, its class and the
-    cast flags its class defines (the flags' values are read live)."""
-    return tuple((leaf.__dict__, type(leaf), comfy_compat.cast_flags_of(type(leaf))) for leaf in leaves)
+    """What :func:`idle` reads per call for ``leaves``: each leaf, its class and the cast flags that
+    class defines (the flags' values, the leaf's class and its instance attributes are read live)."""
+    return tuple((leaf, type(leaf), comfy_compat.cast_flags_of(type(leaf))) for leaf in leaves)
 
 
 def idle(watched) -> bool:
     """True when no watched leaf's weights are made per call now (no cast flag, weight or bias
-    function, dequantizing or quantized leaf): :func:`plan` would find nothing to cast. A few dict
-    reads a leaf, for every call of a region; False sends the call to :func:`plan`."""
-    for d, cls, on_class in watched:
+    function, dequantizing or quantized leaf) and each leaf keeps the class it was watched with:
+    :func:`plan` would find nothing to cast. A few dict reads a leaf, for every call of a region;
+    False sends the call to :func:`plan` (a leaf whose class another pack swapped, too)."""
+    for leaf, cls, on_class in watched:
+        if leaf.__class__ is not cls:
+            return False
+        d = leaf.__dict__
         if d.get("layout_type") is not None or d.get("_full_precision_mm"):
             return False
         for name in comfy_compat.CAST_FLAGS:

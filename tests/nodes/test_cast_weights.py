@@ -301,6 +301,13 @@ def test_the_regions_quick_check_finds_what_the_planner_would(comfy, make_comfy_
     assert cast.idle(watched)
     Flagged.comfy_cast_weights = True                    # read live, not remembered per class
     assert not cast.idle(watched) and not agree(f)
+    Flagged.comfy_cast_weights = False
+    # another pack swaps a leaf's class for its own per-call op (what a GGUF-style loader may do)
+    fresh = ops.disable_weight_init.Linear(2, 2)
+    own = type("Linear", (type(fresh),), {"__module__": "other_pack.ops", "comfy_cast_weights": True})
+    watched = cast.watch([plain, fresh])
+    fresh.__class__ = own
+    assert not cast.idle(watched) and not agree(fresh)
     # a whole model's regions: every region's quick check agrees with the planner, fp8 storage or not
     for dtype in (torch.float32, torch.float8_e4m3fn):
         mp = make_comfy_model("sd15", weight_dtype=dtype)
