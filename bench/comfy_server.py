@@ -678,11 +678,12 @@ def only_these_custom_nodes(comfyui_path: Path, base: Path, names) -> list[str]:
 
 def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = None, env: dict | None = None,
                  comfyui_path: Path | None = None, log=print, cpu: bool = True,
-                 extra_args: tuple = ()) -> ComfyServer:
+                 extra_args: tuple = (), folders: tuple = ()) -> ComfyServer:
     """Start ComfyUI (``main.py``, with ``--cpu`` unless ``cpu`` is False, and ``extra_args``, on loopback, a free port, its user / output / temp folders
     under ``root``) with this checkout in its custom_nodes, ``extra_nodes`` (name -> folder) beside
     it and no other custom node (``only_these_custom_nodes``), and ``checkpoint_dir`` as a
-    checkpoints folder; wait until it answers. ``env`` overrides the
+    checkpoints folder (``folders``: more model folders by ComfyUI's folder name, another pack's such as
+    ``animatediff_models``, each under ``root`` and in ``model_dirs``); wait until it answers. ``env`` overrides the
     server's environment (a None value unsets the variable); unless ours or it sets
     ``TORCHINDUCTOR_CACHE_DIR`` the server compiles into ``root/inductor_cache``, so a stale cache
     cannot hide a compile (or a cold start)."""
@@ -694,8 +695,8 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
     link(custom_nodes / PACK_ROOT.name, PACK_ROOT)
     for name, folder in (extra_nodes or {}).items():
         link(custom_nodes / name, folder)
-    dirs = {name: root / name for name in ("output", "input", "temp", "user", "loras", "controlnet",
-                                           "diffusion_models")}
+    models = ("loras", "controlnet", "diffusion_models", *folders)
+    dirs = {name: root / name for name in ("output", "input", "temp", "user", *models)}
     for d in dirs.values():
         d.mkdir()
 
@@ -708,7 +709,8 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         f"    loras: {json.dumps(str(dirs['loras']))}\n"
         f"    controlnet: {json.dumps(str(dirs['controlnet']))}\n"
         f"    diffusion_models: {json.dumps(str(dirs['diffusion_models']))}\n"
-        f"    custom_nodes: {json.dumps(str(custom_nodes))}\n"
+        + "".join(f"    {name}: {json.dumps(str(dirs[name]))}\n" for name in folders)
+        + f"    custom_nodes: {json.dumps(str(custom_nodes))}\n"
     )
 
     _make_room(log)
@@ -757,7 +759,7 @@ def start_server(root: Path, checkpoint_dir: Path, extra_nodes: dict | None = No
         output_dir=dirs["output"],
         comfyui_path=comfyui_path,
         pack_dir=custom_nodes / PACK_ROOT.name,
-        model_dirs={k: dirs[k] for k in ("loras", "controlnet", "diffusion_models")},
+        model_dirs={k: dirs[k] for k in models},
         root=root,
     )
     try:
