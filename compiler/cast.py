@@ -99,7 +99,7 @@ def why_not(leaf) -> Reason | None:
     """Why ``leaf``'s per-call weights cannot be served by casting outside the graph (None: they can)."""
     ops = _ops()
     cls = type(leaf)
-    name = f"{cls.__module__}.{cls.__qualname__}"
+    name = comfy_compat.class_name(cls)
     if ops is None or not isinstance(leaf, getattr(ops, "CastWeightBiasOp", ())):
         return _other_ops(name)
     if quantized(leaf):
@@ -140,7 +140,7 @@ def own_cast(cls) -> bool:
 def own_cast_ops(leaves) -> list[str]:
     """The op classes (module.qualname) among ``leaves`` whose per-call weights come from their own
     cast (:func:`own_cast`) and passed its check: what the report names."""
-    names = {f"{type(m).__module__}.{type(m).__qualname__}" for m in leaves
+    names = {comfy_compat.class_name(type(m)) for m in leaves
              if per_call(m) and own_cast(type(m)) and _OWN_CHECKED.get(m)
              and all(why is None for why in _OWN_CHECKED[m].values())}
     return sorted(names)
@@ -172,7 +172,7 @@ def _check_own(leaf, dtype, device) -> Reason | None:
         return seen[key]
     cls = type(leaf)
     stored = getattr(getattr(leaf, "weight", None), "tensor_type", None)     # GGUF's quant type, where it says
-    name = f"{cls.__module__}.{cls.__qualname__}" + (f", weights {getattr(stored, 'name', stored)}" if stored else "")
+    name = comfy_compat.class_name(cls) + (f", weights {getattr(stored, 'name', stored)}" if stored else "")
     why = None
     try:
         with torch.inference_mode():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import weakref
 from collections import Counter
 
+from .compat.comfy import class_name
+
 
 class Inserted:
     """The containers of a plan's regions (their parents), with how many children each held when
@@ -52,7 +54,7 @@ class Inserted:
         for m in self._new(container):
             if id(m) not in self._seen:
                 self._seen.add(id(m))
-                self.found[f"{type(m).__module__}.{type(m).__qualname__}"] += 1
+                self.found[class_name(type(m))] += 1
                 new = True
         return new
 

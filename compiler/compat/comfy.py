@@ -158,6 +158,16 @@ def current_prompt() -> str | None:
     return getattr(ctx, "prompt_id", None)
 
 
+def class_name(cls) -> str:
+    """``cls``'s dotted name as a user reads it. ComfyUI imports a custom node pack as a module named by
+    its folder's path (``/.../custom_nodes/ComfyUI-GGUF``), so the classes of another pack carry that
+    path in ``__module__``: it is cut to the pack's folder name (``ComfyUI-GGUF.ops.GGMLOps.Linear``)."""
+    module = cls.__module__ or ""
+    if "/" in module or "\\" in module:
+        module = module.replace("\\", "/").rstrip("/").rpartition("/")[2]
+    return f"{module}.{cls.__qualname__}"
+
+
 #: the op attributes (class defaults, set per instance by ComfyUI's patcher) that make an op cast or
 #: patch its weights per call
 CAST_FLAGS = ("comfy_cast_weights", "weight_function", "bias_function")

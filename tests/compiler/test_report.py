@@ -99,3 +99,17 @@ def test_a_recompile_at_half_a_warmed_batch_names_the_cond_uncond_split():
     assert "Fix: add 1x64x64 to Warmup Shapes" in text and "cond and uncond apart" in text and "hook LoRA" in text
     other = recompile_sentence(dict(e, shape="1x128x128"), ["2x64x64"])
     assert "Fix: add 1x128x128 to Warmup Shapes" in other and "cond and uncond" not in other
+
+
+def test_another_packs_classes_are_named_by_their_pack_folder():
+    """ComfyUI imports a custom node pack as a module named by its folder's path; the report names its
+    classes from the pack's folder on (POSIX and Windows paths), other classes as they are."""
+    import torch
+
+    from unet_compiler.compiler.compat.comfy import class_name
+    posix = type("VanillaTemporalModule", (), {"__module__": "/srv/ComfyUI/custom_nodes/ComfyUI-AnimateDiff-Evolved"
+                                                             ".animatediff.motion_module_ad"})
+    windows = type("Linear", (), {"__module__": "C:\\ComfyUI_windows_portable\\ComfyUI\\custom_nodes\\ComfyUI-GGUF.ops"})
+    assert class_name(posix) == "ComfyUI-AnimateDiff-Evolved.animatediff.motion_module_ad.VanillaTemporalModule"
+    assert class_name(windows) == "ComfyUI-GGUF.ops.Linear"
+    assert class_name(torch.nn.Linear) == "torch.nn.modules.linear.Linear"
