@@ -138,3 +138,12 @@ def patch_assets(patch_asset_files, comfy_server):
     """The random LoRA, ControlNet and T2I-Adapter in the session server's loras / controlnet
     folders: {"lora" / "controlnet" / "t2i": file name}."""
     return link_patch_assets(comfy_server, patch_asset_files)
+
+
+def compile_and_warm(p: dict, model: list, shapes: str) -> list:
+    """Compile UNet (node "60") and Warmup Shapes (node "61", ``shapes``, 77 tokens, foreground) on
+    ``model`` in the API prompt ``p``; returns the warmed model's link."""
+    p["60"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": model}}
+    p["61"] = {"class_type": "UNetCompiler_WarmupShapes",
+               "inputs": {"model": ["60", 0], "shapes": shapes, "context_tokens": 77, "background": False}}
+    return ["61", 0]

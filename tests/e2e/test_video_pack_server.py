@@ -21,7 +21,8 @@ import pytest
 from unet_compiler.bench import comfy_server as S
 
 from .. import _ade
-from .conftest import TEST_NODE
+from .conftest import TEST_NODE, compile_and_warm
+from .test_comfyui_server import ui_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
 
@@ -109,27 +110,16 @@ def video_prompt(ckpt: str, prefix: str, order: str | None) -> dict:
                    "inputs": {"model": m, "model_name": MOTION_NAME, "beta_schedule": "autoselect"}}
         return ["30", 0]
 
-    def compile_(m):
-        p["60"] = {"class_type": "UNetCompiler_CompileUNet", "inputs": {"model": m}}
-        p["61"] = {"class_type": "UNetCompiler_WarmupShapes",
-                   "inputs": {"model": ["60", 0], "shapes": f"{2 * FRAMES}x64x64", "context_tokens": 77,
-                              "background": False}}
-        return ["61", 0]
     if order == "before":
-        model = ade(compile_(model))
+        model = ade(compile_and_warm(p, model, f"{2 * FRAMES}x64x64"))
     elif order == "after":
-        model = compile_(ade(model))
+        model = compile_and_warm(p, ade(model), f"{2 * FRAMES}x64x64")
     else:
         model = ade(model)
     p["5"]["inputs"]["model"] = model
     if order is not None:
         p["62"] = {"class_type": "UNetCompilerTest_Report", "inputs": {"model": model, "samples": ["5", 0]}}
     return p
-
-
-def _text(entry, node) -> str:
-    out = (entry.get("outputs") or {}).get(node) or {}
-    return "\n".join(out.get("text") or [])
 
 
 @pytest.mark.parametrize("order", ["before", "after"])
@@ -142,7 +132,7 @@ def test_animatediff_through_the_server_in_both_orders(ade_server, sd15_checkpoi
     entry = ade_server.run_prompt(video_prompt(ckpt, f"ade_{order}", order), timeout=1800)
     ref = S.saved_latent(ade_server, plain)
     rel = S.relative_l2(S.saved_latent(ade_server, entry), ref)
-    warm, after = _text(entry, "61"), _text(entry, "62")
+    warm, after = ui_text(entry, "61"), ui_text(entry, "62")
     print(f"\n[e2e] AnimateDiff {order} Compile UNet: relative L2 {rel:.2e}\n--- warmup\n{warm}\n--- after sampling\n{after}")
     assert rel <= MAX_REL_L2, f"{order}: relative L2 {rel:.2e}\n{warm}\n{after}"
     ran = re.search(r"regions that ran compiled code: (\d+) of (\d+)", after)
