@@ -137,6 +137,45 @@ def test_a_gguf_style_leaf_whose_forward_is_not_its_cast_runs_its_own_code(gg):
     assert accel.stats["region_cast_compiled"] > 0 and f"of {n} regions ran compiled code" in text, text
 
 
+def test_the_own_cast_check_allows_another_summation_order_not_another_result(gg):
+    """The check of a GGUF-style leaf compares its forward with the plain op on its cast to a few ulps
+    of the sums the op adds up, so the same products summed in another order pass (oneDNN picks its
+    conv algorithm per call: through a server 7-8 of SD1.5's wide convs differed from the plain op by
+    up to 3.6e-5 with a tolerance of 8 ulps of their result, and ran the pack's own code) while a
+    result 1e-3 off is refused. A Q8_0 conv of SD1.5's widest shape, 1280 x 1280 x 3 x 3."""
+    ops = gg.ops.GGMLOps()
+    g = torch.Generator().manual_seed(0)
+
+    def conv(cls):
+        leaf = cls(1280, 1280, 3, padding=1)
+        leaf.weight = torch.nn.Parameter(_gguf.quantize(gg, torch.randn(1280, 1280, 3, 3, generator=g) * 0.02,
+                                                        "Q8_0"), requires_grad=False)
+        leaf.bias = torch.nn.Parameter(torch.randn(1280, generator=g) * 0.1, requires_grad=False)
+        return leaf
+
+    class Halves(ops.Conv2d):       # the same products, summed per half of the input channels
+        def forward_ggml_cast_weights(self, input):
+            w, b = self.cast_bias_weight(input)
+            return (torch.nn.functional.conv2d(input[:, :640], w[:, :640], b, padding=1)
+                    + torch.nn.functional.conv2d(input[:, 640:], w[:, 640:], None, padding=1))
+
+    class Off(ops.Conv2d):          # another result: 1e-3 of it
+        def forward_ggml_cast_weights(self, input):
+            w, b = self.cast_bias_weight(input)
+            return torch.nn.functional.conv2d(input, w, b, padding=1) * (1 + 1e-3)
+    for cls in (Halves, Off):
+        cls.__module__ = "other_pack.ops"
+    halves, off = conv(Halves), conv(Off)
+    with torch.inference_mode():
+        x = cast._probe(halves, torch.float32, torch.device("cpu"))
+        w, b, _ = cast._cast(halves, torch.float32, torch.device("cpu"))
+        reordered = float((halves.forward_comfy_cast_weights(x) - torch.nn.functional.conv2d(x, w, b, padding=1)).abs().max())
+    assert reordered > 0, "the halves must sum in another order for this test to mean anything"
+    assert cast._check_own(halves, torch.float32, torch.device("cpu")) is None
+    why = cast._check_own(off, torch.float32, torch.device("cpu"))
+    assert why is not None and "not the plain op on its own cast" in str(why)
+
+
 def test_a_gguf_model_compiles_in_the_background(gg, monkeypatch):
     """Warmup Shapes in the background on a Q4_K model: the compile thread traces a stand-in whose
     weights have the dequantized shapes (GGUF's packed bytes are smaller) and never calls the pack's
