@@ -381,6 +381,7 @@ class Accelerator:
     def active(self, weight_epoch=None, shape: str | None = None):
         """One UNet call through the regions. ``shape``: the call's label (``BxWxH`` px), named if it
         compiles after warmup."""
+        self.regions_ran_last.clear()
         with background.ACTIVITY.call():
             if self._bypass or not self._shims:
                 self.stats["eager_calls"] += 1
@@ -393,7 +394,6 @@ class Accelerator:
     def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
         self.inserted.check()
-        self.regions_ran_last.clear()
         installed = []
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):

@@ -209,7 +209,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             timed(probe, f"{probe.label} (probe){recorded}")
             if background:       # compiled later, maybe: recorded once the thread compiled it all
                 accel.background.primes.append(probe.label)
-            elif accel.cache is not None:
+            elif accel.cache is not None and accel.ran_compiled_last():   # (no compiled code ran: none to keep)
                 accel.cache.record_probe(probe.label)
         owner = accel.background.owner if background else None
         for i, shape in enumerate(shapes):
@@ -223,9 +223,10 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
+            ran_compiled = accel.ran_compiled_last()     # (no compiled code ran: nothing of it to keep)
             if background:
                 accel.background.primes.append(shape.label)
-            elif accel.cache is not None:
+            elif accel.cache is not None and ran_compiled:
                 accel.cache.record_probe(shape.label)
             # a restart: the first shape ran on code all from the entry, which an earlier warmup ran
             # the other listed shapes into: they are not run (each is a forward and a repack of the
@@ -245,7 +246,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                         ref = run_one(shape)
                 if ref is not None:
                     rep.max_abs_diff, rep.diff_recorded = _diff(out, ref), None
-                    if accel.cache is not None:
+                    if accel.cache is not None and ran_compiled:
                         accel.cache.record_compare(shape.label, rep.max_abs_diff)
                 else:
                     rep.max_abs_diff, rep.diff_recorded = kept["max_abs_diff"], kept["measured"]

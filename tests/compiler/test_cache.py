@@ -313,6 +313,25 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     assert accel.stats["recompiles_after_warmup"] == 0 and variants.VARIANTS.compiled == 0
 
 
+def test_probes_that_ran_no_compiled_code_are_not_claimed_by_the_entry(tiny_unet, folder, monkeypatch):
+    """A warmup whose calls ran only the model's own code (every region kind off here; another pack's
+    ops, patches on every region, in use) records no probe shape and no compare in the compile cache
+    entry: a later warmup of the same model runs them and the eager reference again, and says
+    nothing of code in the entry."""
+    from unet_compiler.compiler import api
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor", dynamic_shapes=True)
+    accel = api.accelerator_of(unet)
+    accel.failed.update({kind: "off for this test" for kind in accel.report.regions})
+    api.warmup(unet, "2x64x64, 2x128x128")
+    assert accel.ran_compiled() == (0, sum(accel.report.regions.values()))
+    assert accel.cache.primed_probes() == set()
+    text = api.warmup(unet, "2x64x64, 2x128x128")
+    assert "not run" not in text and "compile cache" not in text.split("compile cache:")[0], text
+    assert any("(probe)" in label for label, _, _ in accel.report.warmup) and accel.report.diff_recorded is None
+
+
 def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_unet, folder, monkeypatch):
     """The cold warmup records its max |compiled - eager| in the entry's .json. A restart whose code
     all comes from that entry shows it, labelled as such, without running the eager reference (most
