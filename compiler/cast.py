@@ -171,11 +171,11 @@ OWN_ULPS = 32
 def _scale(leaf, x, w, b, out) -> float:
     """The size rounding is relative to in ``leaf``'s result on ``x``: per output, the sum of the
     absolute products a linear or conv adds up; a norm's result itself."""
-    absent = None if b is None else b.abs()
+    b_abs = None if b is None else b.abs()
     if isinstance(leaf, torch.nn.Linear):
-        return float(torch.nn.functional.linear(x.abs(), w.abs(), absent).max()) + 1.0
+        return float(torch.nn.functional.linear(x.abs(), w.abs(), b_abs).max()) + 1.0
     if isinstance(leaf, torch.nn.modules.conv._ConvNd) and not leaf.transposed and hasattr(leaf, "_conv_forward"):
-        return float(leaf._conv_forward(x.abs(), w.abs(), absent).max()) + 1.0
+        return float(leaf._conv_forward(x.abs(), w.abs(), b_abs).max()) + 1.0
     return float(out.abs().max()) + 1.0
 
 
