@@ -180,21 +180,18 @@ def has_cast_weights(module) -> bool:
     # __dict__, else the class's (kept per class), never through nn.Module.__getattr__, whose miss
     # (a raised AttributeError) on a module without them costs more than the rest of this check
     d, cls = module.__dict__, type(module)
-    for name, on_class in zip(CAST_FLAGS, _class_has(cls), strict=True):
-        if d[name] if name in d else on_class and getattr(cls, name):
+    on_class = cast_flags_of(cls)
+    for name in CAST_FLAGS:
+        if d[name] if name in d else name in on_class and getattr(cls, name):
             return True
     return False
 
 
 @functools.lru_cache(maxsize=None)
-def _class_has(cls) -> tuple:
-    """Which of the flags ``cls`` defines (their values are read live: a class attribute may change)."""
-    return tuple(hasattr(cls, name) for name in CAST_FLAGS)
-
-
 def cast_flags_of(cls) -> frozenset:
-    """The names in :data:`CAST_FLAGS` that ``cls`` defines (values read live by the caller)."""
-    return frozenset(n for n, has in zip(CAST_FLAGS, _class_has(cls), strict=True) if has)
+    """The names in :data:`CAST_FLAGS` that ``cls`` defines (kept per class; their values are read
+    live by the caller: a class attribute may change)."""
+    return frozenset(name for name in CAST_FLAGS if hasattr(cls, name))
 
 
 def is_interrupt(e: BaseException) -> bool:
