@@ -1,8 +1,10 @@
 """Modules another pack inserts into a planned model (AnimateDiff's motion modules, put into the
 UNet's blocks when ComfyUI loads it and taken out when it unloads it): they are no regions, so
-they run as they are; this finds them and names them for the report."""
+they run as they are; this finds them and names them for the report. It also keeps the modules
+that take whole videos per call (inserted or planned), whose frames per call warmup must match."""
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections import Counter
 
@@ -18,6 +20,8 @@ class Inserted:
         paths = {region.path.rpartition(".")[0] for region in plan.regions if "." in region.path}
         modules = dict(root.named_modules()) if paths else {}
         self._planned = {id(m) for m in modules.values()}
+        #: modules of the plan that take whole videos per call (motion modules in the model when planned)
+        self._planned_videos = [weakref.ref(m) for m in modules.values() if takes_videos(m)]
         self._containers = [(weakref.ref(modules[p]), len(modules[p]._modules)) for p in sorted(paths) if p in modules]
         self._seen: set[int] = set()
         #: "module.Class" -> how many such modules were found inserted
@@ -37,17 +41,35 @@ class Inserted:
     def _new(self, container) -> list:
         return [m for m in container._modules.values() if m is not None and id(m) not in self._planned]
 
-    @property
-    def video_length(self) -> int | None:
-        """The frames per call the inserted modules there now take, where they say it
-        (``video_length``, as AnimateDiff's motion modules hold it); None: none says."""
+    def video_modules(self) -> list:
+        """The modules there now that take whole videos per call (:func:`takes_videos`): inserted
+        ones first, then planned ones."""
+        out = []
         for ref, _ in self._containers:
             c = ref()
-            for m in self._new(c) if c is not None else ():
-                frames = getattr(m, "video_length", None)
-                if isinstance(frames, int) and frames > 0:
-                    return frames
-        return None
+            out += [m for m in (self._new(c) if c is not None else ()) if takes_videos(m)]
+        return out + [m for m in (r() for r in self._planned_videos) if m is not None]
+
+    @property
+    def video_length(self) -> int | None:
+        """The frames per call the modules that take whole videos there now take, as the pack that
+        owns them last set it (``video_length``); None: no such module."""
+        return next((m.video_length for m in self.video_modules()), None)
+
+    @contextlib.contextmanager
+    def videos_of(self, frames: int | None):
+        """Within: every module that takes whole videos takes ``frames`` per call (its pack's own
+        ``set_video_length(frames, frames)``: one video of that many frames); after, each holds what
+        it held before. Nothing changes for ``frames`` None."""
+        held = [(m, m.video_length, getattr(m, "full_length", m.video_length))
+                for m in (self.video_modules() if frames else ())]
+        try:
+            for m, _, _ in held:
+                m.set_video_length(frames, frames)
+            yield
+        finally:
+            for m, length, full in held:
+                m.set_video_length(length, full)
 
     def _scan(self, container) -> bool:
         new = False
@@ -65,3 +87,12 @@ class Inserted:
         kinds = ", ".join(f"{n} x {name}" for name, n in self.found.items())
         return (f"modules inserted into the model after it was planned run as they are, not compiled "
                 f"(another pack's, such as AnimateDiff's motion modules): {kinds}")
+
+
+def takes_videos(module) -> bool:
+    """Whether ``module`` takes whole videos per call, by its shape: a positive int ``video_length``
+    and a ``set_video_length(video_length, full_length)`` (AnimateDiff's motion modules: their
+    batch is videos x frames and they attend over each video's frames)."""
+    n = getattr(module, "video_length", None)
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and callable(getattr(module, "set_video_length",
+                                                                                           None))

@@ -344,24 +344,44 @@ def nothing_runs_compiled(accel):
     return reasons[0] if reasons else None
 
 
-def whole_videos(accel, shapes):
-    """``shapes`` less the entries modules another pack inserted at load cannot take: modules that
-    take whole videos of N frames per call (AnimateDiff's motion modules, ``video_length`` N as that
-    pack last set it) need a batch that is a multiple of N. Each entry left out is said in the
-    report with the entry to give instead."""
+def context_window(model) -> int | None:
+    """The frames per call of sliding context windows over the batch that sampling will use on
+    ``model`` (a ModelPatcher): ComfyUI's own (``model_options["context_handler"]`` over dim 0) or
+    AnimateDiff-Evolved's (``context_options`` in the patcher's attachments; the first context's
+    length, the one sampling starts with); None where none is set. Windows apply to a video longer
+    than one window, which warmup takes every video entry to be."""
+    handler = model.model_options.get("context_handler")
+    if handler is not None and getattr(handler, "dim", None) == 0:
+        n = getattr(handler, "context_length", None)
+        if isinstance(n, int) and n > 0:
+            return n
+    for held in getattr(model, "attachments", {}).values():
+        n = getattr(getattr(held, "context_options", None), "context_length", None)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return None
+
+
+def whole_videos(accel, shapes, window: int | None = None):
+    """(the frames per call warmup gives modules that take whole videos, ``shapes`` less the entries
+    they cannot take). Such modules (AnimateDiff's motion modules) need a batch that is a multiple of
+    the frames they take per call: ``window`` (sliding context windows, :func:`context_window`) where
+    set, else their ``video_length`` as their pack last set it. Each entry left out is said in the
+    report with the entry to give instead; (None, shapes) when the model has no such module."""
     accel.inserted.check()
     n = accel.inserted.video_length
     if not n:
-        return shapes
+        return None, shapes
+    n, why = (window, "its context windows") if window else (n, "their video length, as that pack last set it")
     kept = [s for s in shapes if s.batch % n == 0]
     for s in shapes:
         if s.batch % n:
             fix = Shape(2 * n, s.width, s.height, s.frames)
             accel.report.notes.append(
                 f"warmup entry {s.label} left out: modules another pack inserted take whole videos of {n} frames "
-                f"per call (their video length, as that pack last set it), so a call's batch is a multiple of "
-                f"{n}. Fix: give {fix.label} (one video, cond and uncond) or {n}x{s.width}x{s.height}")
-    return kept
+                f"per call ({why}), so a call's batch is a multiple of {n}. Fix: give {fix.label} (one video, "
+                f"cond and uncond) or {n}x{s.width}x{s.height}")
+    return n, kept
 
 
 def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False):
@@ -393,9 +413,9 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
             accel.report.notes.append(note)
         done = feedback.WarmupFeedback(accel, shapes, node_id).skipped(why)
         return accel.text() + f"\n  status: {done['text']}"
-    kept = whole_videos(accel, shapes)
+    frames, kept = whole_videos(accel, shapes, context_window(model))
     if not kept:
-        note = (f"no entry's batch is a multiple of the {accel.inserted.video_length} frames the model's inserted "
+        note = (f"no entry's batch is a multiple of the {frames} frames the model's inserted "
                 f"modules take per call (see the report's warmup entry lines)")
         done = feedback.WarmupFeedback(accel, shapes, node_id).skipped(note=note)
         return accel.text() + f"\n  status: {done['text']}"
@@ -429,7 +449,8 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
     fb.start()
     stopped = None
     try:
-        warmup_runs(accel, shapes, fb.wrap(call), on_shape=tick, background=background)
+        with accel.inserted.videos_of(frames):   # the frames per call sampling will give them
+            warmup_runs(accel, shapes, fb.wrap(call), on_shape=tick, background=background)
     except Exception as e:
         if is_interrupt(e):
             raise

@@ -34,16 +34,16 @@ def problem(comfy_path: Path | None = None) -> str | None:
     return None
 
 
-def load(comfy_path: Path | None = None):
-    """Its ``animatediff.motion_module_ad`` module, imported without the pack's ``__init__`` (which
-    registers its nodes); ComfyUI must be importable."""
+def load(comfy_path: Path | None = None, module: str = "motion_module_ad"):
+    """Its ``animatediff.<module>`` module (``motion_module_ad`` by default), imported without the
+    pack's ``__init__`` (which registers its nodes); ComfyUI must be importable."""
     path = where(comfy_path)
     for name, folder in ((PACKAGE, path), (f"{PACKAGE}.animatediff", path / "animatediff")):
         if name not in sys.modules:
             pkg = types.ModuleType(name)
             pkg.__path__ = [str(folder)]
             sys.modules[name] = pkg
-    return importlib.import_module(f"{PACKAGE}.animatediff.motion_module_ad")
+    return importlib.import_module(f"{PACKAGE}.animatediff.{module}")
 
 
 def motion_injection(mm, unet, frames: int, seed: int = 7):

@@ -64,16 +64,22 @@ FULL = frozenset({
     "tests/nodes/test_patch_nodes.py::test_deep_shrink_changes_resolution_between_steps",
     "tests/nodes/test_gguf.py::test_a_gguf_model_compiles_in_the_background",
     "tests/nodes/test_inserted_modules.py::test_motion_modules_run_as_they_are_and_are_named[motion_then_compile]",
+    "tests/nodes/test_inserted_modules.py::test_motion_modules_in_the_model_when_planned_take_whole_videos_too",
 })
 
 
 #: tests of the full lane moved behind UNET_COMPILER_LONG_TESTS (marked ``long``) for CI's time: a
 #: family whose group keeps another member in the lane (SV3D_u and SV3D_p: SVD's video UNet with
-#: another ADM width; SD2.1 unCLIP-H: unCLIP-L's with another one), each 1.5-2 minutes here
+#: another ADM width; SD2.1 unCLIP-H: unCLIP-L's with another one; Segmind Vega and KOALA-1B: SDXL
+#: pruned to other depths, as SSD-1B and KOALA-700M are; SDXL inpaint: SDXL's UNet with the 9
+#: input channels SD1.5 inpaint has and the wider input SDXL instruct-pix2pix has), each 1-2 minutes
 LONG = frozenset({
     "tests/nodes/test_families.py::test_family[sv3d_u]",
     "tests/nodes/test_families.py::test_family[sv3d_p]",
     "tests/nodes/test_families.py::test_family[sd21_unclip_h]",
+    "tests/nodes/test_families.py::test_family[vega]",
+    "tests/nodes/test_families.py::test_family[koala_1b]",
+    "tests/nodes/test_families.py::test_family[sdxl_inpaint]",
 })
 
 

@@ -95,25 +95,33 @@ def ade_server(comfyui_path, sd15_checkpoint, tmp_path_factory):
         server.stop()
 
 
-def video_prompt(ckpt: str, prefix: str, order: str | None) -> dict:
+def video_prompt(ckpt: str, prefix: str, order: str | None, window: int | None = None) -> dict:
     """txt2img of ``FRAMES`` frames at 64 px, 2 euler steps, through AnimateDiff Loader (its motion
-    model, beta schedule autoselect); ``order``: None (plain ComfyUI), "before" (Compile UNet + Warmup
-    Shapes, then the loader) or "after" (the loader, then Compile UNet + Warmup Shapes); with the
-    pack, the test node's report after sampling (node 62)."""
+    model, beta schedule autoselect; with ``window``, its Standard Uniform context options of that
+    many frames, overlap 1); ``order``: None (plain ComfyUI), "before" (Compile UNet + Warmup
+    Shapes, then the loader) or "after" (the loader, then Compile UNet + Warmup Shapes of one video
+    of the frames sampling calls it with, cond and uncond); with the pack, the test node's report
+    after sampling (node 62)."""
     p = S.txt2img(ckpt, 64, 64, FRAMES, 2, 5.0, 3, latent_prefix=prefix)
     del p["6"], p["7"]
     p["5"]["inputs"]["steps"] = 2
     model = ["1", 0]
+    entry = f"{2 * (window or FRAMES)}x64x64"
 
     def ade(m):
         p["30"] = {"class_type": "ADE_AnimateDiffLoaderGen1",
                    "inputs": {"model": m, "model_name": MOTION_NAME, "beta_schedule": "autoselect"}}
+        if window:
+            p["31"] = {"class_type": "ADE_StandardUniformContextOptions",
+                       "inputs": {"context_length": window, "context_stride": 1, "context_overlap": 1,
+                                  "closed_loop": False}}
+            p["30"]["inputs"]["context_options"] = ["31", 0]
         return ["30", 0]
 
     if order == "before":
-        model = ade(compile_and_warm(p, model, f"{2 * FRAMES}x64x64"))
+        model = ade(compile_and_warm(p, model, entry))
     elif order == "after":
-        model = compile_and_warm(p, ade(model), f"{2 * FRAMES}x64x64")
+        model = compile_and_warm(p, ade(model), entry)
     else:
         model = ade(model)
     p["5"]["inputs"]["model"] = model
@@ -144,3 +152,22 @@ def test_animatediff_through_the_server_in_both_orders(ade_server, sd15_checkpoi
     else:                    # in the model when Compile UNet planned it: regions like the UNet's own
         assert "modules inserted" not in after and int(ran.group(2)) > SD15_REGIONS, (warm, after)
 
+
+
+def test_animatediff_context_windows_warmed_as_sampling_calls_them(ade_server, sd15_checkpoint):
+    """AnimateDiff Loader with context windows of 4 frames (8 frames sampled a window at a time),
+    then Compile UNet + Warmup Shapes of one window (8x64x64): warmup calls the motion modules with
+    the window's frames (a freshly loaded motion model holds 16), nothing compiles at sampling, and
+    the latent == plain ComfyUI's with the same nodes. The prompt with the pack runs first, so its
+    motion model is the fresh one."""
+    ckpt = sd15_checkpoint.name
+    entry = ade_server.run_prompt(video_prompt(ckpt, "ade_windows", "after", window=4), timeout=1800)
+    plain = ade_server.run_prompt(video_prompt(ckpt, "ade_windows_plain", None, window=4), timeout=900)
+    rel = S.relative_l2(S.saved_latent(ade_server, entry), S.saved_latent(ade_server, plain))
+    warm, after = ui_text(entry, "61"), ui_text(entry, "62")
+    print(f"\n[e2e] AnimateDiff context windows: relative L2 {rel:.2e}\n--- warmup\n{warm}\n--- after sampling\n{after}")
+    assert rel <= MAX_REL_L2, f"relative L2 {rel:.2e}\n{warm}\n{after}"
+    assert "warmup stopped" not in warm and "warmed 8x64x64" in warm, warm
+    ran = re.search(r"regions that ran compiled code: (\d+) of (\d+)", after)
+    assert ran and ran.group(1) == ran.group(2), after
+    assert re.search(r"recompiles after warmup: 0\b", after), after

@@ -103,3 +103,54 @@ def test_every_entry_left_out_says_so_without_a_call(make_comfy_model, mm):
     assert f"no entry's batch is a multiple of the {FRAMES} frames" in text, text
     assert f"give {2 * FRAMES}x64x64" in text, text
     model.detach()
+
+
+def _with_context_windows(mm, model, frames: int):
+    """``model`` with AnimateDiff-Evolved's own injection params set as its loader sets them: context
+    options of ``frames``-frame windows (its Standard Uniform node's options), in the attachment its
+    sampling reads."""
+    from tests import _ade
+    context = _ade.load(module="context")
+    injection = _ade.load(module="model_injection")
+    group = context.ContextOptionsGroup()
+    group.add(context.ContextOptions(context_length=frames, context_stride=1, context_overlap=1,
+                                     context_schedule=context.ContextSchedules.UNIFORM_STANDARD))
+    params = injection.InjectionParams()
+    params.set_context(group)
+    injection.ModelPatcherHelper(model).set_params(params)
+
+
+def test_warmup_calls_whole_videos_of_the_context_windows(make_comfy_model, mm):
+    """With AnimateDiff-Evolved's context windows of 2 frames on a model whose motion modules last
+    held 4: sampling calls them one window (2 frames) at a time, so warmup does too: 6x64x64 (3
+    windows) warms, the modules take 2 frames in its calls and hold 4 again after; an odd batch is
+    left out naming the window."""
+    mp = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    model, modules = _with_motion(mm, cm)
+    _with_context_windows(mm, model, 2)
+    seen = []
+    hook = modules[0].register_forward_pre_hook(lambda m, a: seen.append(m.video_length))
+    try:
+        text = patcher.warmup_model(model, "6x64x64, 3x64x64", 77)
+    finally:
+        hook.remove()
+    assert "warmup stopped" not in text and "warmed 6x64x64" in text, text
+    assert "warmup entry 3x64x64 left out" in text and "its context windows" in text and "give 4x64x64" in text, text
+    assert seen and set(seen) == {2}, seen
+    assert {m.video_length for m in modules} == {FRAMES} and {m.full_length for m in modules} == {FRAMES}
+    model.detach()
+
+
+def test_motion_modules_in_the_model_when_planned_take_whole_videos_too(make_comfy_model, mm):
+    """Compile UNet after the motion modules are in the loaded model (they are planned with it):
+    warmup still gives them whole videos and names the entry to give for one it leaves out."""
+    mp = make_comfy_model("sd15")
+    ade, _ = _with_motion(mm, mp)
+    import comfy.model_management
+    comfy.model_management.load_models_gpu([ade])      # injected at load: in the model when planned
+    model, _ = patcher.compile_model(ade, CFG)
+    text = patcher.warmup_model(model, "2x64x64, 8x64x64", 77)
+    assert "warmup stopped" not in text and "warmed 8x64x64" in text, text
+    assert "warmup entry 2x64x64 left out" in text and f"give {2 * FRAMES}x64x64" in text, text
+    model.detach()
