@@ -34,7 +34,7 @@ def _model_options(p: argparse.ArgumentParser, cuda: bool) -> None:
 
 def parser() -> argparse.ArgumentParser:
     import torch
-    from .families import FAMILIES
+    from ..tests._families import FAMILIES
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m unet_compiler.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

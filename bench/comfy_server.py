@@ -161,7 +161,7 @@ def checkpoint_path(folder: Path) -> Path:
 
 
 def comfyui_or_fail() -> Path:
-    from .families import comfy_path
+    from ..tests._families import comfy_path
     path = comfy_path()
     if path is None:
         raise RuntimeError("ComfyUI not found: set COMFYUI_PATH or install it at ~/comfy/ComfyUI")

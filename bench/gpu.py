@@ -167,7 +167,7 @@ class Check:
         path = self.env.get("COMFYUI_PATH")
         if not path or not (Path(path) / "main.py").is_file():
             return
-        from .families import comfy_missing
+        from ..tests._families import comfy_missing
         missing = comfy_missing(Path(path))
         stubs = self.out / "stubs"
         for name in missing:

@@ -382,7 +382,7 @@ def bench(args):
 def compat(args):
     """The compatibility tables (README "Compatibility"), measured now: every ComfyUI
     openaimodel.UNetModel family, then ComfyUI's core patch nodes through KSampler sampling."""
-    from . import families, patch_compat
+    from ..tests import _families as families, _patch_compat as patch_compat
     if families.comfy_path() is None:
         print("\ncompatibility table: skipped: no ComfyUI tree (set COMFYUI_PATH or install it at ~/comfy/ComfyUI)")
         return

@@ -72,7 +72,7 @@ def _row(args) -> dict:
 
     from ..compiler.config import CompileConfig
     from ..nodes import patcher
-    from .patch_compat import node
+    from ..tests._patch_compat import node
     dtype = DTYPES[args.row]
     if isinstance(dtype, str):
         model = _gguf_model(args.checkpoint, dtype)

@@ -55,7 +55,7 @@ def motion_injection(mm, unet, frames: int, seed: int = 7):
     import torch
     from comfy.patcher_extension import PatcherInjection
 
-    from unet_compiler.bench.families import init_random
+    from unet_compiler.tests._families import init_random
 
     def block(c, kind, idx, n):
         return types.SimpleNamespace(motion_modules=[

@@ -97,7 +97,7 @@ def tiny_unet(gg, kind: str, qtype_name: str, seed: int = 0):
     import comfy.model_patcher
     import comfy.supported_models as sm
 
-    from unet_compiler.bench.patch_compat import TINY, init_random
+    from unet_compiler.tests._patch_compat import TINY, init_random
     spec = TINY[kind]
     plain = getattr(sm, spec["cls"])(dict(spec["unet"]))
     plain.unet_config = dict(spec["unet"])

@@ -1,6 +1,6 @@
 """Which .py files are the pack's, for the tests that read them (test_packaging's import checks,
 test_security's scan): every one in the checkout but those under bench/ and bin/ (development
-tools), tests/ and docs/, and none in a hidden, virtual-env or build folder. bench/patch_compat.py's
+tools), tests/ and docs/, and none in a hidden, virtual-env or build folder. tests/_patch_compat.py's
 "the pack's own frames" applies the same rule to a traceback's files."""
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ if "UNET_COMPILER_CACHE_DIR" not in os.environ:
     import tempfile
     os.environ["UNET_COMPILER_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_test_cache_")
 
-from unet_compiler.bench.families import comfy_path, comfy_problem  # noqa: E402 - after TRITON_INTERPRET is chosen
+from unet_compiler.tests._families import comfy_path, comfy_problem  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 
 #: set to 1 to run the tests marked ``long`` too (CI runs without them, to stay within its time)
@@ -88,7 +88,7 @@ def _no_cpu_isa_record_between_tests():
 def make_comfy_model(comfy):
     """Build a random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's own classes,
     wrapped in a real ModelPatcher (``patch_compat.build_tiny``: its ``TINY`` configs)."""
-    from unet_compiler.bench.patch_compat import build_tiny
+    from unet_compiler.tests._patch_compat import build_tiny
 
     def make(kind="sd15", seed=0, device="cpu", weight_dtype=None):
         """``device``: where ComfyUI loads the model ("cpu", or ComfyUI's own choice with

@@ -198,7 +198,7 @@ def test_a_cuda_torchvision_is_made_to_import_beside_cpu_torch(tmp_path):
 def test_comfyui_without_its_requirements_skips_with_one_line(tmp_path, monkeypatch):
     """A ComfyUI tree whose requirements are not in this env: the ComfyUI tests skip with one line
     naming the command that installs them (instead of failing on No module named 'psutil')."""
-    from unet_compiler.bench import families
+    from unet_compiler.tests import _families as families
     (tmp_path / "main.py").write_text("")
     (tmp_path / "requirements.txt").write_text("pytest\ntorchaudio\nno-such-dist-for-unet-compiler>=1\n# a comment\n")
     monkeypatch.setenv("COMFYUI_PATH", str(tmp_path))
@@ -341,9 +341,9 @@ def test_import_graph_has_no_cycle():
 def test_which_files_are_the_packs(tmp_path):
     """One rule: every .py file in the checkout but those under bench/, tests/ and docs/ and in hidden
     or virtual-env folders; the import checks here (tests/_pack.py) and the patch harness's "the
-    pack's own frames" (bench/patch_compat.py) apply it alike."""
+    pack's own frames" (tests/_patch_compat.py) apply it alike."""
     from unet_compiler.compiler.shapes import ShapeError, parse_shapes
-    from unet_compiler.bench.patch_compat import _pack_frames, is_pack_file
+    from unet_compiler.tests._patch_compat import _pack_frames, is_pack_file
 
     names = {p.relative_to(ROOT).as_posix() for p in py_files()}
     assert {"__init__.py", "__main__.py", "compiler/api.py", "nodes/v3.py", "kernels/__init__.py"} <= names
@@ -390,6 +390,21 @@ def test_the_pack_never_imports_bench():
                    "from unet_compiler.bench import families"):   # what the check catches, from nodes/v3.py
         assert _imports_bench(ROOT / "nodes" / "v3.py", ast.parse(source)), source
     assert not _imports_bench(ROOT / "nodes" / "v3.py", ast.parse("from ..compiler import bench_helpers\nfrom . import bench"))
+
+
+def test_the_tests_builders_import_nothing_of_the_bench():
+    """The tests' tiny-model builders and fixtures (``tests/_*.py``, ``tests/conftest.py``) are the
+    tests' own: the bench imports them (its compatibility tables), never the reverse. Also where
+    ComfyUI's tree is the working folder (its own ``tests`` package), the bench reaches them as
+    ``unet_compiler.tests``."""
+    files = sorted((ROOT / "tests").glob("_*.py")) + [ROOT / "tests" / "conftest.py"]
+    assert ROOT / "tests" / "_families.py" in files and ROOT / "tests" / "_patch_compat.py" in files
+    found = [hit for p in files for hit in _imports_bench(p, ast.parse(p.read_text(encoding="utf-8")))]
+    assert not found, "a test builder imports bench/:\n" + "\n".join(found)
+    bench = [p for p in (ROOT / "bench").glob("*.py")
+             if "unet_compiler.tests._families" in (t := p.read_text(encoding="utf-8")) or "..tests" in t]
+    assert bench, "the bench prints its tables from the tests' builders"
+    assert not (ROOT / "bench" / "families.py").exists() and not (ROOT / "bench" / "patch_compat.py").exists()
 
 
 def _text_io_without_encoding(path, tree) -> list[str]:

@@ -105,7 +105,7 @@ def test_bench_prints_the_compatibility_table(tmp_path, capsys, monkeypatch):
     """--compat: after the bench table, the family table and the patch-node table measured in this
     run (here one family and one patch node on the eager backend, to keep it short) or one line
     saying why there are none."""
-    from unet_compiler.bench import families, patch_compat
+    from unet_compiler.tests import _families as families, _patch_compat as patch_compat
     real, real_patch, real_dit = families.compat_rows, patch_compat.patch_rows, families.dit_compat_rows
     monkeypatch.setattr(families, "compat_rows", lambda *a, log=None: real("eager", (8, 8), 1, ["sd15"], log))
     # (the DiT table too: unpatched it compiled every DiT family with inductor, 10 min of CI)
@@ -140,7 +140,7 @@ def test_compat_command_runs_the_tables_asked_for(capsys):
     """``python -m unet_compiler.bench compat``: its options reach the table (one family, eager, 8x8,
     batch 1; the patch-node table left out with --only), and a family name it does not know is
     refused by name before anything runs."""
-    from unet_compiler.bench import families
+    from unet_compiler.tests import _families as families
     with pytest.raises(SystemExit):
         main(["compat", "--only", "families", "sd16"])
     assert "invalid choice: 'sd16'" in capsys.readouterr().err

@@ -57,13 +57,13 @@ def pytest_pycollect_makemodule(module_path, parent):
 
 def comfy_problem() -> str | None:
     """Why there is no ComfyUI to test against here (one line), or None."""
-    from unet_compiler.bench.families import comfy_problem
+    from unet_compiler.tests._families import comfy_problem
     return comfy_problem()
 
 
 def find_comfyui() -> Path | None:
     """The ComfyUI tree to test against, or None when there is none (or it cannot run here)."""
-    from unet_compiler.bench.families import comfy_path
+    from unet_compiler.tests._families import comfy_path
     path = comfy_path()
     return path.resolve() if path and comfy_problem() is None else None
 

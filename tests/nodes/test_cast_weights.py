@@ -210,7 +210,7 @@ def _mixed_precision_sd15(comfy, make_comfy_model):
     fp8 with a per-tensor scale and its ``comfy_quant`` metadata, loaded by ComfyUI's
     mixed_precision_ops (no fp8 matmul on a CPU: each dequantizes per call), the rest fp32."""
     import json
-    from unet_compiler.bench.patch_compat import TINY
+    from unet_compiler.tests._patch_compat import TINY
     sd = make_comfy_model("sd15").model.diffusion_model.state_dict()
     spec = TINY["sd15"]
     cfg = getattr(comfy.sm, spec["cls"])(dict(spec["unet"]))

@@ -2,7 +2,7 @@
 Qwen-Image's, Wan's and Lumina 2's (Z-Image's) blocks as regions.
 
 Tiny models built by ComfyUI's own ``supported_models`` classes from the config its
-checkpoint detection derives (``bench/families.py``'s DiT section: widths and depths shrunk),
+checkpoint detection derives (``tests/_families.py``'s DiT section: widths and depths shrunk),
 random weights, a real ModelPatcher, driven through ``apply_model`` with the conditioning the
 model's own ``extra_conds`` builds. The bodies are checked against the blocks' own forward
 uncompiled (every variant the body covers, and those it declines); one module-scoped inductor
@@ -20,7 +20,7 @@ from collections import Counter
 import pytest
 import torch
 
-from unet_compiler.bench import families as F  # noqa: N812
+from unet_compiler.tests import _families as F  # noqa: N812
 from unet_compiler.compiler import plan as P
 from unet_compiler.compiler import regions as R
 from unet_compiler.compiler.config import CompileConfig

@@ -106,7 +106,7 @@ def test_unets_over_prompts_with_lora_and_resident_set_changes(comfy, make_comfy
 
 def test_flux_over_prompts_with_lora_and_resident_set_changes(comfy, dynamic_vram):
     """The tiny Flux.1 dev (ComfyUI's own classes): the same three prompts, its 4 stream blocks compiled."""
-    from unet_compiler.bench import families as F  # noqa: N812
+    from unet_compiler.tests import _families as F  # noqa: N812
     from .test_dit import _flux_lora
     base = dynamic_vram.patcher(F.build_dit(F.DIT_FAMILIES["flux_dev"]), budget=0.5)
     cm, _ = patcher.compile_model(base, CFG)

@@ -1,7 +1,7 @@
 """Every UNet family ComfyUI loads through openaimodel.UNetModel (issue 14, part 1).
 
 Each family is built by its own ``comfy.supported_models`` class from ComfyUI's
-own config (bench/families.py: the loader's config table / checkpoint
+own config (tests/_families.py: the loader's config table / checkpoint
 detection, widths shrunk, structure kept), random weights, in a real
 ModelPatcher, and driven through ``apply_model`` with the conditioning its own
 ``extra_conds`` builds (c_concat, y, frames, ...).
@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 
-from unet_compiler.bench import families as F  # noqa: N812
+from unet_compiler.tests import _families as F  # noqa: N812
 from unet_compiler.compiler import plan as P
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.shapes import Shape

@@ -2,7 +2,7 @@
 Compile UNet gives equals the eager image of the same nodes, accelerated regions really ran,
 and the report says what each patch did to the regions (issue 14, part 2).
 
-The cases, the harness and the checks are the bench's ``patch_compat`` (the bench prints the
+The cases, the harness and the checks are ``tests/_patch_compat.py`` (the bench prints the
 same table: ``python -m unet_compiler.bench compat --only patches``): tiny random-weight SD1.5 / SDXL
 UNets, tiny text encoders through CLIPTextEncode, ControlNet / T2I-Adapter / hook LoRA built from
 ComfyUI's own classes; 3 euler steps at cfg 5 on a 64 px image (latent 1x4x8x8), fp32.
@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from unet_compiler.bench import patch_compat as H
+from unet_compiler.tests import _patch_compat as H
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.nodes import patcher
-from unet_compiler.bench.patch_compat import AFTER, deep_shrink, hook_lora_conds
+from unet_compiler.tests._patch_compat import AFTER, deep_shrink, hook_lora_conds
 
 pytestmark = pytest.mark.comfy
 CFG = CompileConfig(backend="inductor")

@@ -1,14 +1,14 @@
 """Test-only ComfyUI nodes (the e2e server links this folder into its custom_nodes; the pack
 never loads it): an IPAdapter-style attn2 replace, as such packs register with
 ``set_model_attn2_replace``, so /prompt tests can put one in a workflow (the patch object is
-``unet_compiler.bench.patch_compat.IPAdapterAttn2``, the one the in-process patch-node tests use); and
+``unet_compiler.tests._patch_compat.IPAdapterAttn2``, the one the in-process patch-node tests use); and
 ``UNetCompilerTest_InjectFault`` (faults.py), which injects one fault for the prompt it runs in;
 ``UNetCompilerTest_PartialLoad``, which makes ComfyUI's own loader load a model partially under a
 memory budget (as on a GPU too small for it), and ``UNetCompilerTest_Report``, which shows the
 accelerator's report after sampling."""
 import functools
 
-from unet_compiler.bench.patch_compat import IPAdapterAttn2
+from unet_compiler.tests._patch_compat import IPAdapterAttn2
 
 from .faults import InjectFault
 

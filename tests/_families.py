@@ -1,12 +1,13 @@
 """Every ``openaimodel.UNetModel`` family ComfyUI loads, built at tiny widths
 from ComfyUI's own configs, with the conditioning ComfyUI's own model classes
-build for it: the compatibility table's source. Used by tests/nodes/test_families.py and
-the bench; the table alone::
+build for it: the tests' tiny-model builders and the compatibility table's source. Used by the
+tests (tests/nodes/test_families.py, test_dit.py, ...) and by the bench, which imports it from here
+as ``unet_compiler.tests._families`` (every user imports it by that one name); the table alone::
 
     python -m unet_compiler.bench compat --only families [--backend triton|inductor|eager] [families...]
 
 (``python -m unet_compiler.bench run --compat`` prints it after the bench table, the patch-node
-table of patch_compat.py after it.) It needs a
+table of tests/_patch_compat.py after it.) It needs a
 ComfyUI tree (``COMFYUI_PATH`` or ``~/comfy/ComfyUI``); nothing is downloaded.
 
 Where each config comes from:
@@ -370,7 +371,7 @@ def make_inputs(fam: Family, mp, batch: int, h: int, w: int, seed: int = 1, toke
 
 def apply(mp, fam: Family, batch: int, h: int, w: int, seed: int = 1):
     """One sampling-style apply_model call (the patcher's wrappers merged in as KSampler does)."""
-    from ..nodes import patcher
+    from unet_compiler.nodes import patcher
     x, sigma, kw = make_inputs(fam, mp, batch, h, w, seed)
     to = patcher.sampling_transformer_options(mp)
     with torch.inference_mode():
@@ -412,10 +413,10 @@ def compat_rows(backend="inductor", latent=(16, 16), batch=2, families=None, log
     """Build each family (default all), compile it, warm one shape, run it against the model's
     own code on the same inputs: the table's rows. Needs ComfyUI (``import_comfy``)."""
     import_comfy()
-    from ..compiler.warmup import warmup_runs
-    from ..compiler.config import CompileConfig
-    from ..compiler.shapes import Shape
-    from ..nodes import patcher
+    from unet_compiler.compiler.warmup import warmup_runs
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.compiler.shapes import Shape
+    from unet_compiler.nodes import patcher
     h, w = latent
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: dispatch-bound
@@ -605,7 +606,7 @@ def dit_inputs(mp, batch: int, h: int, w: int, seed: int = 1, tokens: int = 7, f
     ``reference``: a reference latent of the same size too (Flux Kontext's, Qwen-Image edit's)."""
     from types import SimpleNamespace
 
-    from ..compiler.compat.comfy import dit_context_width, dit_pooled_width, latent_frames
+    from unet_compiler.compiler.compat.comfy import dit_context_width, dit_pooled_width, latent_frames
     base = mp.model
     g = torch.Generator().manual_seed(seed)
     width = dit_context_width(base.diffusion_model)
@@ -627,7 +628,7 @@ def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None 
     applied) and with the patcher's wrappers merged in as KSampler does; ``more``: further
     conditioning (``denoise_mask=True``: image-to-video's mask of the latent's size, its first frame 0)."""
     import comfy.model_management
-    from ..nodes import patcher
+    from unet_compiler.nodes import patcher
     comfy.model_management.load_models_gpu([mp])
     x, sigma, kw = dit_inputs(mp, batch, h, w, seed, tokens=tokens, frames=frames, reference=reference)
     if more.get("denoise_mask") is True:      # image-to-video's: the first latent frame is the given image
@@ -676,8 +677,8 @@ def dit_compat_rows(backend="inductor", shapes="1x64x64, 2x128x96", cases=((1, 8
     model's own code on the same inputs: the DiT table's rows (the largest difference, and the graphs
     compiled after warmup over all cases)."""
     import_comfy()
-    from ..compiler.config import CompileConfig
-    from ..nodes import patcher
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.nodes import patcher
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     rows = []

@@ -1,7 +1,7 @@
 """ComfyUI's core patch nodes, alone and stacked, through real KSampler sampling: eager vs
 Compile UNet on the same nodes (the patch-node half of the compatibility table; the other half,
-model families, is families.py). Used by tests/nodes/test_patch_nodes.py, which asserts on every case,
-and by the bench; the table alone::
+model families, is tests/_families.py). Used by tests/nodes/test_patch_nodes.py, which asserts on every
+case, and by the bench (both import it as ``unet_compiler.tests._patch_compat``); the table alone::
 
     python -m unet_compiler.bench compat --only patches [--full]
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .families import import_comfy, init_random
+from unet_compiler.tests._families import import_comfy, init_random
 
 PACK_ROOT = Path(__file__).resolve().parents[1]   # the checkout
 
@@ -527,7 +527,7 @@ class CaseRun:
 
 
 def _compiled(ctx, mp, patch, order, config):
-    from ..nodes import patcher
+    from unet_compiler.nodes import patcher
     if patch is None:
         return patcher.compile_model(mp, config)[0]
     if order == AFTER:
@@ -537,8 +537,8 @@ def _compiled(ctx, mp, patch, order, config):
 
 def run_case(ctx, mp, name, order, config=None) -> CaseRun:
     """The case's nodes on ``mp`` sampled eager, then with Compile UNet in ``order``."""
-    from ..compiler.config import CompileConfig
-    from ..nodes import patcher
+    from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.nodes import patcher
     config = config or CompileConfig(backend="inductor")
     family, patch, conds, _ = CASES[name]
     size = size_of(name, ctx.kind)
@@ -671,7 +671,7 @@ def patch_rows(backend="inductor", cases=None, log=None) -> list[Row]:
     """Run each (name, kind, order) case (default: ``in_default``'s set) and check it: the
     table's rows, each with its outcome. Needs ComfyUI (``import_comfy``)."""
     import tempfile
-    from ..compiler.config import CompileConfig
+    from unet_compiler.compiler.config import CompileConfig
     import_comfy()
     cases = [c for c in all_cases() if in_default(*c)] if cases is None else cases
     config = CompileConfig(backend=backend)
