@@ -89,10 +89,14 @@ class Inserted:
                 f"(another pack's, such as AnimateDiff's motion modules): {kinds}")
 
 
+def frame_count(value) -> int | None:
+    """``value`` where it is a count of frames (a positive int, not a bool), else None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 def takes_videos(module) -> bool:
     """Whether ``module`` takes whole videos per call, by its shape: a positive int ``video_length``
     and a ``set_video_length(video_length, full_length)`` (AnimateDiff's motion modules: their
     batch is videos x frames and they attend over each video's frames)."""
-    n = getattr(module, "video_length", None)
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0 and callable(getattr(module, "set_video_length",
-                                                                                           None))
+    return bool(frame_count(getattr(module, "video_length", None))) and callable(
+        getattr(module, "set_video_length", None))

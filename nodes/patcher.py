@@ -16,6 +16,7 @@ from ..compiler import cast
 from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, is_interrupt, is_video, latent_frames,
                                      latent_scale, latent_time_scale)
+from ..compiler.inserted import frame_count
 from ..compiler.reasons import Reason
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import (Shape, check_context_tokens, check_frames, check_memory, context_dim,
@@ -351,13 +352,10 @@ def context_window(model) -> int | None:
     length, the one sampling starts with); None where none is set. Windows apply to a video longer
     than one window, which warmup takes every video entry to be."""
     handler = model.model_options.get("context_handler")
-    if handler is not None and getattr(handler, "dim", None) == 0:
-        n = getattr(handler, "context_length", None)
-        if isinstance(n, int) and n > 0:
-            return n
+    if getattr(handler, "dim", None) == 0 and (n := frame_count(getattr(handler, "context_length", None))):
+        return n
     for held in getattr(model, "attachments", {}).values():
-        n = getattr(getattr(held, "context_options", None), "context_length", None)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+        if n := frame_count(getattr(getattr(held, "context_options", None), "context_length", None)):
             return n
     return None
 
