@@ -147,3 +147,20 @@ def compile_and_warm(p: dict, model: list, shapes: str) -> list:
     p["61"] = {"class_type": "UNetCompiler_WarmupShapes",
                "inputs": {"model": ["60", 0], "shapes": shapes, "context_tokens": 77, "background": False}}
     return ["61", 0]
+
+
+def with_the_pack(p: dict, model: list, patch, order: str | None, shapes: str) -> None:
+    """Wire the sampler (node "5") of the API prompt ``p`` to ``model`` through ``patch`` (a function
+    that adds another pack's node on a model link and returns its output link) and this pack's
+    nodes in ``order``: None (``patch`` alone: plain ComfyUI), "before" (Compile UNet + Warmup Shapes
+    of ``shapes``, then ``patch``) or "after" (``patch``, then the pack's nodes); with the pack, the
+    test node's report after sampling (node "62")."""
+    if order == "before":
+        model = patch(compile_and_warm(p, model, shapes))
+    elif order == "after":
+        model = compile_and_warm(p, patch(model), shapes)
+    else:
+        model = patch(model)
+    p["5"]["inputs"]["model"] = model
+    if order is not None:
+        p["62"] = {"class_type": "UNetCompilerTest_Report", "inputs": {"model": model, "samples": ["5", 0]}}

@@ -21,7 +21,7 @@ import pytest
 from unet_compiler.bench import comfy_server as S
 
 from .. import _gguf
-from .conftest import TEST_NODE, compile_and_warm, link_patch_assets
+from .conftest import TEST_NODE, link_patch_assets, with_the_pack
 from .test_comfyui_server import ui_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -109,16 +109,7 @@ def gguf_prompt(ckpt: str, qtype: str, lora: str, prefix: str, order: str | None
         p["21"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": m, "lora_name": lora, "strength_model": 0.8}}
         return ["21", 0]
 
-    model = ["20", 0]
-    if order == "before":
-        model = lora_(compile_and_warm(p, model, "2x64x64"))
-    elif order == "after":
-        model = compile_and_warm(p, lora_(model), "2x64x64")
-    else:
-        model = lora_(model)
-    p["5"]["inputs"]["model"] = model
-    if order is not None:
-        p["62"] = {"class_type": "UNetCompilerTest_Report", "inputs": {"model": model, "samples": ["5", 0]}}
+    with_the_pack(p, ["20", 0], lora_, order, "2x64x64")
     return p
 
 

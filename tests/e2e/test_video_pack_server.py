@@ -21,7 +21,7 @@ import pytest
 from unet_compiler.bench import comfy_server as S
 
 from .. import _ade
-from .conftest import TEST_NODE, compile_and_warm
+from .conftest import TEST_NODE, with_the_pack
 from .test_comfyui_server import ui_text
 
 pytestmark = [pytest.mark.e2e, pytest.mark.long]
@@ -105,7 +105,6 @@ def video_prompt(ckpt: str, prefix: str, order: str | None, window: int | None =
     p = S.txt2img(ckpt, 64, 64, FRAMES, 2, 5.0, 3, latent_prefix=prefix)
     del p["6"], p["7"]
     p["5"]["inputs"]["steps"] = 2
-    model = ["1", 0]
     entry = f"{2 * (window or FRAMES)}x64x64"
 
     def ade(m):
@@ -118,15 +117,7 @@ def video_prompt(ckpt: str, prefix: str, order: str | None, window: int | None =
             p["30"]["inputs"]["context_options"] = ["31", 0]
         return ["30", 0]
 
-    if order == "before":
-        model = ade(compile_and_warm(p, model, entry))
-    elif order == "after":
-        model = compile_and_warm(p, ade(model), entry)
-    else:
-        model = ade(model)
-    p["5"]["inputs"]["model"] = model
-    if order is not None:
-        p["62"] = {"class_type": "UNetCompilerTest_Report", "inputs": {"model": model, "samples": ["5", 0]}}
+    with_the_pack(p, ["1", 0], ade, order, entry)
     return p
 
 
