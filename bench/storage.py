@@ -71,7 +71,7 @@ def _row(args) -> dict:
     from comfy_extras.nodes_torch_compile import TorchCompileModel
 
     from ..compiler.config import CompileConfig
-    from ..nodes import patcher
+    from ..nodes import patcher, warmup as nodes_warmup
     from ..tests._patch_compat import node
     dtype = DTYPES[args.row]
     if isinstance(dtype, str):
@@ -94,7 +94,7 @@ def _row(args) -> dict:
         def run():
             with torch.inference_mode():
                 return mp.model.apply_model(x, t, c_crossattn=ctx,
-                                            transformer_options=patcher.sampling_transformer_options(mp))
+                                            transformer_options=nodes_warmup.sampling_transformer_options(mp))
         return run
 
     t0 = time.perf_counter()

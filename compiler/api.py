@@ -71,14 +71,15 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     is its ComfyUI model's to build, so it compiles and warms through its ModelPatcher.
     """
     config = CompileConfig.from_options(backend, **options)
-    if build_plan(module).arch == "dit":
+    uncompile_unet(module)
+    plan = build_plan(module)
+    if plan.arch == "dit":
         raise ValueError(f"compile_unet: {type(module).__name__} is a ComfyUI diffusion transformer, whose "
                          f"conditioning (text tokens, pooled vectors, guidance, positions) its ComfyUI model builds; "
                          f"this API builds a UNet's only, so it could not warm it. Fix: compile it through its "
                          f"ModelPatcher: the Compile UNet and Warmup Shapes nodes, or "
                          f"unet_compiler.nodes.patcher.compile_model(patcher, config) and then warmup_model(...)")
-    uncompile_unet(module)
-    accel = Accelerator(module, config)
+    accel = Accelerator(module, config, plan=plan)
     module.__dict__[_ATTR] = accel
     # the module holds its forward: a weak reference back, so dropping the module frees it (and the
     # accelerator) at once, not at Python's next cyclic collection

@@ -41,7 +41,7 @@ class CompileConfig:
         True (default): batch, height, width and context length are symbolic,
         so a new batch size or resolution reuses the compiled code (zero
         recompiles inside the warmed range). A warmup of one shape compiles that
-        shape static (``warmup.fix_shape``): another shape recompiles once,
+        shape static (``warmup.one_shape``): another shape recompiles once,
         then runs dynamic code. False: every new shape compiles
         its own specialised code (slightly faster kernels, a compile per
         shape: only for workflows with one fixed shape).
@@ -95,6 +95,17 @@ class CompileConfig:
             if not isinstance(value, bool) and not (name == "dynamic_shapes" and value is None):
                 raise TypeError(f"{name}={value!r} must be True or False (a string such as 'false' would read as "
                                 f"True)")
+
+    def autocast_dtype(self, model_dtype, notes: list):
+        """The dtype regions run in under autocast (precision fp16 / bf16), else None (fp32 is kept
+        only for a model loaded in fp32: a note in ``notes`` says so otherwise)."""
+        import torch
+        if self.precision in ("fp16", "bf16"):
+            return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.precision]
+        if self.precision == "fp32" and model_dtype != torch.float32:
+            notes.append(f"precision fp32 needs the model loaded in fp32 (it is {model_dtype}); kept auto. "
+                         f"Fix: start ComfyUI with --force-fp32")
+        return None
 
     def replace(self, **changes) -> "CompileConfig":
         return dataclasses.replace(self, **changes)

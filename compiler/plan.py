@@ -67,6 +67,12 @@ class Plan:
         """Why nothing of this model can be accelerated (another ComfyUI model family), or None."""
         return next((why for kind, _, why in self.skipped if kind == NOT_A_UNET), None)
 
+    def kind_counts(self, impls) -> dict:
+        """Region kind -> how many of this plan's regions ``impls`` (keyed by (family, kind)) has code
+        for, in ``KINDS`` order."""
+        counts = Counter(r.kind for r in self.regions if impls.get((r.family, r.kind)) is not None)
+        return {k: counts[k] for k in KINDS if counts[k]}
+
     def skipped_summary(self) -> list[tuple[str, int, str]]:
         c = Counter((k, why) for k, _, why in self.skipped)
         return [(k, n, why) for (k, why), n in sorted(c.items())]

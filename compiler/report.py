@@ -26,7 +26,7 @@ class Report:
     #: the model's class (``UNetModel``, ``Flux``, ``UNet2DConditionModel``, ...); "" when unknown
     model: str = ""
     precision: str = "auto"
-    dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (warmup.fix_shape)
+    dynamic_shapes: bool | None = True   # None: one warmup shape compiled static (warmup.one_shape)
     regions: dict = field(default_factory=dict)       # kind -> count
     skipped: list = field(default_factory=list)       # (kind, count, reason)
     notes: list = field(default_factory=list)
@@ -34,7 +34,7 @@ class Report:
     from_cache: dict = field(default_factory=dict)    # shape label -> graphs of those taken from the compile cache
     max_abs_diff: float | None = None
     diff_label: str = ""
-    #: the largest ``max_abs_diff`` warmup's gate accepts (``warmup.tolerance``); over it the regions
+    #: the largest ``max_abs_diff`` warmup's compare accepts (``shims.Gate.tolerance``); over it the regions
     #: whose code made the difference run the model's own code
     diff_tolerance: float | None = None
     #: why the tolerance is not the model dtype's ("" when it is): e.g. an attention patch's own code

@@ -2,8 +2,9 @@
 
 ``Accelerator.active()`` installs each region's shim as an instance ``forward`` for one UNet call
 and removes it in ``finally``: nothing persists on the (possibly shared) module between calls.
-Each shim decides per call whether the region runs compiled code or the model's own code, and
-the accelerator counts what ran, what compiled and what recompiled after warmup.
+Each shim asks the accelerator's gate (``shims.Gate``) whether a call runs the region's compiled
+code or the model's own code; the accelerator runs it, falls back to the model's own code when
+compiled code raises, and counts what ran, what compiled and what recompiled after warmup.
 
 Lifetime: the accelerator holds its UNet weakly and nothing in it refers back to it (its shims
 call it through a weak method), so reference counting frees it, its regions' per-model state and
@@ -21,24 +22,20 @@ from collections import Counter
 
 import torch
 
-from . import cast, settings, weights
+from . import cast, settings, shims, weights
 from .lifecycle import background, variants
 from .lifecycle.ledger import Ledger
 from . import plan as P
-from .backends import choose, graphs_problem, kernels_in_captures_problem
+from .backends import choose, graphs_for
 from .cache import CompileCache
 from .compat import comfy as comfy_compat
-from .compat.torch_version import torch_too_old
 from .config import CompileConfig
 from .inserted import Inserted
 from .lifecycle.recompiles import Recompiles
-from .reasons import NOTHING_TO_COMPILE, Reason, build_failure, error_summary
+from .reasons import Reason, build_failure, error_summary
 from .report import Report, accelerator_text
-from .shims import make_shim
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def _release(error: BaseException, args) -> None:
@@ -60,30 +57,12 @@ def _call_modes(device_type: str, autocast: torch.dtype | None):
     return stack
 
 
-def _autocast_dtype(precision: str, model_dtype: torch.dtype, notes: list) -> torch.dtype | None:
-    """The dtype regions run in under autocast (precision fp16 / bf16), else None (fp32 is kept only
-    for a model loaded in fp32: a note says so otherwise)."""
-    if precision in ("fp16", "bf16"):
-        return _DTYPES[precision]
-    if precision == "fp32" and model_dtype != torch.float32:
-        notes.append(f"precision fp32 needs the model loaded in fp32 (it is {model_dtype}); kept auto. "
-                     f"Fix: start ComfyUI with --force-fp32")
-    return None
-
-
-def _off_because(plan) -> Reason | None:
-    """Why no backend is resolved for this model (the pack is off, torch too old, nothing to compile)."""
-    if settings.disabled():
-        return Reason(f"{settings.env('DISABLE')} is set: every rewrite is off")
-    return torch_too_old() or (Reason(NOTHING_TO_COMPILE) if plan.not_a_unet else None)
-
-
 class Accelerator:
     """The accelerated regions of one UNet: routes each region call to compiled code or the
     model's own code, and counts what ran (``stats``), what fell back (``failed``) and what
     compiled after warmup (``recompiles``). ``text()`` is its report."""
 
-    def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None):
+    def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None, plan=None):
         self._root = weakref.ref(unet)
         # Inference only, and dynamo guards every weight's requires_grad: ComfyUI's weight patches
         # (a LoRA, its strength, its removal) put each weight back as a new Parameter(requires_grad=
@@ -92,15 +71,13 @@ class Accelerator:
             if p.requires_grad:
                 p.requires_grad_(False)
         self.config = config or CompileConfig()
-        self.plan = P.build_plan(unet)
+        #: the regions (``plan``: the caller's ``build_plan(unet)`` of this model as it stands, if it made one)
+        self.plan = plan if plan is not None else P.build_plan(unet)
         #: modules another pack inserts into the planned model later (named in the report)
         self.inserted = Inserted(unet, self.plan)
         self.stats: Counter = Counter()
         #: what the caller's patches did to the regions ("<patch>: <effect>" -> UNet calls), for the report
         self.patches_seen: Counter = Counter()
-        self.failed: dict = {}
-        #: region kind -> why calls whose weights ComfyUI casts per call ran the model's own code
-        self.cast_eager: dict = {}
         #: ids of the region modules whose accelerated code ran at least once, and in the latest UNet call
         self.regions_ran: set[int] = set()
         self.regions_ran_last: set[int] = set()
@@ -114,7 +91,6 @@ class Accelerator:
         self.recompiles = Recompiles(self.plan.arch)
         #: background mode (Warmup Shapes' ``background``); None: compiles happen in the calling thread
         self.background: background.BackgroundMode | None = None
-        self._bypass = False
         if device is None:
             p = next(unet.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
@@ -125,29 +101,13 @@ class Accelerator:
         rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
                                    model=type(unet).__name__,
                                    precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
-        off = _off_because(self.plan)
-        self.backend, why = choose(self.config.backend, device, off, self.plan.arch)
-        if off is not None or why:
-            rep.why = why
+        self.backend, rep.why = choose(self.config.backend, device, self.plan.not_a_unet is not None, self.plan.arch)
         rep.backend = self.backend.name
         if rep.backend != self.config.backend and self.config.backend != "auto":
             log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
                         self.config.backend, rep.backend, "; ".join(rep.why))
-
-        self._autocast = _autocast_dtype(self.config.precision, self.model_dtype, rep.notes)
-
-        self.graphs = self._graphs(device)
-        # also without graphs of its own: a capture another party runs (a user's, a pack's) must not
-        # take a Triton kernel there either
-        out_of_captures = kernels_in_captures_problem(self.backend)
-        if out_of_captures and self.graphs is not None:
-            self.report.notes.append(f"cuda graphs: {out_of_captures}")
-        self.backend.kernels_in_captures = out_of_captures is None
-        # a kernel serves only calls that pay their launches where captures cannot hold it
-        self.backend.graphs_replay = self.graphs is not None and out_of_captures is None
-        stopped = getattr(self.backend, "graphs_stopped", None)
-        if self.graphs is not None and stopped is not None:
-            self.graphs.on_off = stopped
+        self.graphs = graphs_for(self.backend, self.config, device, rep.notes)
+        self._autocast = self.config.autocast_dtype(self.model_dtype, rep.notes)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
@@ -156,24 +116,27 @@ class Accelerator:
             # deserialize its variants beside what runs next (warmup's eager reference forward)
             variants.VARIANTS.preload(functools.partial(_call_modes, device.type if hasattr(device, "type")
                                                         else str(device), self._autocast))
-        self._install(self.backend.impls(self.config), first=True)
+        #: compiled code or the model's own code, per UNet call and per region call
+        self.gate = shims.Gate(self.stats, self.backend.cast_problem())
+        self.gate.on_refused = weakref.WeakMethod(self._refused)
+        impls = self.backend.impls(self.config)
+        if self.backend.name != "eager":
+            self.plan.skipped += [(r.kind, r.path, self.backend.no_impl_reason(r.kind, self.config))
+                                  for r in self.plan.regions if impls.get((r.family, r.kind)) is None]
+        self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
+        rep.regions = self.plan.kind_counts(impls)
+        rep.skipped = self.plan.skipped_summary()
         log.info("%s", rep.text().replace("\n", " |"))
 
-    def _install(self, impls: dict, first: bool = False) -> None:
-        """One shim per region the backend has an implementation for."""
-        self._shims = []
-        counts: Counter = Counter()
-        for region in self.plan.regions:
-            impl = impls.get((region.family, region.kind))
-            if impl is None:
-                if first and self.backend.name != "eager":
-                    self.plan.skipped.append((region.kind, region.path,
-                                              self.backend.no_impl_reason(region.kind, self.config)))
-                continue
-            counts[region.kind] += 1
-            self._shims.append((region.module, self._make_shim(region, impl)))
-        self.report.regions = {k: counts[k] for k in P.KINDS if counts[k]}
-        self.report.skipped = self.plan.skipped_summary()
+    @property
+    def failed(self) -> dict:
+        """Region kind -> why its calls run the model's own code from now on (the gate's)."""
+        return self.gate.failed
+
+    @property
+    def cast_eager(self) -> dict:
+        """Region kind -> why calls whose weights ComfyUI casts per call ran the model's own code."""
+        return self.gate.cast_eager
 
     @property
     def has_regions(self) -> bool:
@@ -195,30 +158,15 @@ class Accelerator:
         self.report.dynamic_shapes = config.dynamic_shapes
         self._install(self.backend.impls(config))
 
+    def _install(self, impls: dict) -> None:
+        """Shims for the regions ``impls`` (keyed by (family, kind)) has code for, from the next call."""
+        self.report.regions = self.plan.kind_counts(impls)
+        self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
+
     @property
     def root(self) -> torch.nn.Module | None:
         """The UNet this accelerates (None once it is gone)."""
         return self._root()
-
-    def _graphs(self, device):
-        """The region CUDA graphs, when asked for and possible here; else a note why not. Backend
-        ``auto`` on CUDA with ``cuda_graphs`` off keeps a region's graph at a shape only where its
-        replay measured faster than launching its kernels (launch-bound sizes), and says so."""
-        from .graphs import RegionGraphs
-        if not self.config.cuda_graphs:
-            if (self.config.backend != "auto" or not self.backend.uses_cuda_graphs
-                    or getattr(device, "type", device) != "cuda" or graphs_problem(self.backend, device)):
-                return None
-            self.report.notes.append("cuda graphs: auto (backend auto on CUDA): a region keeps its graph at a "
-                                     "shape only where a replay measured faster than launching its kernels; "
-                                     "Select Backend's cuda_graphs on keeps every graph")
-            return RegionGraphs(measured=True)
-        why = graphs_problem(self.backend, device)
-        if why:
-            self.report.notes.append(f"cuda graphs: not used: {why}")
-            log.warning("UNet Compiler: cuda graphs not used: %s", why)
-            return None
-        return RegionGraphs()
 
     def idle_graphs(self, why: str) -> int:
         """A prompt ended: the regions' CUDA graphs stay for the next prompt while the card has room,
@@ -231,16 +179,7 @@ class Accelerator:
         again. Returns how many graphs were freed."""
         return self.graphs.release(why) if self.graphs is not None else 0
 
-    # ---- per-region shim ------------------------------------------------
-    def _make_shim(self, region, impl):
-        """The callable installed as ``module.<region.hook>`` for one UNet call (its ``hook``
-        attribute names where ``active`` installs it); the accelerator holds its shims, which
-        call it back through a weak method (no cycle)."""
-        shim = make_shim(region, impl, weakref.WeakMethod(self._run), self.stats, self.failed, self.cast_eager,
-                         self.backend.cast_problem())
-        shim.hook = region.hook
-        return shim
-
+    # ---- one region call ----------------------------------------------
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
         if self.compute_dtype is None:
             self.compute_dtype = next((a.dtype for a in args if isinstance(a, torch.Tensor)), None)
@@ -316,8 +255,7 @@ class Accelerator:
         build = build_failure(error)
         why = build or error_summary(error)
         kinds = [kind] if build is None else list(self.report.regions) or [kind]
-        for k in kinds:
-            self.failed[k] = why
+        self.gate.close(kinds, why)
         if build is not None:
             kind = "all"
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({why}); "
@@ -334,33 +272,18 @@ class Accelerator:
             except Exception:  # a listener must not turn a soft fallback into a crash
                 log.debug("on_fallback listener failed", exc_info=True)
 
-    def refuse(self, kinds, reason: Reason) -> None:
-        """``kinds`` run the model's own code from now on (warmup's compare found their compiled
-        result wrong): said in the report, the log and to the fallback listener (the toast)."""
-        for k in kinds:
-            self.failed[k] = reason
+    def _refused(self, kinds, reason: Reason) -> None:
+        """The gate refused ``kinds`` (warmup's compare found their compiled result wrong): said in
+        the report, the log and to the fallback listener (the toast)."""
         said = f"{', '.join(kinds)} regions run the model's own code from now on: {reason}"
         log.warning("UNet Compiler: %s", said)
         self.report.notes.append(said)
         self._tell_fallback(", ".join(kinds), reason)
 
-    @contextlib.contextmanager
-    def own_code(self, kinds):
-        """Inside: ``kinds`` run the model's own code (warmup's search for the kinds that made a
-        difference); a kind that really fails inside keeps its failure after."""
-        added = [k for k in kinds if k not in self.failed]
-        self.failed.update({k: "off" for k in added})
-        try:
-            yield
-        finally:
-            for k in added:
-                if self.failed.get(k) == "off":
-                    del self.failed[k]
-
     @property
     def bypassed(self) -> bool:
         """Whether calls run the model's own code now (inside ``bypass()``: warmup's eager reference)."""
-        return self._bypass
+        return self.gate.bypassed
 
     @property
     def autocast_dtype(self) -> torch.dtype | None:
@@ -368,14 +291,9 @@ class Accelerator:
         return self._autocast
 
     # ---- one UNet call -----------------------------------------------------
-    @contextlib.contextmanager
     def bypass(self):
         """Run the model's own code (the eager reference) inside this block."""
-        prev, self._bypass = self._bypass, True
-        try:
-            yield
-        finally:
-            self._bypass = prev
+        return self.gate.bypass()
 
     @contextlib.contextmanager
     def active(self, weight_epoch=None, shape: str | None = None):
@@ -383,7 +301,7 @@ class Accelerator:
         compiles after warmup."""
         self.regions_ran_last.clear()
         with background.ACTIVITY.call():
-            if self._bypass or not self._shims:
+            if not self.gate.through_regions(bool(self._shims)):
                 self.stats["eager_calls"] += 1
                 yield
             else:
@@ -419,7 +337,24 @@ class Accelerator:
                     module.__dict__.pop(hook, None)
                 weights.release_scratch()
 
-    # ---- background mode ---------------------------------------------------
+    # ---- warmup and background mode --------------------------------------
+    def warmup_mode(self, one_shape: str | None, in_background: bool) -> background.BackgroundMode | None:
+        """Set up for a warmup: ``one_shape`` (a shape label): compile exactly that shape (static code,
+        before anything compiled); ``in_background``: record the calls for the compile thread (Warmup
+        Shapes' ``background``) where this model's code can compile there, else a note says why not
+        and the misses compile in the calling thread. Returns the background mode, or None."""
+        if one_shape:
+            self.reconfigure(self.config.replace(dynamic_shapes=None))
+            self.report.notes.append(f"one warmup shape: compiled for exactly {one_shape}; another shape compiles "
+                                     f"once, then for any size. Warm a range: list its smallest and largest shapes")
+        why = background.problem(self) if in_background else None
+        if why:
+            self.report.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
+        if in_background and not why:
+            return self.background_mode()
+        self.end_background()
+        return None
+
     def background_mode(self) -> background.BackgroundMode:
         """Enter background mode (Warmup Shapes' ``background``): from now on this model's region
         calls that no compiled code fits are queued for the compile thread and run the model's own

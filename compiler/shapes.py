@@ -48,39 +48,6 @@ def label_of(latent, scale: int = LATENT_SCALE, time_scale: int = 1) -> str | No
     return Shape(int(size[0]), int(size[-1]) * scale, int(size[-2]) * scale, frames).label
 
 
-#: the first shape traced when shapes are dynamic: batch 2, non-square, and at
-#: least 2x2 at the deepest level of an SD UNet (latent / 8)
-PROBE = Shape(2, 128, 192)
-
-
-def probe_shapes(shapes: list[Shape], size_one_sides: bool = True, levels: int = 4, batch_unit: int = 1) -> list[Shape]:
-    """Small shapes that prime every size specialisation inside the warmed box: one per
-    size-1 class present (batch 1 vs >= 2; a side that is 1 at the UNet's deepest level vs
-    larger), the generic one first, so every shape inside the box is a cache hit. On a video
-    model the probes have the fewest frames of the entries that give frames. ``batch_unit``: every
-    call's batch is a multiple of it (modules another pack inserted that take whole videos of that
-    many frames): the probes' batches are 1 and 2 of it.
-    ``size_one_sides`` False (code traced size-obliviously): only both sides at 1 is a class,
-    so the one-side-small probes are left out."""
-    small = LATENT_SCALE * 2 ** (levels - 1)   # px: a side up to this is 1 at the deepest level
-    gen_w, gen_h = max(PROBE.width, 2 * small), max(PROBE.height, 3 * small)
-    b_lo, b_hi = min(s.batch for s in shapes) // batch_unit, max(s.batch for s in shapes) // batch_unit
-    w_lo, w_hi = min(s.width for s in shapes), max(s.width for s in shapes)
-    h_lo, h_hi = min(s.height for s in shapes), max(s.height for s in shapes)
-    bs = [2] * (b_hi >= 2) + [1] * (b_lo == 1)
-    ws = [gen_w] * (w_hi > small) + [MIN_SIDE] * (w_lo <= small)
-    hs = [gen_h] * (h_hi > small) + [MIN_SIDE] * (h_lo <= small)
-    sides = [(w, h) for w in ws for h in hs]
-    if not size_one_sides:
-        sides = [(w, h) for w, h in sides if (w == MIN_SIDE) == (h == MIN_SIDE)]
-        if not sides:          # (one side always small: its class is the only one in the box)
-            sides = [(ws[-1], hs[-1])]
-    # a video's frames need no probe class (a DiT block sees frames x patches as one token axis):
-    # the probes take the fewest frames the video entries give, and say so in their label
-    frames = min((s.frames for s in shapes if s.frames), default=None)
-    return [Shape(b * batch_unit, w, h, frames) for b in bs for w, h in sides]
-
-
 class ShapeError(ValueError):
     pass
 

@@ -1,12 +1,19 @@
-"""The per-call gate of each region kind: which calls may run the region's compiled code."""
+"""Compiled code or the model's own code: the one place that decides, per UNet call and per region
+call (:class:`Gate`), and the shims that ask it, installed per region for one UNet call.
+
+What a compiled call does after the gate let it through (a precompiled variant, a compile now or in
+the background thread, a CUDA graph replay) is the compile lifecycle's and the graphs'; a compiled
+call that raises runs the model's own code through the accelerator's fallback."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
 
 from . import cast
 from . import plan as P
+from .reasons import Reason
 
 #: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
 DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe"),
@@ -19,35 +26,201 @@ DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x",
 DIT_UNREAD = {P.QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",), P.JOINT_BLOCK: ("use_checkpoint",)}
 
 
-def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
+#: the largest max |compiled - eager| warmup's compare accepts, as a fraction of max(1, max |eager|), by
+#: the dtype the regions compute in: kernels and graphs round differently (measured ~1e-5 in fp32 on a
+#: CPU; TF32 matmuls and fp16 / bf16 autocast leave more), while wrong weights or a wrong kernel are off
+#: by the output's own size
+TOLERANCE = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 1e-1}
+#: ... for a model with leaves that multiply quantized (ComfyUI's fp8 / int8 / nvfp4 matmuls quantize
+#: their input too: an upstream rounding difference flips a value by a step of the format, 1/8 for fp8)
+QUANTIZED_TOLERANCE = 0.25
+
+
+def max_diff(out, ref) -> float:
+    """max |out - ref| (warmup's compare of a compiled output with the model's own)."""
+    return float((out.float() - ref.float()).abs().max())
+
+
+class Gate:
+    """Whether a call runs compiled code or the model's own code. A UNet call goes through the
+    regions unless ``bypassed`` (warmup's eager reference) or no region has compiled code; a region
+    call reaches its compiled code unless its kind is in ``failed`` (kind -> why: it failed,
+    warmup's compare refused it, or a search holds it off), its call form is not one the code
+    serves (the shims check that), or ComfyUI casts or patches its weights this call in a way the
+    pack cannot serve outside the graph (``cast_refused``: the backend's reason for refusing every
+    such call; the reasons kept per kind in ``cast_eager``). Region calls sent to the model's own
+    code are counted in ``stats["region_eager"]``."""
+
+    def __init__(self, stats, cast_refused=None):
+        self.stats = stats
+        self.failed: dict = {}
+        self.cast_eager: dict = {}
+        self.cast_refused = cast_refused
+        self.bypassed = False
+        #: a weak method told ``(kinds, why)`` when the compare refuses kinds (None: nobody)
+        self.on_refused = None
+
+    def through_regions(self, has_shims: bool) -> bool:
+        """Whether this UNet call goes through the regions' shims."""
+        return has_shims and not self.bypassed
+
+    def casts(self, kind, leaves, watched, args):
+        """The leaves whose weights ComfyUI (or another pack's ops, by their own cast) casts or
+        patches this call on ``args`` (fp8 or another storage dtype, a partial load, weight
+        functions, GGUF's dequantisation), or None when the region must run the model's own code
+        for them: counted, with the reason kept per kind for the report. ``watched``:
+        ``cast.watch(leaves)``, the per-call check that finds none (most calls) without planning."""
+        if cast.idle(watched):
+            return ()
+        todo, why = cast.plan(leaves, args)
+        if todo and self.cast_refused:
+            why = self.cast_refused
+        if why is None:
+            return todo
+        self.stats["region_eager_cast"] += 1
+        self.cast_eager.setdefault(kind, why)
+        return None
+
+    def eager(self) -> None:
+        """Count one region call sent to the model's own code."""
+        self.stats["region_eager"] += 1
+
+    def why_eager(self, region) -> Reason | None:
+        """Why ``region``'s next call would run the model's own code as its loaded weights stand
+        (its kind is off, or its per-call weights are ones the pack cannot serve); None: compiled."""
+        failed = self.failed.get(region.kind)
+        return cast.plan(region.leaves)[1] or (Reason.of(failed) if failed is not None else None)
+
+    def why_all_eager(self, regions) -> Reason | None:
+        """Why every one of ``regions`` would run the model's own code at its next call as its loaded
+        weights stand (the first region's reason: e.g. another pack's ops on every leaf); None when
+        any would run compiled code."""
+        reasons = []
+        for region in regions:
+            why = self.why_eager(region)
+            if why is None:
+                return None
+            reasons.append(why)
+        return reasons[0] if reasons else None
+
+    def close(self, kinds, why) -> None:
+        """``kinds`` run the model's own code from now on (``why``: the report's reason)."""
+        for k in kinds:
+            self.failed[k] = why
+
+    def refuse(self, kinds, why) -> None:
+        """Close ``kinds`` because their compiled result was wrong (warmup's compare), and tell
+        ``on_refused`` (a weak method: the accelerator's report, log and toast)."""
+        self.close(kinds, why)
+        told = self.on_refused() if self.on_refused is not None else None
+        if told is not None:
+            told(kinds, why)
+
+    @staticmethod
+    def tolerance(dtype, regions, ref, attention_overrides=()) -> tuple[float, str]:
+        """(the largest max |compiled - eager| the compare accepts against the model's own output
+        ``ref``, why it is not ``dtype``'s: "" when it is). ``dtype``: what the regions compute in.
+        Where an attention override ran its own code in the calls compared (``attention_overrides``:
+        their names; a sage-style override that casts q, k and v to fp16), that code's rounding, fed
+        by compiled neighbours whose own rounding differs slightly, sets the difference: fp16's
+        tolerance then. Quantized matmuls among the ``regions``' leaves: ``QUANTIZED_TOLERANCE``."""
+        scale = 1.0 if ref is None else max(1.0, float(ref.float().abs().max()))
+        if any(cast.quantized(leaf) for region in regions for leaf in region.leaves):
+            return QUANTIZED_TOLERANCE * scale, "quantized matmuls"
+        tol = TOLERANCE.get(dtype, max(TOLERANCE.values()))
+        if attention_overrides and tol < TOLERANCE[torch.float16]:
+            return TOLERANCE[torch.float16] * scale, (f"fp16's, as an attention patch runs its own code "
+                                                      f"({', '.join(attention_overrides)}), which may compute in fp16")
+        return tol * scale, ""
+
+    def compared(self, kinds, run_one, shape, diff: float, ref, tol: float, at: str) -> list:
+        """Warmup's compare at ``shape`` found max |compiled - eager| ``diff`` (against the model's own
+        output ``ref``; None: a compare recorded earlier): over ``tol``, the kinds (of ``kinds``) whose
+        compiled code alone makes a difference over it (one forward each, ``run_one(shape)``, the
+        others on the model's own code; with no eager output to compare, or none alone: every kind)
+        run the model's own code from now on (:meth:`refuse`, the reason naming ``at``). Returns the
+        kinds refused."""
+        from .reasons import wrong_result
+        if diff <= tol:
+            return []
+        kinds, bad = list(kinds), []
+        if ref is not None and len(kinds) > 1:
+            for k in kinds:
+                with self.own_code([o for o in kinds if o != k]):
+                    if max_diff(run_one(shape), ref) > tol:
+                        bad.append(k)
+            if bad and set(bad) != set(kinds):
+                # the others together, without the bad ones: an interaction refuses every kind
+                with self.own_code(bad):
+                    rest_ok = max_diff(run_one(shape), ref) <= tol
+                bad = bad if rest_ok else kinds
+        bad = bad or kinds
+        self.refuse(bad, wrong_result(diff, tol, at))
+        return bad
+
+    @contextlib.contextmanager
+    def own_code(self, kinds):
+        """Inside: ``kinds`` run the model's own code (warmup's search for the kinds that made a
+        difference); a kind that really fails inside keeps its failure after."""
+        added = [k for k in kinds if k not in self.failed]
+        self.failed.update({k: "off" for k in added})
+        try:
+            yield
+        finally:
+            for k in added:
+                if self.failed.get(k) == "off":
+                    del self.failed[k]
+
+    @contextlib.contextmanager
+    def bypass(self):
+        """Whole UNet calls run the model's own code inside this block (the eager reference)."""
+        prev, self.bypassed = self.bypassed, True
+        try:
+            yield
+        finally:
+            self.bypassed = prev
+
+
+def install(plan, impls: dict, run, gate: Gate) -> list:
+    """(region module, shim) for every planned region ``impls`` has code for (keyed by (family,
+    kind)); each shim's ``hook`` names the method it stands in for during a UNet call."""
+    out = []
+    for region in plan.regions:
+        impl = impls.get((region.family, region.kind))
+        if impl is not None:
+            shim = make_shim(region, impl, run, gate)
+            shim.hook = region.hook
+            out.append((region.module, shim))
+    return out
+
+
+def make_shim(region, impl, run, gate: Gate):
     """The callable installed as ``module.<region.hook>`` for one UNet call: a call the region's
-    compiled code can serve goes to ``run()(kind, impl, module, original, args, eager_kwargs,
-    casts)`` (``run``: a weak method, so the shim holds no accelerator; ``casts``: the leaves whose
-    weights ComfyUI casts or patches this call, :mod:`cast`). A call with a mask, extra arguments,
-    an attention override, per-call weights that cannot be cast outside the graph (or any, with
-    ``cast_refused``: the backend's reason), or a kind in ``failed`` runs the model's own code
-    (counted in ``stats["region_eager"]``; those for cast weights in ``stats["region_eager_cast"]``
-    too, their reason in ``cast_eager[kind]``)."""
+    compiled code can serve (:class:`Gate`) goes to ``run()(kind, impl, module, original, args,
+    eager_kwargs, casts)`` (``run``: a weak method, so the shim holds no accelerator; ``casts``: the
+    leaves whose weights ComfyUI casts or patches this call, :mod:`cast`). A call with a mask, extra
+    arguments or an attention override runs the model's own code."""
     module, kind, leaves = region.module, region.kind, region.leaves
     watched = cast.watch(leaves)
     original = getattr(type(module), region.hook)
+    failed = gate.failed
 
     if kind == P.ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
-                    or (casts := _casts(kind, leaves, watched, stats, cast_eager, cast_refused, (x,))) is None):
-                stats["region_eager"] += 1
+                    or (casts := gate.casts(kind, leaves, watched, (x,))) is None):
+                gate.eager()
                 return original(module, x, context=context, value=value, mask=mask,
                                 transformer_options=transformer_options)
             return run()(kind, impl, module, original, (x, context, value),
                          dict(context=context, value=value, mask=mask, transformer_options=transformer_options), casts)
         return shim
     if kind in DIT_INPUTS:
-        return _dit_shim(module, kind, original, leaves, watched, impl, run, stats, failed, cast_eager, cast_refused)
+        return _dit_shim(module, kind, original, leaves, watched, impl, run, gate)
     if kind == P.ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
             if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
-                stats["region_eager"] += 1
+                gate.eager()
                 return original(module, hidden_states, encoder_hidden_states, attention_mask, **kw)
             return run()(kind, impl, module, original, (hidden_states, encoder_hidden_states),
                              dict(encoder_hidden_states=encoder_hidden_states))
@@ -57,14 +230,14 @@ def make_shim(region, impl, run, stats, failed, cast_eager, cast_refused=None):
         if kwargs.get("scale", 0) in (None, 1.0):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
-        if kwargs or kind in failed or (casts := _casts(kind, leaves, watched, stats, cast_eager, cast_refused, args)) is None:
-            stats["region_eager"] += 1
+        if kwargs or kind in failed or (casts := gate.casts(kind, leaves, watched, args)) is None:
+            gate.eager()
             return original(module, *args, **kwargs)
         return run()(kind, impl, module, original, args, None, casts)
     return shim
 
 
-def _dit_shim(module, kind, original, leaves, watched, impl, run, stats, failed, cast_eager, cast_refused):
+def _dit_shim(module, kind, original, leaves, watched, impl, run, gate):
     """A DiT block's gate. ComfyUI calls these blocks by keyword; the body serves the calls
     ``_dit_inputs`` turns into its inputs, whose other arguments are at their defaults (no attention
     mask, no per-token modulation dims); ``transformer_options`` may hold anything but an attention
@@ -72,6 +245,7 @@ def _dit_shim(module, kind, original, leaves, watched, impl, run, stats, failed,
     sig = inspect.signature(original)
     self_name = next(iter(sig.parameters))
     first = DIT_INPUTS[kind][0]
+    failed = gate.failed
 
     def shim(*args, **kwargs):
         try:
@@ -88,8 +262,8 @@ def _dit_shim(module, kind, original, leaves, watched, impl, run, stats, failed,
             if (given.pop("attn_mask", None) is not None or any(v is not None for v in given.values())
                     or "optimized_attention_override" in opts):
                 inputs = None
-        if inputs is None or (casts := _casts(kind, leaves, watched, stats, cast_eager, cast_refused, inputs)) is None:
-            stats["region_eager"] += 1
+        if inputs is None or (casts := gate.casts(kind, leaves, watched, inputs)) is None:
+            gate.eager()
             return original(module, *args, **kwargs)
         rest = {k: v for k, v in bound.items() if k != first}      # the own forward's call, less its first input
         # contiguous copies of strided views (Wan's first block gets its tokens transposed, a patch may
@@ -166,21 +340,3 @@ def _handed(kind, vec) -> tuple | None:
     if (kind == P.DOUBLE_BLOCK and len(mods) != 4) or any(m is None for m in mods):
         return None
     return tuple(t for m in mods for t in m)
-
-
-def _casts(kind, leaves, watched, stats, cast_eager, refused, args):
-    """The leaves whose weights ComfyUI (or another pack's ops, by their own cast) casts or patches
-    this call on ``args`` (fp8 or another storage dtype, a partial load, weight functions, GGUF's
-    dequantisation), or None when the region must run the model's own code for them: counted, with
-    the reason kept per kind for the report. ``watched``: ``cast.watch(leaves)``, the per-call check
-    that finds none (most calls) without planning."""
-    if cast.idle(watched):
-        return ()
-    todo, why = cast.plan(leaves, args)
-    if todo and refused:
-        why = refused
-    if why is None:
-        return todo
-    stats["region_eager_cast"] += 1
-    cast_eager.setdefault(kind, why)
-    return None

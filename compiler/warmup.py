@@ -12,73 +12,43 @@ import time
 
 import torch
 
-from . import cast
-from .lifecycle import background as bg
+from . import shims
 from .lifecycle import variants
-from .reasons import wrong_result
 from .runtime import Accelerator
-from .shapes import Shape, probe_shapes
+from .shapes import LATENT_SCALE, MIN_SIDE, Shape
 
-#: the largest max |compiled - eager| warmup accepts, as a fraction of max(1, max |eager|), by the dtype
-#: the regions compute in: kernels and graphs round differently (measured ~1e-5 in fp32 on a CPU;
-#: TF32 matmuls and fp16 / bf16 autocast leave more), while wrong weights or a wrong kernel are off
-#: by the output's own size
-TOLERANCE = {torch.float32: 1e-2, torch.float16: 5e-2, torch.bfloat16: 1e-1}
-#: ... for a model with leaves that multiply quantized (ComfyUI's fp8 / int8 / nvfp4 matmuls quantize
-#: their input too: an upstream rounding difference flips a value by a step of the format, 1/8 for fp8)
-QUANTIZED_TOLERANCE = 0.25
+#: the first shape traced when shapes are dynamic: batch 2, non-square, and at
+#: least 2x2 at the deepest level of an SD UNet (latent / 8)
+PROBE = Shape(2, 128, 192)
 
 
-def tolerance(accel: Accelerator, ref: torch.Tensor | None) -> float:
-    """The gate's tolerance for ``accel``'s compare against the eager output ``ref``."""
-    return tolerance_and_why(accel, ref)[0]
+def probe_shapes(shapes: list[Shape], size_one_sides: bool = True, levels: int = 4, batch_unit: int = 1) -> list[Shape]:
+    """Small shapes that prime every size specialisation inside the warmed box: one per
+    size-1 class present (batch 1 vs >= 2; a side that is 1 at the UNet's deepest level vs
+    larger), the generic one first, so every shape inside the box is a cache hit. On a video
+    model the probes have the fewest frames of the entries that give frames. ``batch_unit``: every
+    call's batch is a multiple of it (modules another pack inserted that take whole videos of that
+    many frames): the probes' batches are 1 and 2 of it.
+    ``size_one_sides`` False (code traced size-obliviously): only both sides at 1 is a class,
+    so the one-side-small probes are left out."""
+    small = LATENT_SCALE * 2 ** (levels - 1)   # px: a side up to this is 1 at the deepest level
+    gen_w, gen_h = max(PROBE.width, 2 * small), max(PROBE.height, 3 * small)
+    b_lo, b_hi = min(s.batch for s in shapes) // batch_unit, max(s.batch for s in shapes) // batch_unit
+    w_lo, w_hi = min(s.width for s in shapes), max(s.width for s in shapes)
+    h_lo, h_hi = min(s.height for s in shapes), max(s.height for s in shapes)
+    bs = [2] * (b_hi >= 2) + [1] * (b_lo == 1)
+    ws = [gen_w] * (w_hi > small) + [MIN_SIDE] * (w_lo <= small)
+    hs = [gen_h] * (h_hi > small) + [MIN_SIDE] * (h_lo <= small)
+    sides = [(w, h) for w in ws for h in hs]
+    if not size_one_sides:
+        sides = [(w, h) for w, h in sides if (w == MIN_SIDE) == (h == MIN_SIDE)]
+        if not sides:          # (one side always small: its class is the only one in the box)
+            sides = [(ws[-1], hs[-1])]
+    # a video's frames need no probe class (a DiT block sees frames x patches as one token axis):
+    # the probes take the fewest frames the video entries give, and say so in their label
+    frames = min((s.frames for s in shapes if s.frames), default=None)
+    return [Shape(b * batch_unit, w, h, frames) for b in bs for w, h in sides]
 
-
-def tolerance_and_why(accel: Accelerator, ref: torch.Tensor | None, since=None) -> tuple[float, str]:
-    """(the gate's tolerance, why it is not the model dtype's: "" when it is). Where an attention
-    override runs its own code in the calls compared (a sage-style override that casts q, k and v to
-    fp16), that code's rounding, fed by compiled neighbours whose own rounding differs slightly, sets
-    the difference: fp16's tolerance then, and the report names the override. ``since``: the
-    accelerator's ``patches_seen`` before the compared calls (only the patches they ran count)."""
-    dtype = accel.autocast_dtype or accel.compute_dtype or torch.float32
-    scale = 1.0 if ref is None else max(1.0, float(ref.float().abs().max()))
-    if any(cast.quantized(leaf) for region in accel.plan.regions for leaf in region.leaves):
-        return QUANTIZED_TOLERANCE * scale, "quantized matmuls"
-    tol = TOLERANCE.get(dtype, max(TOLERANCE.values()))
-    seen = accel.patches_seen - since if since is not None else accel.patches_seen
-    # (an override replaces the attention function itself, as sage patches do; a replace patch, as
-    # IPAdapter's, runs beside the model's own attention precision and keeps the model dtype's)
-    patches = [name.split(":")[0] for name in seen if "optimized_attention_override" in name]
-    if patches and tol < TOLERANCE[torch.float16]:
-        return TOLERANCE[torch.float16] * scale, (f"fp16's, as an attention patch runs its own code "
-                                                  f"({', '.join(patches)}), which may compute in fp16")
-    return tol * scale, ""
-
-
-def _diff(out, ref) -> float:
-    return float((out.float() - ref.float()).abs().max())
-
-
-def gate(accel: Accelerator, run_one, shape: Shape, ref, diff: float, tol: float) -> list[str]:
-    """The compare found ``diff`` over ``tol``: find the region kinds whose compiled code alone makes
-    a difference over it (one forward each, the others on the model's own code; with no eager
-    output to compare, or none alone: every kind) and turn them to the model's own code for good.
-    Returns the kinds refused."""
-    kinds = list(accel.report.regions)
-    bad = []
-    if ref is not None and len(kinds) > 1:
-        for k in kinds:
-            with accel.own_code([o for o in kinds if o != k]):
-                if _diff(run_one(shape), ref) > tol:
-                    bad.append(k)
-        if bad and set(bad) != set(kinds):
-            # the others together, without the bad ones: an interaction refuses every kind
-            with accel.own_code(bad):
-                rest_ok = _diff(run_one(shape), ref) <= tol
-            bad = bad if rest_ok else kinds
-    bad = bad or kinds
-    accel.refuse(bad, wrong_result(diff, tol, f"at {shape.label}"))
-    return bad
 
 
 def _levels(unet) -> int:
@@ -87,18 +57,12 @@ def _levels(unet) -> int:
     return len(blocks) if blocks else 4
 
 
-def fix_shape(accel: Accelerator, shapes: list[Shape]) -> bool:
-    """Warmup lists one shape: compile exactly that shape (static code) instead of code for every
-    size. Only with dynamic shapes on and nothing compiled yet; a later shape compiles once more and
-    then dynamically, and is named as a recompile. Returns whether it did."""
-    if (len(shapes) != 1 or accel.config.dynamic_shapes is not True or accel.stats["graphs_compiled"]
-            or not accel.backend.follows_dynamic_shapes):
-        return False
-    accel.reconfigure(accel.config.replace(dynamic_shapes=None))
-    accel.report.notes.append(f"one warmup shape: compiled for exactly {shapes[0].label}; another shape "
-                              f"compiles once, then for any size. Warm a range: list its smallest and "
-                              f"largest shapes")
-    return True
+def one_shape(accel: Accelerator, shapes: list[Shape]) -> bool:
+    """Whether warmup compiles exactly its one listed shape (static code) instead of code for every
+    size: one shape, dynamic shapes on, nothing compiled yet, a backend that follows the setting.
+    A later shape then compiles once more and then dynamically, and is named as a recompile."""
+    return (len(shapes) == 1 and accel.config.dynamic_shapes is True and not accel.stats["graphs_compiled"]
+            and accel.backend.follows_dynamic_shapes)
 
 
 def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
@@ -140,19 +104,6 @@ def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
     return accel.cache.recorded_compare(shape.label) if accel.cache is not None else None
 
 
-@contextlib.contextmanager
-def _done_line_if_stopped(accel, background: bool):
-    """A background warmup that raises (a model that cannot be called outside sampling) leaves the model
-    in background mode: its sampling calls queue the compiles, and the report's background line ends
-    with "done" once the thread has compiled them."""
-    try:
-        yield
-    except BaseException:
-        if background and accel.background is not None:
-            accel.background.started(settle=False)
-        raise
-
-
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
                 background: bool = False):
     """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
@@ -162,15 +113,18 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
 
     ``background``: the runs only record what to compile and run the model's own code; a daemon
     thread compiles it (``background.BACKGROUND``) while sampling goes on with the model's own code
-    in every region not ready yet. Where that is impossible a note says why and warmup compiles first."""
+    in every region not ready yet. Where that is impossible a note says why and warmup compiles first.
+    One listed shape (``one_shape``) compiles exactly that shape."""
     rep = accel.report
-    fix_shape(accel, shapes)
-    why = bg.problem(accel) if background else None
-    if why:
-        rep.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
-        background = False
-    if not background:
-        accel.end_background()
+    fixed = one_shape(accel, shapes)
+    primed = primed_probes(accel)
+    compare = compare and bool(shapes)
+    kept = recorded_compare(accel, shapes[0]) if compare else None
+    every = [] if fixed else _probes(accel, shapes)
+    mode = accel.warmup_mode(shapes[0].label if fixed else None, background)
+    background = mode is not None
+    compare = compare and not background      # (background: nothing compiled to compare yet)
+    kept = kept if compare else None
 
     def timed(shape, label):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
@@ -184,8 +138,6 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         return out, secs
 
     recorded = " (recorded for the background compile)" if background else ""
-    primed = primed_probes(accel)
-    every = _probes(accel, shapes)
     probes = [p for p in every if p.label not in primed]      # (``warmup_probes``, computed once)
     known = [p.label for p in every if p.label in primed]
     if known:
@@ -193,25 +145,22 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                          f"compile cache entry, which holds their code")
     ref = None
     patches0 = accel.patches_seen.copy()
-    compare = compare and not background and bool(shapes)   # (background: nothing compiled to compare yet)
-    kept = recorded_compare(accel, shapes[0]) if compare else None
     fresh0 = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
     if compare and kept is None:
         # the model's own code first: at a restart the compile cache's variants load beside it
         # (``Variants.preload``) instead of before the first compiled call
-        with accel.bypass():
+        with accel.gate.bypass():
             ref = run_one(shapes[0])
-    with _done_line_if_stopped(accel, background), \
-            (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()), \
-            (bg.BACKGROUND.record(accel.background_mode().owner) if background else contextlib.nullcontext()):
+    with (mode.recording() if background else contextlib.nullcontext()), \
+            (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()):
         served_from_entry = False
         for probe in probes:
             timed(probe, f"{probe.label} (probe){recorded}")
             if background:       # compiled later, maybe: recorded once the thread compiled it all
-                accel.background.primes.append(probe.label)
+                mode.primes.append(probe.label)
             elif accel.cache is not None and accel.ran_compiled_last():   # (no compiled code ran: none to keep)
                 accel.cache.record_probe(probe.label)
-        owner = accel.background.owner if background else None
+        owner = mode.owner if background else None
         for i, shape in enumerate(shapes):
             if i and served_from_entry:
                 rep.warmup.append((f"{shape.label} (not run: its code is in the compile cache entry)", 0.0, 0))
@@ -225,7 +174,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
             ran_compiled = accel.ran_compiled_last()     # (no compiled code ran: nothing of it to keep)
             if background:
-                accel.background.primes.append(shape.label)
+                mode.primes.append(shape.label)
             elif accel.cache is not None and ran_compiled:
                 accel.cache.record_probe(shape.label)
             # a restart: the first shape ran on code all from the entry, which an earlier warmup ran
@@ -242,25 +191,29 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             if i == 0 and compare:
                 fresh = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] - fresh0
                 if ref is None and fresh:   # code compiled here: the recorded compare is not of it
-                    with accel.bypass():
+                    with accel.gate.bypass():
                         ref = run_one(shape)
                 if ref is not None:
-                    rep.max_abs_diff, rep.diff_recorded = _diff(out, ref), None
+                    rep.max_abs_diff, rep.diff_recorded = shims.max_diff(out, ref), None
                     if accel.cache is not None and ran_compiled:
                         accel.cache.record_compare(shape.label, rep.max_abs_diff)
                 else:
                     rep.max_abs_diff, rep.diff_recorded = kept["max_abs_diff"], kept["measured"]
-                rep.diff_tolerance, rep.diff_tolerance_why = tolerance_and_why(accel, ref if ref is not None else out,
-                                                                               patches0)
-                if rep.max_abs_diff > rep.diff_tolerance:       # the gate: never serve a wrong result
-                    gate(accel, run_one, shape, ref, rep.max_abs_diff, rep.diff_tolerance)
+                # (an override replaces the attention function itself, as sage patches do; a replace patch,
+                # as IPAdapter's, runs beside the model's own attention precision and keeps its dtype's)
+                overrides = [name.split(":")[0] for name in accel.patches_seen - patches0
+                             if "optimized_attention_override" in name]
+                rep.diff_tolerance, rep.diff_tolerance_why = accel.gate.tolerance(
+                    accel.autocast_dtype or accel.compute_dtype or torch.float32, accel.plan.regions,
+                    ref if ref is not None else out, overrides)
+                # the gate: never serve a wrong result
+                accel.gate.compared(list(rep.regions), run_one, shape, rep.max_abs_diff, ref, rep.diff_tolerance,
+                                    f"at {shape.label}")
                 ref = None
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:
                 on_shape(i, shape, secs)
-    if background:
-        accel.background.started()
     accel.warmed = True
     accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep

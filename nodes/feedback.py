@@ -8,6 +8,7 @@ running ComfyUI server every send is a no-op. The events' fields: docs/internals
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -203,8 +204,38 @@ class WarmupFeedback:
         self._since = 0.0
         self._stop = threading.Event()
         self._thread = None
+        #: what warmup itself could not do (``running``'s caller says), and the end's status dict
+        self.problem: str | None = None
+        self.done: dict | None = None
 
     # -- lifecycle
+    @contextlib.contextmanager
+    def running(self, call, background: bool = False):
+        """Around warmup's runs of ``call`` (a sampling-style call with a ``dropped`` note): yields
+        (the labelled call, :meth:`wrap`; ``on_shape``, which ticks the node's ProgressBar and says
+        each shape done). On the way out, even when the block raised, the ticker stops and the end
+        event and status go out (``self.done``), naming ``self.problem`` (set inside: what warmup
+        itself could not do) or the patches warmup ran without."""
+        import comfy.utils
+        total = self.total + 1
+        pbar = comfy.utils.ProgressBar(total, node_id=self.node_id)
+
+        def on_shape(i, shape, secs):
+            pbar.update_absolute(i + 1, total)
+            self.shape_done(i, shape, secs)
+
+        if background:
+            watch_the_queue()
+        self.start()
+        try:
+            yield self.wrap(call), on_shape
+        finally:
+            self.close()
+            if call.dropped and call.dropped not in self.accel.report.notes:
+                self.accel.report.notes.append(call.dropped)
+        pbar.update_absolute(total, total)
+        self.done = self.finished(problem=self.problem or call.dropped)
+
     def start(self) -> None:
         attach(self.accel, self.node_id)
         labels = [s.label for s in self.shapes]

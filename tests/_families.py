@@ -371,9 +371,9 @@ def make_inputs(fam: Family, mp, batch: int, h: int, w: int, seed: int = 1, toke
 
 def apply(mp, fam: Family, batch: int, h: int, w: int, seed: int = 1):
     """One sampling-style apply_model call (the patcher's wrappers merged in as KSampler does)."""
-    from unet_compiler.nodes import patcher
+    from unet_compiler.nodes import warmup as nodes_warmup
     x, sigma, kw = make_inputs(fam, mp, batch, h, w, seed)
-    to = patcher.sampling_transformer_options(mp)
+    to = nodes_warmup.sampling_transformer_options(mp)
     with torch.inference_mode():
         return mp.model.apply_model(x, sigma, transformer_options=to, **kw)
 
@@ -628,7 +628,7 @@ def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None 
     applied) and with the patcher's wrappers merged in as KSampler does; ``more``: further
     conditioning (``denoise_mask=True``: image-to-video's mask of the latent's size, its first frame 0)."""
     import comfy.model_management
-    from unet_compiler.nodes import patcher
+    from unet_compiler.nodes import warmup as nodes_warmup
     comfy.model_management.load_models_gpu([mp])
     x, sigma, kw = dit_inputs(mp, batch, h, w, seed, tokens=tokens, frames=frames, reference=reference)
     if more.get("denoise_mask") is True:      # image-to-video's: the first latent frame is the given image
@@ -636,7 +636,7 @@ def dit_apply(mp, batch: int, h: int, w: int, seed: int = 1, frames: int | None 
         more["denoise_mask"][:, :, :1] = 0
     kw.update(more)
     with torch.inference_mode():
-        return mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
+        return mp.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(mp), **kw)
 
 
 #: ComfyUI's DiT families whose blocks the pack has no body for yet: the model runs as ComfyUI

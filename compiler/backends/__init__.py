@@ -83,7 +83,7 @@ class Backend:
     #: warmup's probe shapes (batch 1, 64 px) are worth running
     specialises_on_shapes = True
     #: whether its code follows ``config.dynamic_shapes`` (dynamo-compiled bodies), so one warmup
-    #: shape can be compiled static (``warmup.fix_shape``)
+    #: shape can be compiled static (``warmup.one_shape``)
     follows_dynamic_shapes = False
     #: whether it compiles a diffusion transformer's blocks (``plan.DIT_KINDS``); a DiT model skips
     #: the others (``auto``) or falls back from them (asked by name)
@@ -187,10 +187,50 @@ def kernels_in_captures_problem(backend: Backend) -> str | None:
     return triton_compat.kernels_in_captures_problem(triton_compat.gather()) if backend.kernels_leave_captures else None
 
 
-def choose(requested: str, device, off_because=None, arch: str = "unet") -> tuple[Backend, list]:
+def choose(requested: str, device, nothing_to_compile: bool = False, arch: str = "unet") -> tuple[Backend, list]:
     """The backend to run and the story of the choice: ``resolve(requested, device, arch)``, or
-    eager when ``off_because`` (a Reason: the pack is switched off, torch is too old, nothing to
-    compile)."""
-    if off_because is not None or requested == "eager":
-        return lookup_backend("eager")(), ([off_because] if off_because is not None else [])
+    eager with the reason when the pack is switched off, torch is too old, or the model has nothing
+    to compile (``nothing_to_compile``)."""
+    from .. import settings
+    from ..compat.torch_version import torch_too_old
+    from ..reasons import NOTHING_TO_COMPILE, Reason
+    if settings.disabled():
+        off = Reason(f"{settings.env('DISABLE')} is set: every rewrite is off")
+    else:
+        off = torch_too_old() or (Reason(NOTHING_TO_COMPILE) if nothing_to_compile else None)
+    if off is not None or requested == "eager":
+        return lookup_backend("eager")(), ([off] if off is not None else [])
     return resolve(requested, device, arch)
+
+
+def graphs_for(backend: Backend, config, device, notes: list):
+    """The region CUDA graphs ``backend`` runs under ``config`` on ``device`` (a ``RegionGraphs``), or
+    None with a note why not; sets ``backend.kernels_in_captures`` (whether captures may hold its
+    kernels: also without graphs of its own, a capture another party runs must not take one there)
+    and ``backend.graphs_replay``. Backend ``auto`` on CUDA with ``cuda_graphs`` off keeps a
+    region's graph at a shape only where its replay measured faster than launching its kernels
+    (launch-bound sizes), and says so."""
+    from ..graphs import RegionGraphs
+    graphs = None
+    if not config.cuda_graphs:
+        if (config.backend == "auto" and backend.uses_cuda_graphs and getattr(device, "type", device) == "cuda"
+                and not graphs_problem(backend, device)):
+            notes.append("cuda graphs: auto (backend auto on CUDA): a region keeps its graph at a shape only "
+                         "where a replay measured faster than launching its kernels; Select Backend's "
+                         "cuda_graphs on keeps every graph")
+            graphs = RegionGraphs(measured=True)
+    elif why := graphs_problem(backend, device):
+        notes.append(f"cuda graphs: not used: {why}")
+        log.warning("UNet Compiler: cuda graphs not used: %s", why)
+    else:
+        graphs = RegionGraphs()
+    out_of_captures = kernels_in_captures_problem(backend)
+    if out_of_captures and graphs is not None:
+        notes.append(f"cuda graphs: {out_of_captures}")
+    backend.kernels_in_captures = out_of_captures is None
+    # a kernel serves only calls that pay their launches where captures cannot hold it
+    backend.graphs_replay = graphs is not None and out_of_captures is None
+    stopped = getattr(backend, "graphs_stopped", None)
+    if graphs is not None and stopped is not None:
+        graphs.on_off = stopped
+    return graphs

@@ -155,12 +155,12 @@ class InductorBackend(Backend):
         return variants.VARIANTS.from_cache
 
     def dynamo_config(self, config):
-        if config.dynamic_shapes is not True:   # False: static; None: static first (fix_shape)
+        if config.dynamic_shapes is not True:   # False: static; None: static first (warmup.one_shape)
             return (torch._dynamo.config.patch(recompile_limit=64),)
         return (
             # channel counts symbolic too: blocks that differ only in width share one graph.
             # Size-1 dims (batch 1, a 1x1 deepest level at 64 px) still specialise in plain
-            # dynamo; warmup primes each such class with a small probe shape (shapes.probe_shapes).
+            # dynamo; warmup primes each such class with a small probe shape (warmup.probe_shapes).
             # Precompiled variants trace size-obliviously where they can (precompiled._trace; in
             # plain dynamo the fake matmul raised on context width vs to_k.in_features).
             torch._dynamo.config.patch(force_parameter_static_shapes=False,

@@ -392,6 +392,20 @@ class BackgroundMode:
         self._listener = None
         self._lock = threading.Lock()
 
+    @contextlib.contextmanager
+    def recording(self):
+        """Warmup's calls inside record what they miss for the compile thread, which starts at the
+        end; then this mode is :meth:`started` (not settled when the block raised: a model that
+        cannot be called outside sampling stays in background mode, and its report's background
+        line ends with "done" once the thread compiled what its sampling calls queued)."""
+        try:
+            with BACKGROUND.record(self.owner):
+                yield
+        except BaseException:
+            self.started(settle=False)
+            raise
+        self.started()
+
     def started(self, settle: bool = True) -> None:
         """Warmup recorded the model's calls for the thread (again: its compiles are warmup's again).
         ``settle`` False: a warmup that stopped part way; the model stays in background mode and its

@@ -160,14 +160,14 @@ def _apply(mp, seed=1):
     """One sampling-style SD1.5 UNet call through ComfyUI's apply_model (as tests/nodes/test_comfy_patcher.py)."""
     import comfy.model_management as mm
 
-    from unet_compiler.nodes import patcher
+    from unet_compiler.nodes import warmup as nodes_warmup
     g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         x, ctx = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 64, generator=g)
     mm.load_models_gpu([mp])
     with torch.inference_mode():
         return mp.model.apply_model(x, torch.full((2,), 2.0), c_crossattn=ctx,
-                                    transformer_options=patcher.sampling_transformer_options(mp))
+                                    transformer_options=nodes_warmup.sampling_transformer_options(mp))
 
 
 @pytest.mark.comfy

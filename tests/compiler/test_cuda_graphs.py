@@ -227,8 +227,7 @@ def _graphed_uncompiled(u, standin):
     accel = accelerator_of(u)
     fake = standin()
     accel.graphs = RegionGraphs(graphs=fake)
-    accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
-                    for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]
+    accel._install(R.BODIES)
     return accel, fake
 
 
@@ -531,7 +530,7 @@ def test_backend_auto_on_cuda_measures_its_graphs(monkeypatch, tiny_unet):
     from unet_compiler.compiler import backends, runtime
     from unet_compiler.compiler.lifecycle import background
     u = tiny_unet()
-    monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
+    monkeypatch.setattr(backends, "graphs_problem", lambda backend, device: None)
     monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (backends.lookup_backend("inductor")(), []))
     a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
     assert a.graphs is not None and a.graphs.measured
@@ -563,19 +562,19 @@ def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
     auto on CUDA (measured graphs) -> device time; graphs turned off by a failed capture -> wall time
     for what is timed from then on. (Before: device time whenever cuda_graphs was asked for, wall
     time under auto's graphs.)"""
-    from unet_compiler.compiler import runtime
+    from unet_compiler.compiler import backends, runtime
     from unet_compiler.compiler.backends import triton as TB
     u = tiny_unet()
     monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (TB.TritonBackend(), []))
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
     a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
     assert a.graphs is not None and not a.backend.ops.in_captures and a.backend.ops.timing == "wall"
-    monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: "refused")
+    monkeypatch.setattr(backends, "graphs_problem", lambda backend, device: "refused")
     a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
     assert a.graphs is None and a.backend.ops.timing == "wall"
     assert not a.backend.ops.in_captures   # no graphs of its own, but another party's capture: still out
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="native"))
-    monkeypatch.setattr(runtime, "graphs_problem", lambda backend, device: None)
+    monkeypatch.setattr(backends, "graphs_problem", lambda backend, device: None)
     a = Accelerator(u, CompileConfig(backend="auto"), device=torch.device("cuda"))
     assert a.graphs is not None and a.graphs.measured and a.backend.ops.timing == "device"
     a.graphs._turn_off("capture", RuntimeError("operation not permitted when stream is capturing"))

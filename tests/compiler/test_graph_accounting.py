@@ -28,8 +28,7 @@ def _graphed_on_meta(size: str, latent: int, monkeypatch, standin):
     fake = standin()
     accel.graphs = G.RegionGraphs(graphs=fake)
     # the regions' own bodies (nothing compiles on meta), the triton backend's kinds (no free-standing convs)
-    accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
-                    for r in accel.plan.regions if (r.family, r.kind) in R.BODIES and r.kind != P.PROJECTION]
+    accel._install({k: body for k, body in R.BODIES.items() if k[1] != P.PROJECTION})
 
     def step():
         with torch.inference_mode():

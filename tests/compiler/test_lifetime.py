@@ -173,12 +173,12 @@ def test_uncompile_then_drop_frees_it(tiny_unet, traced_regions):
 # ---- (b) ComfyUI: a compiled patcher and its clones -------------------------------------------
 def _apply(mp, b=2, tokens=77):
     import comfy.model_management as mm
-    from unet_compiler.nodes import patcher
+    from unet_compiler.nodes import warmup as nodes_warmup
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         x, ctx = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, tokens, 64, generator=g)
     mm.load_models_gpu([mp])
-    to = patcher.sampling_transformer_options(mp)
+    to = nodes_warmup.sampling_transformer_options(mp)
     with torch.inference_mode():
         return mp.model.apply_model(x, torch.full((b,), 2.0), c_crossattn=ctx, transformer_options=to)
 
@@ -319,8 +319,7 @@ def test_an_accelerators_cuda_graphs_go_with_its_unet(tiny_unet, graph_standin):
     api.compile_unet(unet, "inductor", prepack_conv=False, prepack_linear=False)
     accel = api.accelerator_of(unet)
     accel.graphs = RegionGraphs(graphs=graph_standin())
-    accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
-                    for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]
+    accel._install(R.BODIES)
     with torch.inference_mode():
         for _ in range(2):
             unet(torch.randn(2, 4, 8, 8), torch.full((2,), 10.0), torch.randn(2, 6, 32))

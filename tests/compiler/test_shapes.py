@@ -1,4 +1,5 @@
-"""compiler/shapes.py: the Warmup Shapes text (validated, naming the bad entry) and the probe shapes."""
+"""compiler/shapes.py: the Warmup Shapes text (validated, naming the bad entry); the probe shapes
+(compiler/warmup.py)."""
 import pytest
 import torch
 
@@ -15,9 +16,9 @@ from unet_compiler.compiler.shapes import (
     first_level_channels,
     label_of,
     parse_shapes,
-    probe_shapes,
     validate_shapes_input,
 )
+from unet_compiler.compiler.warmup import probe_shapes
 
 BAD = [
     ("512x", "not BxWxH"),

@@ -104,7 +104,7 @@ def test_kernel_refusal_runs_the_models_own_code(tiny_unet, triton_here, monkeyp
 
 def test_comfy_unet_parity(triton_here, make_comfy_model):
     from unet_compiler.compiler.config import CompileConfig
-    from unet_compiler.nodes import patcher
+    from unet_compiler.nodes import patcher, warmup as nodes_warmup
     import comfy.model_management as mm
     mp = make_comfy_model("sdxl", device=mm.get_torch_device())   # the GPU when there is one: triton needs CUDA
     assert mp.load_device.type == DEV.type
@@ -116,7 +116,7 @@ def test_comfy_unet_parity(triton_here, make_comfy_model):
         mm.load_models_gpu([m])
         with torch.inference_mode():
             return m.model.apply_model(x, torch.full((2,), 2.0, device=DEV), c_crossattn=ctx, y=y,
-                                       transformer_options=patcher.sampling_transformer_options(m))
+                                       transformer_options=nodes_warmup.sampling_transformer_options(m))
     ref = apply(mp)
     cm, text = patcher.compile_model(mp, CompileConfig(backend="triton"))
     assert "backend triton" in text, text
@@ -130,7 +130,7 @@ def test_fp8_stored_comfy_unet_runs_the_kernels_on_comfys_cast(triton_here, make
     """fp8 storage (ComfyUI casts each weight per call): the fused kernels read the cast weights
     (ComfyUI's cast, outside them) and every region ran them; compiled == eager."""
     from unet_compiler.compiler.config import CompileConfig
-    from unet_compiler.nodes import patcher
+    from unet_compiler.nodes import patcher, warmup as nodes_warmup
     import comfy.model_management as mm
     mp = make_comfy_model("sd15", device=mm.get_torch_device(), weight_dtype=torch.float8_e4m3fn)
     g = torch.Generator().manual_seed(3)
@@ -140,7 +140,7 @@ def test_fp8_stored_comfy_unet_runs_the_kernels_on_comfys_cast(triton_here, make
         mm.load_models_gpu([m])
         with torch.inference_mode():
             return m.model.apply_model(x, torch.full((2,), 2.0, device=DEV), c_crossattn=ctx,
-                                       transformer_options=patcher.sampling_transformer_options(m))
+                                       transformer_options=nodes_warmup.sampling_transformer_options(m))
     ref = apply(mp)
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="triton"))
     torch.testing.assert_close(apply(cm), ref, rtol=2e-4, atol=2e-4)

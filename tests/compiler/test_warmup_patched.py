@@ -9,6 +9,7 @@ import torch
 
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.nodes import patcher
+from unet_compiler.nodes import warmup as nodes_warmup
 
 pytestmark = pytest.mark.comfy
 
@@ -33,11 +34,11 @@ def _deep_shrink(model, block=1):
 
 
 def _sample_call(mp, sigma_index=0, b=2, side=64):
-    """One UNet call as KSampler makes it (patcher.SamplingCall is what warmup uses)."""
+    """One UNet call as KSampler makes it (nodes/warmup.py's SamplingCall is what warmup uses)."""
     import comfy.model_management as mm
     from unet_compiler.compiler.shapes import Shape
     mm.load_models_gpu([mp])
-    call = patcher.SamplingCall(mp, 77, mp.load_device, torch.float32)
+    call = nodes_warmup.SamplingCall(mp, 77, mp.load_device, torch.float32)
     call.sample_sigmas = call.sample_sigmas[sigma_index:]
     return call(Shape(b, side, side))
 
@@ -53,7 +54,7 @@ def test_sampling_call_carries_the_state_patches_read(make_comfy_model):
     m.set_model_input_block_patch(record)
     _sample_call(m, b=2)
     assert seen["cond_or_uncond"] == [0, 1] and len(seen["uuids"]) == 2
-    assert seen["sigmas"].shape == (1,) and len(seen["sample_sigmas"]) == patcher.SamplingCall.STEPS + 1
+    assert seen["sigmas"].shape == (1,) and len(seen["sample_sigmas"]) == nodes_warmup.SamplingCall.STEPS + 1
     ms = m.get_model_object("model_sampling")
     assert float(seen["sigmas"][0]) == pytest.approx(float(ms.sigma_max), rel=1e-4)  # the first step
     _sample_call(m, b=1)
@@ -136,9 +137,9 @@ def test_a_patch_that_cannot_run_outside_sampling_is_left_out_and_named(make_com
     status = text.splitlines()[-1]
     assert status.startswith("  status:") and "without the model's patches" in status, status
     # the model still carries the patch for sampling: a patched call without its state fails as in plain ComfyUI
-    assert any("third_party_patch" in n for n in patcher.patch_names(cm.model_options))
+    assert any("third_party_patch" in n for n in nodes_warmup.patch_names(cm.model_options))
     with pytest.raises(KeyError, match="some_pack_state"):
-        patcher.SamplingCall(cm, 77, cm.load_device, torch.float32)._call(Shape(1, 64, 64), patched=True)
+        nodes_warmup.SamplingCall(cm, 77, cm.load_device, torch.float32)._call(Shape(1, 64, 64), patched=True)
 
 
 def test_a_model_warmup_cannot_call_is_reported_not_failed(make_comfy_model, monkeypatch):

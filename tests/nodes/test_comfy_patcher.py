@@ -7,7 +7,7 @@ import torch
 
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.passes import prepack_conv
-from unet_compiler.nodes import patcher
+from unet_compiler.nodes import patcher, warmup as nodes_warmup
 
 pytestmark = pytest.mark.comfy
 CFG = CompileConfig(backend="inductor")
@@ -27,7 +27,7 @@ def _apply(mp, kind, control=None, load=True, **shape):
     import comfy.model_management as mm
     if load:  # a (re)load resets ComfyUI's per-module cast state
         mm.load_models_gpu([mp])
-    to = patcher.sampling_transformer_options(mp)
+    to = nodes_warmup.sampling_transformer_options(mp)
     with torch.inference_mode():
         return mp.model.apply_model(x, t, c_crossattn=ctx, control=control, transformer_options=to, **kw)
 
@@ -331,8 +331,7 @@ def test_region_graphs_under_comfyui_dispatch(make_comfy_model, kind, graph_stan
     accel = patcher.accelerator_of(cm)
     fake = graph_standin()
     accel.graphs = RegionGraphs(graphs=fake)
-    accel._shims = [(r.module, accel._make_shim(r, R.BODIES[(r.family, r.kind)]))
-                    for r in accel.plan.regions if (r.family, r.kind) in R.BODIES]
+    accel._install(R.BODIES)
     text = patcher.warmup_model(cm, "2x64x64", 77)
     captured = fake.captures
     assert captured > 0 and "(cuda graph capture)" in text

@@ -24,7 +24,7 @@ from unet_compiler.tests import _families as F  # noqa: N812
 from unet_compiler.compiler import plan as P
 from unet_compiler.compiler import regions as R
 from unet_compiler.compiler.config import CompileConfig
-from unet_compiler.nodes import patcher
+from unet_compiler.nodes import patcher, warmup as nodes_warmup
 
 pytestmark = pytest.mark.comfy
 
@@ -497,10 +497,10 @@ def test_flux_controlnet_residuals_reference_latents_and_step_caches(comfy, comp
         F.dit_apply(m, 2, 8, 8)                      # loaded as KSampler loads it
         with torch.inference_mode():
             outs.append(m.model.apply_model(x, sigma, control=control,
-                                            transformer_options=patcher.sampling_transformer_options(m), **kw))
+                                            transformer_options=nodes_warmup.sampling_transformer_options(m), **kw))
     _close(*outs)
     with torch.inference_mode():
-        plain = mp.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(mp), **kw)
+        plain = mp.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(mp), **kw)
     assert (outs[1] - plain).abs().max() > 1e-3, "the residuals must change the output"
     _close(_flux_sample(cm, reference=True), _flux_sample(mp, reference=True))
     # a transformer_options patch Flux's loop runs before its blocks (PuLID-style "post_input")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from unet_compiler.compiler.config import CompileConfig
-from unet_compiler.nodes import patcher
+from unet_compiler.nodes import patcher, warmup as nodes_warmup
 
 from .test_comfy_patcher import _apply, _close, _lora
 
@@ -119,7 +119,7 @@ def test_flux_over_prompts_with_lora_and_resident_set_changes(comfy, dynamic_vra
         if not load:
             x, sigma, kw = F.dit_inputs(p, 2, 8, 8, 3, tokens=7)
             with torch.inference_mode():
-                return p.model.apply_model(x, sigma, transformer_options=patcher.sampling_transformer_options(p), **kw)
+                return p.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(p), **kw)
         return F.dit_apply(p, 2, 8, 8, seed=3)
     seen = _prompts(comfy, cm, base, "flux", apply, _flux_lora)
     assert all(rel < 1e-5 and pins == 0 for rel, pins in seen), seen

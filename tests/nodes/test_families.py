@@ -34,7 +34,7 @@ from unet_compiler.compiler import plan as P
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.shapes import Shape
 from unet_compiler.compiler.warmup import warmup_runs
-from unet_compiler.nodes import patcher
+from unet_compiler.nodes import patcher, warmup as nodes_warmup
 
 pytestmark = pytest.mark.comfy
 
@@ -230,7 +230,7 @@ def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
     def run(m):
         with torch.inference_mode():
             return m.model.apply_model(x, torch.full((1,), 0.5), c_crossattn=ctx, y=y,
-                                       transformer_options=patcher.sampling_transformer_options(m))
+                                       transformer_options=nodes_warmup.sampling_transformer_options(m))
     ref = run(mp)
     cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     _close(run(cm), ref, tol=0)
