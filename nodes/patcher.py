@@ -10,14 +10,13 @@ from __future__ import annotations
 import logging
 import weakref
 
-
 from ..compiler.config import CompileConfig
-from ..compiler.compat.comfy import (is_interrupt, latent_scale, latent_time_scale)
+from ..compiler.compat.comfy import is_interrupt, latent_scale, latent_time_scale
 from ..compiler.runtime import Accelerator
-from ..compiler.shapes import (check_context_tokens, label_of, parse_shapes)
+from ..compiler.shapes import check_context_tokens, label_of, parse_shapes
 from ..compiler.warmup import warmup_runs
 from . import feedback, warmup
-from .warmup import _fn_name
+from .warmup import fn_name
 
 log = logging.getLogger(__name__)
 
@@ -157,12 +156,12 @@ def patch_effects(transformer_options: dict) -> list[str]:
     """What each patch in this call's transformer_options does to the regions, for the report:
     an attention replace patch runs its own code instead of that attention region; the other
     patches run in ComfyUI's dispatch between regions, which stay accelerated."""
-    out = [f"{where} ({_fn_name(fn)}): runs between regions"
+    out = [f"{where} ({fn_name(fn)}): runs between regions"
            for where, fns in transformer_options.get("patches", {}).items() for fn in fns]
-    out += [f"{where} replace ({_fn_name(fn)}): attention at {key} runs the patch's code instead"
+    out += [f"{where} replace ({fn_name(fn)}): attention at {key} runs the patch's code instead"
             for where, table in transformer_options.get("patches_replace", {}).items() for key, fn in table.items()]
     if "optimized_attention_override" in transformer_options:
-        out.append(f"optimized_attention_override ({_fn_name(transformer_options['optimized_attention_override'])}): "
+        out.append(f"optimized_attention_override ({fn_name(transformer_options['optimized_attention_override'])}): "
                    f"every attention region runs eager")
     return out
 

@@ -21,7 +21,8 @@ from ..compiler.shapes import check_frames, check_memory, context_dim, first_lev
 log = logging.getLogger(__name__)
 
 
-def _fn_name(fn) -> str:
+def fn_name(fn) -> str:
+    """A patch function's name as the report shows it (its qualified name, less ``<locals>``)."""
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return name.replace(".<locals>", "")
 
@@ -40,11 +41,11 @@ def sampling_transformer_options(model) -> dict:
 def patch_names(model_options: dict) -> list[str]:
     """The model's sampling-time patches as ``where (function)``, for the report."""
     to = model_options.get("transformer_options", {})
-    names = [f"{where} ({_fn_name(fn)})" for where, fns in to.get("patches", {}).items() for fn in fns]
-    names += [f"{where} replace {key} ({_fn_name(fn)})"
+    names = [f"{where} ({fn_name(fn)})" for where, fns in to.get("patches", {}).items() for fn in fns]
+    names += [f"{where} replace {key} ({fn_name(fn)})"
               for where, table in to.get("patches_replace", {}).items() for key, fn in table.items()]
     if "model_function_wrapper" in model_options:
-        names.append(f"model_function_wrapper ({_fn_name(model_options['model_function_wrapper'])})")
+        names.append(f"model_function_wrapper ({fn_name(model_options['model_function_wrapper'])})")
     return names
 
 
