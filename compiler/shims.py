@@ -95,13 +95,13 @@ class Gate:
         """Why every one of ``regions`` would run the model's own code at its next call as its loaded
         weights stand (the first region's reason: e.g. another pack's ops on every leaf); None when
         any would run compiled code."""
-        reasons = []
+        first = None
         for region in regions:
             why = self.why_eager(region)
             if why is None:
                 return None
-            reasons.append(why)
-        return reasons[0] if reasons else None
+            first = why if first is None else first
+        return first
 
     def close(self, kinds, why) -> None:
         """``kinds`` run the model's own code from now on (``why``: the report's reason)."""
