@@ -6,7 +6,7 @@ the meta device: every torch op dispatches with shapes and no data, and every Tr
 pack's kernels is replaced by a counter (the launcher's own Python runs up to the launch; the kernels
 plan for an H100, sm_90). Per step and path (the model's own code, the triton backend without CUDA
 graphs, and with every region's graph replaying: replays are no-ops here, what is left is the
-replay path, its input copies and output clones): the pack's own Python per step (the time spent in
+replay path and its input copies): the pack's own Python per step (the time spent in
 the pack's functions, under cProfile, which inflates every function call: an upper bound; with
 graphs replaying also the wall time of one step's region calls made again, not profiled),
 the launches per step (the pack's kernels, and aten ops that launch work on a GPU, views excluded).
@@ -153,7 +153,8 @@ def replay_wall_ms(accel, step, iters: int) -> tuple[float, int]:
     with every region's graph replaying: each region call of one step is recorded, then all of them
     are made again through their shims, inside the regions' call context, and timed. No model code
     runs between them; what is timed is the pack's replay path and the torch calls it makes (input
-    copies, output clones: here meta dispatches, on a GPU launches)."""
+    copies: here meta dispatches, on a GPU launches)."""
+    from ..compiler import graphs as G  # noqa: N812
     calls = []
     shims = list(accel._shims)
 
@@ -168,6 +169,18 @@ def replay_wall_ms(accel, step, iters: int) -> tuple[float, int]:
         step()
     finally:
         accel._shims = shims
+    # a recorded argument that is a region's served result would hold that region's output buffer (its
+    # replays would then run without the graph): the buffer itself where it is one, else a copy
+    buffers = {G._storage(b.tensor): b.tensor for e in accel.graphs._entries() for b in e.outs}
+
+    def unheld(a):
+        t = buffers.get(G._storage(a)) if isinstance(a, torch.Tensor) else None
+        if t is None:
+            return a
+        same = a.shape == t.shape and a.stride() == t.stride() and a.storage_offset() == t.storage_offset()
+        return t if same else a.clone()
+    calls = [(shim, tuple(unheld(x) for x in a), {n: unheld(x) for n, x in k.items()}) for shim, a, k in calls]
+    eager = accel.stats["region_eager"], sum(accel.graphs.skipped.values())
     best = float("inf")
     with torch.inference_mode(), accel.active():
         for _ in range(max(20, iters * 4)):
@@ -175,6 +188,8 @@ def replay_wall_ms(accel, step, iters: int) -> tuple[float, int]:
             for shim, a, k in calls:
                 shim(*a, **k)
             best = min(best, time.perf_counter() - t0)
+    if (accel.stats["region_eager"], sum(accel.graphs.skipped.values())) != eager:
+        raise RuntimeError(f"region calls ran without their graphs while timed: {dict(accel.graphs.skipped)}")
     return best * 1e3, len(calls)
 
 

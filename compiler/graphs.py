@@ -1,12 +1,16 @@
 """CUDA graphs of accelerated regions, one per (region, input signature).
 
 Graphs are per leaf region, never the whole UNet call: ComfyUI's dispatch between
-regions stays eager Python. Weights are live: a graph's key holds the addresses of
-its region's parameters and buffers, so an in-place update is seen by the next
-replay and a replaced parameter drops the region's graphs. At most ``max_shapes``
-graphs per region and, on CUDA, static inputs plus the private pool the captures grew (their
-outputs and temporaries) within a budget of the card's memory (so the number of shapes follows the
-latent size); an out-of-memory capture leaves that shape without a
+regions stays eager Python. Weights are live: each UNet call starts by reading the addresses of
+every region's parameters and buffers (``begin_call``), so an in-place update is seen by the next
+replay and a moved or replaced parameter drops the region's graphs; the region calls themselves
+read no weights. A graph copies its result into output buffers allocated outside any capture and
+serves aliases of them, not copies; a replay that would write a buffer a caller still holds (an
+earlier result kept, or a view of it) runs the region's own launches instead. An input that is
+exactly another graph's output buffer (the previous region's result) is read in place, not copied.
+At most ``max_shapes`` graphs per region and, on CUDA, static buffers plus the private pool the
+captures grew (their temporaries) within a budget of the card's memory (so the number of shapes
+follows the latent size); an out-of-memory capture leaves that shape without a
 graph, any other failed capture turns graphs off for the model, and its calls run without them.
 ``release()`` frees every graph (ComfyUI's unload callback calls it); ``idle()``, at a prompt's end,
 keeps them for the next prompt while the card has room. ``measured``
@@ -19,11 +23,12 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 import weakref
 from collections import Counter
 
 import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .lifecycle import background
 from .compat.comfy import is_interrupt, is_oom, reserve_vram
@@ -173,46 +178,95 @@ def _outputs(out) -> tuple:
     raise TypeError(f"region returned {type(out).__name__}, not a tensor or a tuple of tensors")
 
 
-def _served(static_out):
-    """What a call gets from a graph: a copy of its static output(s), in the region's own structure
-    (a later replay overwrites the buffers)."""
-    if isinstance(static_out, torch.Tensor):
-        return static_out.clone()
-    return type(static_out)(None if o is None else o.clone() for o in static_out)
+def _structured(out, tensors):
+    """``tensors`` (one per tensor of ``out``) in ``out``'s structure."""
+    if isinstance(out, torch.Tensor):
+        return tensors[0]
+    it = iter(tensors)
+    return type(out)(None if o is None else next(it) for o in out)
 
 
-def _replay(entry, args):
-    """One served call of a captured graph: ``args`` copied into its static inputs, a replay, and a
-    copy of its static output(s)."""
-    graph, static_in, static_out = entry
-    for s, a in zip(static_in, args, strict=True):
-        if s is not None:
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def _same_memory(a: torch.Tensor, s: torch.Tensor) -> bool:
+    """``a`` is ``s``'s memory (their shapes, strides and dtypes are equal: one signature)."""
+    return a.data_ptr() == s.data_ptr() and (not a.is_meta or _storage(a) == _storage(s))
+
+
+class _Buffer:
+    """A static output buffer: allocated outside any capture (a graph copies its region's result into
+    it as its last op), so no other graph's temporaries in the shared pool can overwrite it, and served
+    to callers as an alias, not a copy. ``held()``: a tensor outside the graphs still refers to its
+    memory (a call's result not yet dropped, or a view of it): the next replay writing it must wait.
+    ``pin(view)``: a later graph reads its input in place through ``view``, which is the graphs' own."""
+    __slots__ = ("tensor", "_ref", "_base", "_pins")
+
+    def __init__(self, like: torch.Tensor):
+        self.tensor = torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device=like.device)
+        self._ref = StorageWeakRef(self.tensor.untyped_storage())
+        self._base = 1 << 62
+        self._pins: weakref.WeakSet | None = None
+
+    def settle(self) -> None:
+        """The graphs' own references are all taken (after the capture): any more is a caller's."""
+        self._base = torch._C._storage_Use_Count(self._ref.cdata)
+
+    def pin(self, view: torch.Tensor) -> None:
+        if self._pins is None:
+            self._pins = weakref.WeakSet()
+        self._pins.add(view)
+
+    def held(self) -> bool:
+        base = self._base + len(self._pins) if self._pins else self._base
+        return torch._C._storage_Use_Count(self._ref.cdata) > base
+
+
+class _Graph:
+    """One captured graph of a region at one input signature: its static inputs (None for a
+    non-tensor argument; an input that was another region's output at capture reads that region's
+    output buffer in place, ``chained``), its output buffers and the output structure it serves."""
+    __slots__ = ("graph", "static_in", "outs", "static_out", "chained")
+
+    def __init__(self, graph, static_in, outs, static_out, chained):
+        self.graph, self.static_in, self.outs, self.static_out, self.chained = \
+            graph, static_in, outs, static_out, chained
+
+    def copy_in(self, args, checked: bool = True) -> bool:
+        """``args`` into the static inputs; False (nothing written) where a buffer the replay writes
+        is held by a caller: this graph's outputs, or the buffer of a chained input that ``args`` do
+        not already hold."""
+        if checked:
+            for b in self.outs:
+                if b.held():
+                    return False
+        for i, s in enumerate(self.static_in):
+            if s is None:
+                continue
+            a = args[i]
+            b = self.chained.get(i) if self.chained else None
+            if b is not None:
+                if _same_memory(a, s):
+                    continue
+                if checked and b.held():
+                    return False
             s.copy_(a)
-    graph.replay()
-    return _served(static_out)
+        return True
+
+    def served(self):
+        """What a call gets: aliases of the output buffers, in the region's own structure (no copy;
+        the buffers' ``held`` keeps a later replay from writing them while a caller holds one)."""
+        if isinstance(self.static_out, torch.Tensor):
+            return self.static_out.detach()
+        return type(self.static_out)(None if o is None else o.detach() for o in self.static_out)
+
+    def tensors(self) -> list:
+        return [t for t in self.static_in if t is not None] + [b.tensor for b in self.outs]
 
 
-def _let_go(entries) -> None:
-    """Free the static outputs of ``entries`` (graph, static inputs, static output) now. Under
-    cudaMallocAsync torch warns on stderr for every captured allocation freed outside a capture (one
-    line per output; SDXL's 227 regions: 227 lines at each unload); freed here through ``set_()``, a
-    call of torch's own, the warning comes back as a Python warning, which is silenced. A tensor that
-    cannot be emptied so (a parameter a region returned as is) is left to its owner."""
-    outs = [t for e in entries for t in _outputs(e[2]) if not isinstance(t, torch.nn.Parameter)]
-    if not outs:
-        return
-    with warnings.catch_warnings(), torch.inference_mode():
-        warnings.filterwarnings("ignore", message="Attempting uncaptured free of a captured allocation")
-        for t in outs:
-            try:
-                t.set_()
-            except RuntimeError:
-                pass
-
-
-def _entry_bytes(entry) -> int:
-    _, static_in, static_out = entry
-    return sum(t.numel() * t.element_size() for t in static_in if t is not None) + _bytes(_outputs(static_out))
+def _entry_bytes(entry: _Graph) -> int:
+    return _bytes(entry.tensors())
 
 
 class _Region:
@@ -220,13 +274,13 @@ class _Region:
 
     def __init__(self, module):
         # (parameter or buffer dict of its owner module, name) for every parameter/buffer: read live
-        # each call, so a replaced Parameter (ComfyUI's set_attr_param) or moved data is noticed.
+        # at each UNet call, so a replaced Parameter (ComfyUI's set_attr_param) or moved data is noticed.
         # The dicts, not their modules, are held: a region's entry must not keep its own key (the
-        # region module) alive, and one dict lookup per slot is all a replay pays for the check.
+        # region module) alive.
         self.slots = [(m._parameters, n) for m in module.modules() for n in m._parameters] + \
                      [(m._buffers, n) for m in module.modules() for n in m._buffers]
-        self.ptrs = None
-        self.graphs: dict = {}   # signature -> (graph, static inputs, static output)
+        self.ptrs = self.weight_ptrs()
+        self.graphs: dict = {}   # signature -> _Graph
         self.seen: set = set()
         self.refused: dict = {}  # signature -> why it gets no graph (an out-of-memory capture)
         self.kept: set = set()   # signatures whose graph measured faster (captured again unmeasured)
@@ -248,6 +302,9 @@ class RegionGraphs:
         #: the module replaced) takes its graphs and static buffers with it, and a new module that
         #: happens to get the dead one's id() never finds the dead one's graphs
         self.regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        #: storage -> the live graphs' output buffer in it: a later capture whose input is exactly that
+        #: buffer reads it in place (no copy in)
+        self._buffers: dict = {}
         self.stats: Counter = Counter()
         self.skipped: Counter = Counter()
         self.off: str | None = None
@@ -260,32 +317,47 @@ class RegionGraphs:
         self.device = None
         #: called once if graphs turn off for this model (the backend then times calls as launched)
         self.on_off = None
-        #: bytes the captures grew the allocator's reservation by (the private pool: static outputs and
-        #: every temporary the graphs replay into); None: not measured (a stand-in without ``reserved``)
+        #: bytes the captures grew the allocator's reservation by (the private pool: the temporaries the
+        #: graphs replay into); None: not measured (a stand-in without ``reserved``, cudaMallocAsync)
         self.pool_bytes: int | None = None
-        #: the pool's idle part ComfyUI's free-memory count is told about (``_account``); given back
-        #: when these graphs go, or with this object
+        #: the pool's part ComfyUI's free-memory count is told about (``_account``); given back when
+        #: these graphs go, or with this object
         self.reserved_for_comfy = 0
         weakref.finalize(self, reserve_vram, id(self), 0)
 
+    def _entries(self):
+        return [e for r in self.regions.values() for e in r.graphs.values()]
+
     @property
     def bytes(self) -> int:
-        """Static input + output buffers held (the pool's temporaries come on top)."""
-        return sum(_entry_bytes(e) for r in self.regions.values() for e in r.graphs.values())
+        """Static input and output buffers held (each once: a chained input is another graph's output)."""
+        seen = {id(t): t for e in self._entries() for t in e.tensors()}
+        return _bytes(seen.values())
 
     @property
     def held(self) -> int:
-        """Device memory the graphs hold: static inputs plus the pool the captures grew (outputs and
-        temporaries), never less than the static buffers themselves (under cudaMallocAsync a capture
-        can reuse memory the allocator already reserved, so the growth undercounts); the static
-        buffers alone where the pool is not measured."""
-        if self.pool_bytes is None:
-            return self.bytes
-        return max(self.bytes, self.pool_bytes + sum(_bytes(static_in) for r in self.regions.values()
-                                                     for _, static_in, _ in r.graphs.values()))
+        """Device memory the graphs hold: their static buffers (allocated outside the captures) plus the
+        pool the captures grew (the temporaries), where measured."""
+        return self.bytes + (self.pool_bytes or 0)
+
+    def begin_call(self) -> None:
+        """A UNet call starts (``Accelerator.active``; region calls happen only inside one): each region
+        whose parameters or buffers moved or were replaced since its graphs were captured loses them,
+        so the region calls of this UNet call read no weights."""
+        for reg in list(self.regions.values()):
+            ptrs = reg.weight_ptrs()
+            if ptrs != reg.ptrs:
+                if reg.graphs:
+                    self.stats["dropped for new weights"] += len(reg.graphs)
+                    self._drop(reg.graphs.values())
+                    reg.graphs.clear()
+                    self._account()
+                reg.seen.clear()
+                reg.ptrs = ptrs
 
     def run(self, impl, module, args):
-        """``impl(module, *args)``, through a captured graph where possible."""
+        """``impl(module, *args)``, through a captured graph where possible (inside a UNet call that
+        :meth:`begin_call` opened)."""
         if self.off is not None:
             return impl(module, *args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -299,28 +371,22 @@ class RegionGraphs:
         reg = self.regions.get(module)
         if reg is None:
             reg = self.regions[module] = _Region(module)
-        ptrs = reg.weight_ptrs()
-        if ptrs != reg.ptrs:
-            if reg.graphs:
-                self.stats["dropped for new weights"] += len(reg.graphs)
-                _let_go(reg.graphs.values())
-                reg.graphs.clear()
-                self._account()
-            reg.seen.clear()
-            reg.ptrs = ptrs
         device = tensors[0].device
         key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
         entry = reg.graphs.get(key)
         if entry is not None:
             try:
-                out = _replay(entry, args)
+                if not entry.copy_in(args):
+                    self.skipped["a buffer its replay writes was still held by an earlier call's result"] += 1
+                    return impl(module, *args)
+                entry.graph.replay()
             except Exception as e:
                 if is_interrupt(e):
                     raise
                 self._turn_off("replay", e)
                 return impl(module, *args)
             self.stats["replays"] += 1
-            return out
+            return entry.served()
         why = reg.refused.get(key)
         if why is None and background.BACKGROUND.active:
             why = "a background compile was running"
@@ -353,13 +419,20 @@ class RegionGraphs:
         self._budget_known = True
         return self.budget
 
+    def _drop(self, entries) -> None:
+        """``entries`` leave: their output buffers are no longer offered to later captures (a graph that
+        reads one in place keeps it alive, and copies into it once it is not the region's output)."""
+        for e in entries:
+            for b in e.outs:
+                self._buffers.pop(_storage(b.tensor), None)
+
     def release(self, why: str) -> int:
         """Free every graph and its static buffers (``why``: for the report); a region's next call at
         a shape it ran before captures again. Returns how many graphs were freed."""
         n = sum(len(r.graphs) for r in self.regions.values())
         for r in self.regions.values():
-            _let_go(r.graphs.values())
             r.graphs.clear()
+        self._buffers.clear()
         if n:
             self.stats["released"] += n
             self.released = why
@@ -369,13 +442,13 @@ class RegionGraphs:
         return n
 
     def _account(self) -> None:
-        """ComfyUI's free-memory count told what the pool holds idle: the pool less the static outputs
-        in it (those are allocated, so ComfyUI counts them as used). Not where the pool is unmeasured
-        (under cudaMallocAsync ComfyUI counts graph memory as used; a stand-in holds none)."""
+        """ComfyUI's free-memory count told what the pool holds: the captures' temporaries, idle between
+        replays (the static buffers are allocated outside it, so ComfyUI counts them as used). Not where
+        the pool is unmeasured (under cudaMallocAsync ComfyUI counts graph memory as used; a stand-in
+        holds none)."""
         if self.pool_bytes is None:
             return
-        outs = sum(_bytes(_outputs(e[2])) for r in self.regions.values() for e in r.graphs.values())
-        self.reserved_for_comfy = reserve_vram(id(self), self.pool_bytes - outs)
+        self.reserved_for_comfy = reserve_vram(id(self), self.pool_bytes if self._entries() else 0)
 
     def idle(self, why: str) -> int:
         """The end of a prompt (ComfyUI's ON_CLEANUP): the graphs stay for the next prompt of this
@@ -401,48 +474,79 @@ class RegionGraphs:
         self.off = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
         log.warning("UNet Compiler: CUDA graph %s failed (%s); graphs are off for this model and regions run "
                     "without them", what, self.off, exc_info=True)
-        for r in self.regions.values():
-            _let_go(r.graphs.values())
         self.regions.clear()
+        self._buffers.clear()
         self._account()
         if self.on_off is not None:
             self.on_off()
 
+    def _static_inputs(self, args):
+        """(static inputs, chained): a copy of each tensor argument, except one that is a live graph's
+        output buffer or a view of it (the previous region's result, passed on), read in place."""
+        static_in, chained = [], {}
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                static_in.append(None)
+                continue
+            b = self._buffers.get(_storage(a))
+            if b is None or a.dtype != b.tensor.dtype:
+                static_in.append(_static_copy(a))
+                continue
+            t = b.tensor
+            if a.shape != t.shape or a.stride() != t.stride() or a.storage_offset() != t.storage_offset():
+                t = t.as_strided(a.shape, a.stride(), a.storage_offset())
+                b.pin(t)
+            static_in.append(t)
+            chained[i] = b
+        return static_in, chained
+
     def _capture(self, reg, key, impl, module, args, device):
         self.device = device
-        static_in = [_static_copy(a) if isinstance(a, torch.Tensor) else None for a in args]
+        static_in, chained = self._static_inputs(args)
         call_args = [s if s is not None else a for s, a in zip(static_in, args, strict=True)]
         try:
             # one eager call on the static buffers first: Triton specialises on pointer alignment
             # (the buffers are 512-byte aligned; the signature's first call may have seen less), and a
-            # variant first met inside the capture cannot be compiled and loaded there
+            # variant first met inside the capture cannot be compiled and loaded there; its result
+            # gives the output buffers' shapes, allocated here, outside the capture
             measure = self.measured and key not in reg.kept   # measured once per signature
             if measure:
-                _, t_launch = self._timed(lambda: impl(module, *call_args), device)
+                first, t_launch = self._timed(lambda: impl(module, *call_args), device)
             else:
-                self.graphs.first_call(lambda: impl(module, *call_args), device)
+                first = self.graphs.first_call(lambda: impl(module, *call_args), device)
+            outs = [_Buffer(t) for t in _outputs(first)]
+            static_out = _structured(first, [b.tensor for b in outs])
+            del first
+
+            def body():
+                # the region's result copied into the output buffers: the capture's last op
+                for b, t in zip(outs, _outputs(impl(module, *call_args)), strict=True):
+                    b.tensor.copy_(t)
+                return static_out
             reserved = getattr(self.graphs, "reserved", None)   # a stand-in without it holds no device memory
             before = reserved(device) if reserved is not None else None
-            graph, static_out = self.graphs.capture(lambda: impl(module, *call_args), device)
+            graph, _ = self.graphs.capture(body, device)
             after = reserved(device) if before is not None else None
             if after is not None:
                 self.pool_bytes = (self.pool_bytes or 0) + max(0, after - before)
-            _outputs(static_out)
+            for b in outs:
+                b.settle()
+            entry = _Graph(graph, static_in, outs, static_out, chained)
             if measure:
-                out, t_graph = self._timed(lambda: _replay((graph, static_in, static_out), args), device)
+                def replay():
+                    entry.copy_in(args, checked=False)
+                    graph.replay()
+                _, t_graph = self._timed(replay, device)
                 if t_graph > KEEP_BELOW * t_launch:   # not launch-bound here: no graph, no buffers
                     reg.refused[key] = "auto: replay not faster than launching its kernels"
                     self.stats["not kept"] += 1
-                    _let_go([(graph, static_in, static_out)])
                     self._account()
-                    return out
+                    return entry.served()   # (nothing replays into these buffers again)
                 self.stats["kept"] += 1
                 reg.kept.add(key)
-                reg.graphs[key] = (graph, static_in, static_out)
-                self._account()
-                self.stats["captured"] += 1
-                self.stats["replays"] += 1
-                return out
+            else:
+                # the capture recorded the work without running it: replay once for this call's result
+                graph.replay()
         except Exception as e:
             if is_oom(e):
                 # this shape's buffers do not fit beside the model: no graph for it from now on (the
@@ -459,13 +563,13 @@ class RegionGraphs:
                 raise  # a cancel: graphs are not the problem
             self._turn_off("capture", e)
             return impl(module, *args)
-        reg.graphs[key] = (graph, static_in, static_out)
+        reg.graphs[key] = entry
+        for b in outs:
+            self._buffers[_storage(b.tensor)] = b
         self._account()
         self.stats["captured"] += 1
-        # the capture recorded the work without running it: replay once for this call's result
-        graph.replay()
         self.stats["replays"] += 1
-        return _served(static_out)
+        return entry.served()
 
     def status_lines(self) -> list[str]:
         if self.off is not None:

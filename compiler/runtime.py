@@ -312,6 +312,8 @@ class Accelerator:
     def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
         self.inserted.check()
+        if self.graphs is not None:
+            self.graphs.begin_call()
         installed = []
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):

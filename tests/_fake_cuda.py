@@ -6,7 +6,9 @@ empty_cache, and ``CUDAGraph`` whose capture records the aten ops run between ``
 and whose replay re-runs them on the captured tensors. CPU tensors stand for device tensors: only
 ``CudaGraphs.usable``'s "is this tensor on CUDA" cannot be faked and is answered by the test.
 
-``allocator="cudaMallocAsync"`` (ComfyUI's default) adds what the H100 run showed (docs/gpu.md):
+A Triton kernel launched inside a capture (the interpreter's, on CPU tensors) is recorded as one op
+and launched again by a replay, as a real graph holds the kernel. ``allocator="cudaMallocAsync"``
+(ComfyUI's default) adds what the H100 run showed (docs/gpu.md):
 memory a capture allocates there is a graph allocation that Triton's launcher cannot take, so a Triton
 kernel (the interpreter's launch, patched) given such a tensor inside a capture raises triton's
 ValueError, and ``aborted`` records it: the real process then dies with SIGABRT.
@@ -92,10 +94,13 @@ class FakeCUDA:
         self.log: Counter = Counter()
         self.capturing = False
         self.pools = 0
-        #: memory the current capture allocated (tracked under cudaMallocAsync)
+        #: memory the current capture allocated (tracked under cudaMallocAsync); ``captured``: every capture's
         self.capture_allocated: set = set()
+        self.captured: set = set()
         #: why the real process would have aborted (a Triton launch on capture-allocated memory)
         self.aborted: str | None = None
+        #: the running capture's op list (a Triton launch inside it is recorded as one op)
+        self.recording: list | None = None
         #: torch.cuda.memory_reserved(): grows by what each capture allocates (its private pool, which a
         #: real capture never gives back until the graphs are freed and the cache emptied)
         self.reserved = 0
@@ -111,14 +116,16 @@ class FakeCUDA:
                 fake.capturing = True
                 self.pool = pool
                 fake.capture_allocated.clear()
+                fake.recording = self.ops
                 self._mode = _Record(self.ops, fake.capture_allocated if fake.allocator == "cudaMallocAsync" else None,
                                      on_alloc=fake._grow)
                 self._mode.__enter__()
 
             def capture_end(self):
                 fake.log["capture_end"] += 1
+                fake.captured |= fake.capture_allocated
                 self._mode.__exit__(None, None, None)
-                fake.capturing = False
+                fake.capturing, fake.recording = False, None
 
             def replay(self):
                 fake.log["replay"] += 1
@@ -194,12 +201,21 @@ def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocato
                  "empty_cache", "CUDAGraph", "memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: fake.allocator)
-    if allocator == "cudaMallocAsync":
-        from triton.runtime.interpreter import InterpretedFunction
-        launch = InterpretedFunction.run
+    from torch.utils._python_dispatch import _disable_current_modes
+    from triton.runtime.interpreter import InterpretedFunction
+    launch = InterpretedFunction.run
 
-        def checked(self, *args, **kwargs):
+    def launched(self, *args, **kwargs):
+        """A Triton launch (the interpreter's): inside a capture, one recorded op that a replay launches
+        again on the captured tensors (not the interpreter's own host copies), after triton's pointer
+        check."""
+        if fake.allocator == "cudaMallocAsync":
             fake.triton_pointer_check(list(args) + list(kwargs.values()))
+        if fake.recording is None:
             return launch(self, *args, **kwargs)
-        monkeypatch.setattr(InterpretedFunction, "run", checked)
+        with _disable_current_modes():
+            out = launch(self, *args, **kwargs)
+        fake.recording.append((lambda *a, **k: launch(self, *a, **k), args, kwargs, None))
+        return out
+    monkeypatch.setattr(InterpretedFunction, "run", launched)
     yield fake

@@ -10,7 +10,6 @@ replaced weights drop graphs, autograd never graphed, a failed capture turns
 graphs off and the call still returns the right answer. With a GPU the last
 tests capture real graphs through the triton and inductor backends.
 """
-import warnings
 
 import pytest
 import torch
@@ -46,17 +45,43 @@ def _inputs(b=2, side=8, seed=0):
 def test_capture_on_second_call_then_replay_with_fresh_inputs(graph_standin):
     blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(graphs=fake)
-    outs = []
     for seed in range(4):
         x, e = _inputs(seed=seed)
         out = rg.run(body, blk, (x, e))
         torch.testing.assert_close(out, body(blk, x, e))  # fresh inputs reach the graph every call
-        outs.append((out, body(blk, x, e)))
+        del out   # (a result still held keeps the next call from replaying: the next test)
     assert fake.captures == 1
     assert rg.stats["captured"] == 1 and rg.stats["replays"] == 3  # the capture call replays once too
-    for out, ref in outs:  # later replays did not overwrite results already handed out
-        torch.testing.assert_close(out, ref)
     assert "cuda graphs: 1 captured for 1 region(s), 3 replays" in "\n".join(rg.status_lines())
+
+
+@torch.inference_mode()
+def test_a_result_still_held_is_never_overwritten(graph_standin):
+    """A replay serves its output buffer itself (an alias, no copy): while a caller holds an earlier
+    result, or a view of it, the region's next call runs its own launches instead of replaying into
+    it; once the result is dropped, calls replay again. (Before: every result was a copy of the
+    buffer: a launch and the output's bytes each call.)"""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    blk, fake = Block().eval(), graph_standin()
+    rg = RegionGraphs(graphs=fake)
+    held = []
+    for seed in range(4):
+        x, e = _inputs(seed=seed)
+        out = rg.run(body, blk, (x, e))
+        held.append((out[:, :2], body(blk, x, e)[:, :2]))   # a view of each result, kept
+        del out
+    for out, ref in held:  # later calls did not overwrite results still held
+        torch.testing.assert_close(out, ref)
+    entry = next(iter(rg.regions[blk].graphs.values()))
+    assert held[1][0].data_ptr() == entry.outs[0].tensor.data_ptr()   # the capture call's: the buffer
+    assert rg.stats["replays"] == 1 and rg.skipped[
+        "a buffer its replay writes was still held by an earlier call's result"] == 2
+    held.clear()
+    x, e = _inputs(seed=9)
+    out = rg.run(body, blk, (x, e))
+    torch.testing.assert_close(out, body(blk, x, e))
+    assert rg.stats["replays"] == 2 and out.data_ptr() == entry.outs[0].tensor.data_ptr()
+    assert isinstance(entry, G._Graph)
 
 
 @torch.inference_mode()
@@ -102,20 +127,112 @@ def test_one_graph_per_shape_and_a_cap_per_region(graph_standin):
 
 
 @torch.inference_mode()
+def test_an_input_that_is_the_previous_regions_result_is_read_in_place(graph_standin):
+    """A region whose input is exactly the previous region's result (a DiT's blocks in a row) reads
+    that region's output buffer in place: no copy in. Given anything else at that input, it copies
+    into the buffer, unless a caller still holds the buffer's contents, when it runs its own
+    launches; results stay right throughout."""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    a, b = Block().eval(), Block().eval()
+    copies, replaying = [], []
+
+    class Standin(graph_standin):     # copies a replay makes are the device's, not the caller's
+        def capture(self, fn, device):
+            graph, out = super().capture(fn, device)
+
+            class Replay:
+                def replay(self):
+                    replaying.append(1)
+                    try:
+                        graph.replay()
+                    finally:
+                        replaying.pop()
+            return Replay(), out
+    rg = RegionGraphs(graphs=Standin())
+    real = torch.Tensor.copy_
+
+    def two(x, e):
+        h = rg.run(body, a, (x, e))
+        return rg.run(body, b, (h, e))
+
+    def ref(x, e):
+        return body(b, body(a, x, e), e)
+    for seed in range(3):
+        x, e = _inputs(seed=seed)
+        torch.testing.assert_close(two(x, e), ref(x, e))
+    entry = next(iter(rg.regions[b].graphs.values()))
+    assert list(entry.chained) == [0] and entry.static_in[0] is rg.regions[a].graphs[next(iter(
+        rg.regions[a].graphs))].outs[0].tensor
+    def counted(self, src, *k):
+        if not replaying:
+            copies.append(self.shape)
+        return real(self, src, *k)
+    try:
+        torch.Tensor.copy_ = counted
+        x, e = _inputs(seed=5)
+        torch.testing.assert_close(two(x, e), ref(x, e))
+    finally:
+        torch.Tensor.copy_ = real
+    assert len(copies) == 3, copies   # x and e into a's static inputs, e into b's: not a's result
+    # b called on something else: copied into a's buffer (nobody holds it), then replayed
+    x, e = _inputs(seed=6)
+    other = torch.randn_like(x)
+    replays = rg.stats["replays"]
+    torch.testing.assert_close(rg.run(body, b, (other, e)), body(b, other, e))
+    assert rg.stats["replays"] == replays + 1
+    # a's result held by a caller: b on something else must not write a's buffer
+    held = rg.run(body, a, (x, e))
+    want = body(a, x, e)
+    torch.testing.assert_close(rg.run(body, b, (other, e)), body(b, other, e))
+    torch.testing.assert_close(held, want)
+    assert rg.skipped["a buffer its replay writes was still held by an earlier call's result"] == 1
+    assert isinstance(entry, G._Graph)
+
+
+@torch.inference_mode()
 def test_replaced_weight_drops_the_region_graphs(graph_standin):
     blk, fake = Block().eval(), graph_standin()
     rg = RegionGraphs(graphs=fake)
     x, e = _inputs()
     for _ in range(3):
+        rg.begin_call()       # each UNet call starts so (Accelerator.active)
         rg.run(body, blk, (x, e))
     # ComfyUI's set_attr_param: a new Parameter object in place of the old one
     blk.conv.weight = torch.nn.Parameter(blk.conv.weight * 2, requires_grad=False)
+    rg.begin_call()
     out = rg.run(body, blk, (x, e))
     torch.testing.assert_close(out, body(blk, x, e))
     assert rg.stats["dropped for new weights"] == 1
+    rg.begin_call()
     rg.run(body, blk, (x, e))
     assert fake.captures == 2
-    assert "1 dropped when weights were replaced" in "\n".join(rg.status_lines())
+    # module.to(): the same Parameters, their data moved (a copy of the weights here)
+    blk.norm.weight.data = blk.norm.weight.data.clone() * 3
+    rg.begin_call()
+    torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
+    assert rg.stats["dropped for new weights"] == 2
+    assert "2 dropped when weights were replaced" in "\n".join(rg.status_lines())
+
+
+@torch.inference_mode()
+def test_region_calls_read_no_weights(graph_standin, monkeypatch):
+    """A region call, replaying, reads none of its parameters: their addresses are read once per UNet
+    call, by ``begin_call``, for every region. (Before: each region call walked its parameters.)"""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    blk = Block().eval()
+    rg = RegionGraphs(graphs=graph_standin())
+    x, e = _inputs()
+    for _ in range(3):
+        rg.begin_call()
+        rg.run(body, blk, (x, e))
+    reads = []
+    real = G._Region.weight_ptrs
+    monkeypatch.setattr(G._Region, "weight_ptrs", lambda self: reads.append(1) or real(self))
+    rg.begin_call()
+    assert len(reads) == 1
+    for _ in range(5):
+        rg.run(body, blk, (x, e))
+    assert len(reads) == 1 and rg.stats["replays"] == 7
 
 
 def test_autograd_calls_are_never_graphed(graph_standin):
@@ -721,7 +838,8 @@ def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkey
 def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
     """The stand-in's fidelity: the pack's kernels inside a capture under cudaMallocAsync (what the
     H100 run did with the refusal lifted) meet triton's pointer refusal, and the fake records the
-    abort that followed; under the native allocator the same capture holds the kernels."""
+    abort that followed; under the native allocator the same capture holds the kernels, and its
+    replays launch them again (== eager)."""
     from tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
@@ -730,11 +848,14 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
         for s in range(2):
             _sample(u, s)
         assert cuda.aborted is not None and "Pointer argument" in (accel.graphs.off or "")
+    refs = [_sample(u, s) for s in range(3)]
     with fake_cuda(monkeypatch, allocator="native") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
-        for s in range(2):
-            _sample(u, s)
+        outs = [_sample(u, s) for s in range(3)]   # the third call replays the kernels the graphs hold
         assert cuda.aborted is None and accel.graphs.off is None and accel.graphs.stats["captured"] > 0
+        assert accel.graphs.stats["replays"] == 2 * accel.graphs.stats["captured"]
+        for out, ref in zip(outs, refs, strict=True):
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
         assert accel.backend.ops.in_captures and not accel.backend.ops.declined
 
 
@@ -773,34 +894,27 @@ def test_the_graph_pool_counts_against_the_budget(tiny_unet, monkeypatch):
         assert g.stats["captured"] > before and g.pool_bytes == 0 and g.held == g.bytes > 0
 
 
-def test_released_graphs_empty_their_outputs_inside_a_torch_call(tiny_unet, monkeypatch):
-    """Under cudaMallocAsync torch prints a warning for every captured allocation freed outside a
-    capture (the H100 printed one per region when graphs went: 227 lines for SDXL). Released, dropped
-    for new weights or not kept, the graphs' static outputs are emptied through ``set_()``, a call of
-    torch's own, whose warning comes back as a Python one and is silenced; results stay right and the
-    next call captures again."""
+def test_static_buffers_are_allocated_outside_the_captures(tiny_unet, monkeypatch):
+    """Under cudaMallocAsync torch warns on stderr for every captured allocation freed outside a
+    capture (the H100 printed one per region when graphs went: 227 lines for SDXL), and any graph's
+    output the allocator placed in the shared pool can be overwritten by another graph's temporaries.
+    No static buffer is a capture's allocation: each graph copies its result into an output buffer
+    allocated before the capture, so releasing them warns nothing and serving them uncopied is safe;
+    results stay right and the next call captures again. (Before: the outputs were the captures'
+    own allocations, emptied through ``set_()`` at release to silence the warning.)"""
     from tests._fake_cuda import fake_cuda
-    from unet_compiler.compiler import graphs as G  # noqa: N812
     u = tiny_unet()
     ref = _sample(u, 0)
-    real_set = torch.Tensor.set_
-
-    def set_warning(self, *a):   # what torch's allocator does under cudaMallocAsync, through set_()
-        warnings.warn("Attempting uncaptured free of a captured allocation with address 0x2a9a002400", stacklevel=2)
-        return real_set(self, *a)
-    with fake_cuda(monkeypatch, allocator="cudaMallocAsync"):
+    with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
         accel = _production_graphs(u, monkeypatch)
         g = accel.graphs
         for _ in range(3):
-            _sample(u, 0)
-        outs = [o for r in g.regions.values() for e in r.graphs.values() for o in G._outputs(e[2])]
-        assert outs and all(o.untyped_storage().nbytes() > 0 for o in outs)
-        monkeypatch.setattr(torch.Tensor, "set_", set_warning)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")          # a warning that escaped would raise here
-            assert g.release("unload") == len(accel._shims)
-        assert all(o.untyped_storage().nbytes() == 0 for o in outs), "outputs left to the garbage collector"
-        monkeypatch.setattr(torch.Tensor, "set_", real_set)
+            torch.testing.assert_close(_sample(u, 0), ref, rtol=1e-5, atol=1e-5)
+        static = [t for r in g.regions.values() for e in r.graphs.values() for t in e.tensors()]
+        assert static and cuda.captured, "nothing captured"
+        inside = [t for t in static if t.untyped_storage().data_ptr() in cuda.captured]
+        assert not inside, f"{len(inside)} of {len(static)} static buffers allocated by a capture"
+        assert g.release("unload") == len(accel._shims)
         for _ in range(3):
             torch.testing.assert_close(_sample(u, 0), ref, rtol=1e-5, atol=1e-5)
         assert g.stats["captured"] == 2 * len(accel._shims)
@@ -809,13 +923,12 @@ def test_released_graphs_empty_their_outputs_inside_a_torch_call(tiny_unet, monk
 def test_the_pools_idle_part_is_kept_out_of_comfyuis_free_memory(comfy, tiny_unet, monkeypatch):
     """ComfyUI's free-memory count (``get_free_memory``: the card's free memory plus torch's reserved
     minus active) counts a live graph pool's idle temporaries as free, though only the graphs'
-    replays can use them. While the graphs are held that idle part (the pool less its static outputs)
+    replays can use them. While the graphs are held that idle part (the pool: the captures' temporaries)
     is added to what ComfyUI's loader keeps free (``EXTRA_RESERVED_VRAM``, ``--reserve-vram``'s figure,
     read by ``minimum_inference_memory``), and taken back when they go, or with their owner."""
     import gc
 
     from tests._fake_cuda import fake_cuda
-    from unet_compiler.compiler import graphs as G  # noqa: N812
     mm = comfy.mm
     gc.collect()     # graphs an earlier test left to the collector give their share back first
     base, floor = mm.extra_reserved_memory(), mm.minimum_inference_memory()
@@ -825,8 +938,7 @@ def test_the_pools_idle_part_is_kept_out_of_comfyuis_free_memory(comfy, tiny_une
         g = accel.graphs
         for _ in range(3):
             _sample(u, 0)
-        outs = sum(G._bytes(G._outputs(e[2])) for r in g.regions.values() for e in r.graphs.values())
-        idle = g.pool_bytes - outs
+        idle = g.pool_bytes   # the captures' temporaries: the static buffers are allocated outside the pool
         assert idle > 0 and g.reserved_for_comfy == idle
         assert mm.extra_reserved_memory() == base + idle and mm.minimum_inference_memory() == floor + idle
         assert "kept out of ComfyUI's free-memory count" in "\n".join(g.status_lines())
