@@ -139,6 +139,9 @@ class FakeCUDA:
         def wait_stream(self, other):
             pass
 
+        def synchronize(self):
+            pass
+
     def current_stream(self, device=None):
         return self._streams[-1]
 

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 import weakref
+from collections import Counter
 
 import torch
 
@@ -120,6 +121,8 @@ class Owner:
         self.seconds = 0.0         # the thread's time on them
         self.eager_calls = 0       # region calls that ran the body's own code while theirs compiled
         self.failures: list[str] = []
+        self.primed = 0            # CUDA variants the thread called once (their kernels loaded and tuned)
+        self.unprimed: Counter = Counter()   # why a CUDA variant was left to sampling's first call
 
 
 _OWNER: contextvars.ContextVar = contextvars.ContextVar("unet_compiler_background_owner", default=None)
@@ -290,6 +293,7 @@ class Background:
                 self.epoch += 1
             owner = job[0] or Owner()
             t0 = time.perf_counter()
+            _THREAD.owner = owner
             try:
                 self._compile(owner, *job[1:])
             except BaseException as e:   # never into the interpreter's thread hook
@@ -353,13 +357,64 @@ class Background:
 
 BACKGROUND = Background()
 
+#: the compile thread's own CUDA stream per device: its first calls' kernels (and the autotuning
+#: their first launch does) are queued and timed there, not behind sampling's work
+_PRIME_STREAMS: dict = {}
+
+#: a first call on CUDA runs where the card has this many times its inputs' bytes free (a region's
+#: activations beside sampling's); else sampling's own first call of the variant does that work
+PRIME_ROOM = 8
+
+
+def _short_of_room(device, args) -> str | None:
+    need = PRIME_ROOM * sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < need:
+        return "the card was short of memory for a call beside sampling"
+    return None
+
+
+def _cuda_device(args):
+    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
+
+
+def _first_call_on_cuda(fn, modules, args, device) -> str | None:
+    """One call of ``fn`` on the thread's own stream (a variant's kernels load and tune once for every
+    module it serves; nothing is packed per module on CUDA). Returns why it did not run (None: it ran)."""
+    module = next((m for m in modules if not (cast.busy(m) or cast.needs_cast(m)) and fn.guard_check(m, *args)),
+                  None)
+    if module is None:
+        return "its modules' weights are cast per call"
+    why = _short_of_room(device, args)
+    if why is not None:
+        return why
+    stream = _PRIME_STREAMS.get(device)
+    if stream is None:
+        stream = _PRIME_STREAMS[device] = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))   # the stand-ins' zeroing first
+    with torch.no_grad(), torch.cuda.stream(stream):
+        fn.fn(module, *args)
+    stream.synchronize()   # the stand-ins (allocated on the thread's stream) outlive the call's work
+    return None
+
+
 def first_calls(fn, modules, args) -> None:
     """Call ``fn`` once for each of ``modules`` its guards accept (the compile thread's priming: a
-    first call loads the variant's kernels and packs CPU conv weights). Not on CUDA: there it would
-    hold a second set of activations beside sampling's (an 8 GB card runs out), and what it does
-    there (loading kernels) costs the sampling thread's first call milliseconds. A conv weight
-    sampling already packed keeps its copy (``prepack_conv.keeping_packed``)."""
-    if any(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+    first call loads the variant's kernels, tunes their launch configs, and packs CPU conv weights).
+    A module whose weights are cast per call is skipped (the sampling thread may be showing them). On
+    CUDA one call, on the thread's own stream, where the card has room for it beside sampling
+    (``PRIME_ROOM``); the job's owner counts it, or why not (``Owner.primed`` / ``unprimed``: the
+    variant's first sampling call then does that work). A conv weight sampling already packed keeps
+    its copy (``prepack_conv.keeping_packed``)."""
+    device = _cuda_device(args)
+    if device is not None:
+        why = _first_call_on_cuda(fn, modules, args, device)
+        owner = getattr(_THREAD, "owner", None)
+        if owner is not None:
+            if why is None:
+                owner.primed += 1
+            else:
+                owner.unprimed[why] += 1
         return
     from ..passes.prepack_conv import keeping_packed
     with torch.no_grad(), keeping_packed():
@@ -460,14 +515,18 @@ class BackgroundMode:
         """The report line of background mode."""
         owner = self.owner
         failed = f"; failed: {'; '.join(owner.failures[-2:])}" if owner.failures else ""
+        if owner.unprimed:
+            failed = (f"; {sum(owner.unprimed.values())} variant(s) not called before sampling used them ("
+                      f"{', '.join(owner.unprimed)}): their first sampling call loaded their kernels{failed}")
         if self.done is None:
             waiting = (", waiting until no prompt runs (on CPU it would slow sampling)" if BACKGROUND.waiting
                        else "")
             return (f"background compile: running{waiting}, {owner.variants} region variant(s) compiled "
                     f"({owner.graphs} graph(s)), {BACKGROUND.queued} to go, {time.perf_counter() - self.t0:.0f} s "
                     f"so far; region calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
+        primed = f", {owner.primed} called once on the GPU" if owner.primed else ""
         return (f"background compile: done in {self.done:.1f} s, {owner.variants} region variant(s) "
-                f"({owner.graphs} graph(s)); {owner.eager_calls} region call(s) ran the model's own code "
+                f"({owner.graphs} graph(s){primed}); {owner.eager_calls} region call(s) ran the model's own code "
                 f"meanwhile{failed}")
 
 

@@ -398,9 +398,8 @@ def test_out_of_memory_while_compiling_is_never_for_good(monkeypatch):
     assert not p._no_aot
 
 
-def test_the_thread_makes_no_first_call_on_cuda(monkeypatch):
-    """On CUDA a first call in the thread would hold a second set of activations beside sampling's.
-    On CPU the first call keeps conv copies sampling packed (``keeping_packed``)."""
+def test_the_threads_first_call_on_cpu_keeps_the_convs_sampling_packed():
+    """On CPU the thread's first call keeps conv copies sampling packed (``keeping_packed``)."""
     from unet_compiler.compiler.passes import prepack_conv
     called = []
 
@@ -413,9 +412,6 @@ def test_the_thread_makes_no_first_call_on_cuda(monkeypatch):
     x = torch.zeros(2)
     B.first_calls(Variant(), [torch.nn.Identity()], (x,))
     assert called == [True] and not getattr(prepack_conv._PRIMING, "on", False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
-    B.first_calls(Variant(), [torch.nn.Identity()], (x,))
-    assert len(called) == 1
 
 
 def test_a_background_warmup_names_its_shapes_in_the_entry_once_all_compiled(tiny_unet, fresh, monkeypatch,
@@ -515,3 +511,38 @@ def test_a_warmup_that_stops_still_ends_with_a_done_line(tiny_unet, fresh, monke
     assert accel.background.owner.variants > 0
     hook.remove()
     _check(unet, _inputs(seed=1))
+
+
+def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypatch):
+    """On CUDA the compile thread calls a variant it compiled once (its kernels load and tune their
+    launch configs there, not in sampling's first call), on a stream of its own, where the card has
+    room for one call's activations beside sampling; else the variant's first sampling call does it
+    and the background line says so. A module whose weights are cast per call is never called.
+    (Before: never on CUDA.)"""
+    from tests._fake_cuda import fake_cuda
+    args = (torch.zeros(2, 4, 8, 8), torch.zeros(2, 4))
+    dev = args[0].device    # (CPU tensors stand for CUDA's: ``is_cuda`` is answered below)
+    mods = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
+    calls = []
+    variant = types.SimpleNamespace(guard_check=lambda m, *a: True,
+                                    fn=lambda m, *a: calls.append((m, torch.cuda.current_stream(dev))))
+    with fake_cuda(monkeypatch, total=24 << 30, free=20 << 30) as cuda:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+        monkeypatch.setattr(B, "_PRIME_STREAMS", {}, raising=False)
+        owner = B.Owner()
+        monkeypatch.setattr(B._THREAD, "owner", owner, raising=False)
+        B.first_calls(variant, mods, args)
+        assert len(calls) == 1 and calls[0][0] is mods[0], calls     # one call serves every module
+        assert calls[0][1] is B._PRIME_STREAMS[dev] and calls[0][1] is not cuda._streams[0]
+        assert owner.primed == 1 and not owner.unprimed
+        cuda.free = 2 * sum(a.numel() * a.element_size() for a in args)   # under PRIME_ROOM x the inputs
+        B.first_calls(variant, mods, args)
+        assert len(calls) == 1 and owner.unprimed == {"the card was short of memory for a call beside sampling": 1}
+        cuda.free = 20 << 30
+        monkeypatch.setattr(B.cast, "needs_cast", lambda m: True)
+        B.first_calls(variant, mods, args)
+        assert len(calls) == 1 and owner.unprimed["its modules' weights are cast per call"] == 1
+    mode = B.BackgroundMode(lambda *a: None)
+    mode.owner, mode.done = owner, 1.0
+    line = mode.line()
+    assert "1 called once on the GPU" in line and "2 variant(s) not called before sampling used them" in line
