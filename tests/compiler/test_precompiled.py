@@ -299,3 +299,22 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     assert b.status_lines() == ["  not precompiled (plain torch.compile serves these bodies: compiled at their calls, "
                                 "again after a restart): body (AttributeError: 'function' object has no attribute "
                                 "'aot_compile')"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: precompiled variants on CUDA are checked on "
+                    "GPU machines")
+def test_precompiled_variants_serve_a_bf16_unet_on_cuda(tiny_unet, store):
+    """What an NVIDIA user's inductor regions are: precompiled variants (not plain torch.compile, not
+    the model's own code), in bf16, within the gate's bf16 tolerance of eager; the report names no
+    body left unprecompiled."""
+    from unet_compiler.compiler.shims import TOLERANCE
+    u = tiny_unet().to("cuda", torch.bfloat16)
+    api.compile_unet(u, "inductor", dynamic_shapes=False)
+    args = tuple(a.to("cuda", torch.bfloat16) if a.is_floating_point() and a.dim() > 1 else a.to("cuda")
+                 for a in _inputs(batch=2))
+    out, ref = _both(u, args)
+    accel = api.accelerator_of(u)
+    assert store.compiled > 0 and sum(len(v) for v in store.live.values()) > 0, api.report(u)
+    assert accel.stats["region_eager"] == 0 and "not precompiled" not in api.report(u), api.report(u)
+    tol = TOLERANCE[torch.bfloat16] * max(1.0, ref.float().abs().max().item())
+    assert (out.float() - ref.float()).abs().max().item() <= tol, api.report(u)
