@@ -10,6 +10,7 @@
     targets   every kernel compiled for each GPU target, on a machine without a GPU (a CI lane)
     gpu       the GPU check: one call on a GPU machine (tests, probes, SD1.5 bench, SDXL prompts)
     hosttime  the GPU path's host time per step and per kernel call, on the meta device (any machine)
+    beside    background compile beside a Python-bound sampling loop, simulated (any machine)
 
 ``python -m unet_compiler bench ...`` (the root ``__main__.py``) is ``run``; the others keep their names.
 """
@@ -102,6 +103,8 @@ def parser() -> argparse.ArgumentParser:
                    "real ComfyUI server after warming a range (soak --help)")
     sub.add_parser("targets", add_help=False, help="every Triton kernel compiled for sm_80/86/89/90a/120 with no "
                    "GPU (targets --help)")
+    sub.add_parser("beside", add_help=False, help="background compile beside a Python-bound sampling loop, "
+                   "simulated (beside --help)")
     sub.add_parser("hosttime", add_help=False, help="host time of the GPU path per step and kernel call, on "
                    "the meta device (hosttime --help)")
     sub.add_parser("gpu", add_help=False, help="the GPU check, one call on a GPU machine within a time budget "
@@ -124,6 +127,9 @@ def main(argv=None):
     if argv[:1] == ["gpu"]:
         from .gpu import main as gpu
         return gpu(argv[1:])
+    if argv[:1] == ["beside"]:
+        from .beside import main as beside
+        return beside(argv[1:])
     if argv[:1] == ["hosttime"]:
         from .hosttime import main as hosttime
         return hosttime(argv[1:])

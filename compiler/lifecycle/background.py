@@ -122,6 +122,7 @@ class Owner:
         self.eager_calls = 0       # region calls that ran the body's own code while theirs compiled
         self.failures: list[str] = []
         self.primed = 0            # CUDA variants the thread called once (their kernels loaded and tuned)
+        self.paused = 0.0          # seconds the thread paused after its jobs to leave sampling the GIL
         self.unprimed: Counter = Counter()   # why a CUDA variant was left to sampling's first call
 
 
@@ -188,6 +189,31 @@ class Activity:
 
 
 ACTIVITY = Activity()
+
+
+#: the share of the Python interpreter (the GIL) the compile thread takes while it compiles beside
+#: sampling (a GPU's, whose host side is Python launching kernels): after each job it pauses for
+#: its CPU time x (1 - share) / share, or until sampling stops
+BESIDE_SHARE = 0.25
+
+
+def sampling_now() -> bool:
+    """A model call is in flight or ended less than ``QUIET_SECONDS`` ago (host signals not asked)."""
+    return ACTIVITY.calls > 0 or time.monotonic() - ACTIVITY.busy_until < QUIET_SECONDS
+
+
+def pace(cpu_seconds: float) -> float:
+    """After a job that took ``cpu_seconds`` of the thread's CPU beside sampling: pause so the thread
+    holds at most ``BESIDE_SHARE`` of the interpreter while sampling runs (a compile is Python
+    through and through, and a thread beside it gets the GIL in turns: a Python-bound loop beside a
+    compile ran at 0.34 of its speed alone, on a 2-core VM). Returns the seconds paused."""
+    left = cpu_seconds * (1 - BESIDE_SHARE) / BESIDE_SHARE
+    t0 = time.perf_counter()
+    while left > 0 and sampling_now():
+        step = min(0.05, left)
+        time.sleep(step)
+        left -= step
+    return time.perf_counter() - t0
 
 
 def waits_for_idle(device_type: str) -> bool:
@@ -292,7 +318,7 @@ class Background:
                 job = self.queue.pop(0)
                 self.epoch += 1
             owner = job[0] or Owner()
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             _THREAD.owner = owner
             try:
                 self._compile(owner, *job[1:])
@@ -301,6 +327,8 @@ class Background:
                 self.failures.append(error_summary(e))
                 log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
             owner.seconds += time.perf_counter() - t0
+            if not waits_for_idle(job[7][2]):
+                owner.paused += pace(time.thread_time() - cpu0)
             with self.lock:
                 self.epoch += 1
         self._tell(listeners)
@@ -525,6 +553,9 @@ class BackgroundMode:
                     f"({owner.graphs} graph(s)), {BACKGROUND.queued} to go, {time.perf_counter() - self.t0:.0f} s "
                     f"so far; region calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
         primed = f", {owner.primed} called once on the GPU" if owner.primed else ""
+        if owner.paused >= 0.5:
+            primed += (f"; it paused {owner.paused:.0f} s between variants to leave sampling "
+                       f"{1 - BESIDE_SHARE:.0%} of Python's time")
         return (f"background compile: done in {self.done:.1f} s, {owner.variants} region variant(s) "
                 f"({owner.graphs} graph(s){primed}); {owner.eager_calls} region call(s) ran the model's own code "
                 f"meanwhile{failed}")

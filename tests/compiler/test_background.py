@@ -546,3 +546,27 @@ def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypa
     mode.owner, mode.done = owner, 1.0
     line = mode.line()
     assert "1 called once on the GPU" in line and "2 variant(s) not called before sampling used them" in line
+
+
+def test_beside_sampling_the_thread_pauses_after_each_job_for_its_share(monkeypatch):
+    """Beside sampling (a GPU's; on CPU with ``UNET_COMPILER_BACKGROUND_CPU=beside``) the compile
+    thread pauses after a job for its CPU time x (1 - share) / share while a model call is in flight
+    or just ended, so it holds at most ``BESIDE_SHARE`` of the interpreter; it does not pause when
+    nothing samples, and stops pausing when sampling stops. (``bench beside`` measures the effect on
+    a Python-bound sampling loop: docs/bench.md.)"""
+    slept = []
+    monkeypatch.setattr(B.time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(B, "ACTIVITY", B.Activity())
+    assert B.pace(1.0) < 0.05 and not slept                       # nothing samples: no pause
+    with B.ACTIVITY.call():
+        B.pace(0.1)
+    assert abs(sum(slept) - 0.1 * (1 - B.BESIDE_SHARE) / B.BESIDE_SHARE) < 1e-9 and max(slept) <= 0.05
+    slept.clear()
+    calls = []
+
+    def sampling_until_three_sleeps():
+        calls.append(1)
+        return len(slept) < 3
+    monkeypatch.setattr(B, "sampling_now", sampling_until_three_sleeps)
+    B.pace(10.0)
+    assert len(slept) == 3, slept                                 # sampling stopped: the pause ends
