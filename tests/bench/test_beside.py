@@ -1,0 +1,24 @@
+"""``bench beside``'s sampling stand-in (bench/beside.py): its steps take the Python time asked for and
+run inside the runtime's model-call bracket, so the compile thread sees sampling (its pacing then
+applies). The rows themselves (a real background compile each, a minute or more) are the bench's:
+docs/bench.md."""
+from __future__ import annotations
+
+import time
+
+from unet_compiler.bench import beside
+from unet_compiler.compiler.lifecycle import background as B
+
+
+def test_the_sampling_stand_in_is_sampling_to_the_compile_thread(monkeypatch):
+    monkeypatch.setattr(B, "ACTIVITY", B.Activity())
+    n = beside._calibrate(2.0)
+    t0 = time.perf_counter()
+    beside._python_ms(n)
+    took = (time.perf_counter() - t0) * 1e3
+    assert 0.5 < took < 8, took                    # about the 2 ms asked (this machine's speed varies)
+    seen = []
+    monkeypatch.setattr(beside, "_python_ms", lambda k: seen.append(B.ACTIVITY.calls))
+    rate = beside._loop(n, 1.0, 0.2)
+    assert seen and all(c == 1 for c in seen) and 0 < rate <= 1000   # each step inside a model call
+    assert B.sampling_now()                        # just sampled: the compile thread would pause
