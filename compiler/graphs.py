@@ -204,7 +204,7 @@ class _Buffer:
     __slots__ = ("tensor", "_ref", "_base", "_pins")
 
     def __init__(self, like: torch.Tensor):
-        self.tensor = torch.empty_strided(like.size(), like.stride(), dtype=like.dtype, device=like.device)
+        self.tensor = torch.empty_like(like)   # its strides where dense, else contiguous (no overlaps)
         self._ref = StorageWeakRef(self.tensor.untyped_storage())
         self._base = 1 << 62
         self._pins: weakref.WeakSet | None = None

@@ -203,10 +203,10 @@ def sampling_now() -> bool:
 
 
 def pace(cpu_seconds: float) -> float:
-    """After a job that took ``cpu_seconds`` of the thread's CPU beside sampling: pause so the thread
-    holds at most ``BESIDE_SHARE`` of the interpreter while sampling runs (a compile is Python
-    through and through, and a thread beside it gets the GIL in turns: a Python-bound loop beside a
-    compile ran at 0.34 of its speed alone, on a 2-core VM). Returns the seconds paused."""
+    """After a job that took ``cpu_seconds`` of the thread's CPU beside sampling, with more queued:
+    pause so the thread holds at most ``BESIDE_SHARE`` of the interpreter while sampling runs (a
+    compile is Python through and through, and sampling beside it gets the GIL in turns, waiting for
+    it each time it comes back from the GPU: ``bench beside``). Returns the seconds paused."""
     left = cpu_seconds * (1 - BESIDE_SHARE) / BESIDE_SHARE
     t0 = time.perf_counter()
     while left > 0 and sampling_now():
@@ -327,7 +327,7 @@ class Background:
                 self.failures.append(error_summary(e))
                 log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
             owner.seconds += time.perf_counter() - t0
-            if not waits_for_idle(job[7][2]):
+            if self.queue and not waits_for_idle(job[7][2]):
                 owner.paused += pace(time.thread_time() - cpu0)
             with self.lock:
                 self.epoch += 1
@@ -545,7 +545,7 @@ class BackgroundMode:
         failed = f"; failed: {'; '.join(owner.failures[-2:])}" if owner.failures else ""
         if owner.unprimed:
             failed = (f"; {sum(owner.unprimed.values())} variant(s) not called before sampling used them ("
-                      f"{', '.join(owner.unprimed)}): their first sampling call loaded their kernels{failed}")
+                      f"{', '.join(owner.unprimed)}): their first sampling call loads their kernels{failed}")
         if self.done is None:
             waiting = (", waiting until no prompt runs (on CPU it would slow sampling)" if BACKGROUND.waiting
                        else "")
