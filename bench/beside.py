@@ -6,9 +6,9 @@ launches kernels, the compile traces and generates code, and the two take the in
 in turns. Here a sampling loop stands for that host side: each step is ``--host-ms`` of Python (as
 measured alone), then ``--gpu-ms`` of waiting without the GIL (the GPU's part of the step), inside
 the runtime's model-call bracket so the compile thread sees sampling. Beside it the real compile
-thread compiles a tiny UNet's region variants (inductor on CPU, compiled beside sampling as on a
-GPU; inductor's C++ compiles, which a GPU does not have in the thread, made once first and
-cached). Per row, each in a fresh process: the loop's steps a second beside the compile against
+thread compiles a tiny UNet's region variants: inductor on CPU, compiled beside sampling and paced
+as a GPU model's are, its C++ compiles (which a GPU does not have in the thread) made once first and
+cached. Per row, each in a fresh process: the loop's steps a second beside the compile against
 alone, the compile's wall seconds, and the seconds the thread paused.
 ``--share 1``: the thread never pauses (before ``BESIDE_SHARE``).
 """
@@ -62,6 +62,7 @@ def row(share: float, host_ms: float, gpu_ms: float) -> dict:
     from .run import _unet
     from ..compiler.lifecycle import variants as V
     B.BESIDE_SHARE = share
+    B.paces = lambda device_type: True    # this CPU compile stands in for a GPU model's
     # a compile on a GPU is Python: tracing, lowering and code generation in the thread, Triton's own
     # compiles in worker processes. On a CPU inductor's C++ compiles would leave the thread waiting
     # on g++ most of the time, so they are made once first (kept in the on-disk code cache) and the

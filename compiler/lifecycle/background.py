@@ -216,6 +216,14 @@ def pace(cpu_seconds: float) -> float:
     return time.perf_counter() - t0
 
 
+def paces(device_type: str) -> bool:
+    """Whether the thread paces itself (``pace``) after a job for a model on ``device_type``: on a GPU,
+    whose sampling is Python launching kernels beside it. Not on CPU, where a job waits until nothing
+    samples, or, set to compile beside sampling (``UNET_COMPILER_BACKGROUND_CPU=beside``), was asked to
+    compile at once."""
+    return device_type != "cpu"
+
+
 def waits_for_idle(device_type: str) -> bool:
     """Whether a compile job for a model on ``device_type`` waits until nothing samples: on CPU
     (``UNET_COMPILER_BACKGROUND_CPU``: idle, the default), where the compile and sampling share the
@@ -327,7 +335,7 @@ class Background:
                 self.failures.append(error_summary(e))
                 log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
             owner.seconds += time.perf_counter() - t0
-            if self.queue and not waits_for_idle(job[7][2]):
+            if self.queue and paces(job[7][2]):
                 owner.paused += pace(time.thread_time() - cpu0)
             with self.lock:
                 self.epoch += 1

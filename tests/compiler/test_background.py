@@ -549,11 +549,12 @@ def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypa
 
 
 def test_beside_sampling_the_thread_pauses_after_each_job_for_its_share(monkeypatch):
-    """Beside sampling (a GPU's; on CPU with ``UNET_COMPILER_BACKGROUND_CPU=beside``) the compile
-    thread pauses after a job for its CPU time x (1 - share) / share while a model call is in flight
+    """Beside a GPU's sampling (not on CPU, where a job waits for idle or was asked to run at once)
+    the compile thread pauses after a job for its CPU time x (1 - share) / share while a model call is in flight
     or just ended, so it holds at most ``BESIDE_SHARE`` of the interpreter; it does not pause when
     nothing samples, and stops pausing when sampling stops. (``bench beside`` measures the effect on
     a Python-bound sampling loop: docs/bench.md.)"""
+    assert B.paces("cuda") and not B.paces("cpu")
     slept = []
     monkeypatch.setattr(B.time, "sleep", lambda s: slept.append(s))
     monkeypatch.setattr(B, "ACTIVITY", B.Activity())
