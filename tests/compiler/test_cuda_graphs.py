@@ -4,8 +4,9 @@ Without a GPU, RegionGraphs gets a stand-in (conftest.GraphStandIn) with the CUD
 contract: capture records without producing a result (its output is filled
 with NaN until a replay), replay recomputes from the static inputs into the
 static output. So the bookkeeping the real graphs depend on is checked
-here: inputs copied in before every replay, outputs copied out (a replay
-must not clobber an earlier result), one graph per shape, a cap per region,
+here: inputs copied in before every replay (or read in place where they are the previous
+region's output buffer), outputs served uncopied and never overwritten while a caller holds
+one, one graph per shape, a cap per region, weights read once per UNet call and moved or
 replaced weights drop graphs, autograd never graphed, a failed capture turns
 graphs off and the call still returns the right answer. With a GPU the last
 tests capture real graphs through the triton and inductor backends.
