@@ -245,7 +245,7 @@ class _Graph:
             if s is None:
                 continue
             a = args[i]
-            b = self.chained.get(i) if self.chained else None
+            b = self.chained.get(i)
             if b is not None:
                 if _same_memory(a, s):
                     continue
@@ -263,10 +263,6 @@ class _Graph:
 
     def tensors(self) -> list:
         return [t for t in self.static_in if t is not None] + [b.tensor for b in self.outs]
-
-
-def _entry_bytes(entry: _Graph) -> int:
-    return _bytes(entry.tensors())
 
 
 class _Region:

@@ -410,10 +410,6 @@ def _short_of_room(device, args) -> str | None:
     return None
 
 
-def _cuda_device(args):
-    return next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
-
-
 def _first_call_on_cuda(fn, modules, args, device) -> str | None:
     """One call of ``fn`` on the thread's own stream (a variant's kernels load and tune once for every
     module it serves; nothing is packed per module on CUDA). Returns why it did not run (None: it ran)."""
@@ -442,7 +438,7 @@ def first_calls(fn, modules, args) -> None:
     (``PRIME_ROOM``); the job's owner counts it, or why not (``Owner.primed`` / ``unprimed``: the
     variant's first sampling call then does that work). A conv weight sampling already packed keeps
     its copy (``prepack_conv.keeping_packed``)."""
-    device = _cuda_device(args)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor) and a.is_cuda), None)
     if device is not None:
         why = _first_call_on_cuda(fn, modules, args, device)
         owner = getattr(_THREAD, "owner", None)
