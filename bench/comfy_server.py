@@ -143,9 +143,13 @@ print("built %s: %d tensors, %.0fM UNet params, %s detected, %.1f s"
 
 
 def subprocess_env() -> dict:
+    """The environment of a process run in the ComfyUI tree (its server, a script there): ours, with
+    ComfyUI's stdout unbuffered (complete logs on a failure) and without ``PYTHONSAFEPATH``, which the
+    developers' commands set (bin/dev.py) and which would keep ``main.py``'s own folder, ComfyUI's
+    tree, off its ``sys.path``. The pack's checkout is not on it: ComfyUI loads it from custom_nodes."""
     env = dict(os.environ)
-    # Keep ComfyUI's own stdout unbuffered so logs are complete on failure.
     env["PYTHONUNBUFFERED"] = "1"
+    env.pop("PYTHONSAFEPATH", None)
     return env
 
 

@@ -1,17 +1,25 @@
 """The development env and the README's two commands, with no shell (Windows included):
 
-    python bin/dev.py setup [--if-missing] [--dry-run] [ENV]   make or update the env
+    python bin/dev.py setup [--if-missing] [--dry-run] [ENV]   make or update the env from the lock
+    python bin/dev.py setup --newest [ENV]                      the same resolving every package afresh
+                                                                (torch stays pinned); prints what moved
+    python bin/dev.py lock [ENV]                                write the lock (constraints.txt) from ENV
     python bin/dev.py test [--full | --all] [PYTEST ARGS]       the tests (python -m pytest -q ...): the
                                                                 quick lane; --full the full lane, --all both
     python bin/dev.py bench [BENCH ARGS]                        the main job (python -m unet_compiler.bench run ...)
+    python bin/dev.py python [ARGS]                             the env's python, started as test and bench are
     <env python> bin/dev.py torchvision-cpu                     make that env's torchvision import beside CPU torch
 
 ENV is the venv's folder, relative to the checkout (default ``$UNET_COMPILER_ENV``, else ``.venv``).
-``test`` and ``bench`` first make it when it is not a complete env of this checkout, and reuse it
-when it is. ``bin/setup``, ``bin/test`` and ``bin/bench`` are these commands for a POSIX shell.
-The env: a venv with CPU torch pinned by ``constraints.txt``, this pack (editable) with its test
-extras and, when a ComfyUI tree is found (``COMFYUI_PATH``, else ``~/comfy/ComfyUI``), ComfyUI's
-requirements less its torch lines. Standard library only: it runs before any env exists.
+``test``, ``bench`` and ``python`` first make it when it is not a complete env of this checkout,
+and reuse it when it is. ``bin/setup``, ``bin/test`` and ``bin/bench`` are these commands for a
+POSIX shell. The env: a venv with every package pinned by the lock ``constraints.txt`` (CPU torch
+included), this pack (editable) with its test extras and, when a ComfyUI tree is found
+(``COMFYUI_PATH``, else ``~/comfy/ComfyUI``), ComfyUI's requirements less its torch lines.
+Every process it starts runs with ``PYTHONSAFEPATH=1`` (inherited by their children): ``python -m``
+and ``-c`` in the checkout would otherwise put the checkout on ``sys.path``, where the pack's own
+``kernels/`` hides Hugging Face's ``kernels`` package (diffusers' UNet needs it). Standard library
+only: it runs before any env exists.
 """
 from __future__ import annotations
 
@@ -22,6 +30,12 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+#: the lock: every package the env holds, pinned (``lock`` writes it; every install reads it)
+LOCK = ROOT / "constraints.txt"
+#: the one pin the newest lane keeps: the CPU torch this machine has on disk (any other spec pulls a CUDA build)
+TORCH_PIN = "torch==2.13.0"
+#: what the lock leaves out: pip is the venv's own, the pack is installed from the checkout
+_UNLOCKED = ("pip", "unet-compiler")
 #: ComfyUI's requirements this env never takes from its list: torch stays the pinned CPU build,
 #: torchaudio is not needed (its nodes log an import failure, harmless)
 _TORCH_LINES = ("torch", "torchvision", "torchaudio")
@@ -34,6 +48,13 @@ pack = u.find_spec("unet_compiler")
 mine = pack is not None and os.path.realpath(os.path.dirname(pack.origin)) == os.path.realpath(sys.argv[1])
 sys.exit(not (mine and all(map(u.find_spec, ("torch", "pytest", "diffusers", "comfy_aimdo")))))
 """
+
+
+def child_env(base: dict | None = None) -> dict:
+    """The environment of every process this script starts: ``base`` (default ``os.environ``) with
+    ``PYTHONSAFEPATH=1``, so no ``python -m`` / ``-c`` puts its working directory (the checkout) on
+    ``sys.path``; their own children inherit it."""
+    return {**(os.environ if base is None else base), "PYTHONSAFEPATH": "1"}
 
 
 def env_dir(name: str | None = None) -> Path:
@@ -74,14 +95,16 @@ def is_complete(env: Path, windows: bool = os.name == "nt") -> bool:
 
 
 def setup_plan(env: Path, comfy: Path | None, windows: bool = os.name == "nt",
-               python: str = sys.executable) -> list[list[str]]:
+               python: str = sys.executable, newest: bool = False) -> list[list[str]]:
     """The commands that make or update ``env``, in order (every pip runs as the env's
-    ``python -m pip``, pinned by constraints.txt). A ComfyUI tree adds its requirements, written to
-    ``<env>/comfy-requirements.txt`` first by :func:`setup`."""
+    ``python -m pip``, pinned by the lock ``constraints.txt``; ``newest``: by ``<env>/newest-pin.txt``,
+    torch's pin alone, so the rest resolves to the registry's newest). A ComfyUI tree adds its
+    requirements, written to ``<env>/comfy-requirements.txt`` first by :func:`setup`."""
     py = str(env_python(env, windows))
-    pip = [py, "-m", "pip", "install", "-q", "-c", str(ROOT / "constraints.txt")]
+    pins = env / "newest-pin.txt" if newest else LOCK
+    pip = [py, "-m", "pip", "install", "-q", "-c", str(pins)]
     plan = [[python, "-m", "venv", str(env)],
-            pip + ["torch==2.13.0"],
+            pip + [TORCH_PIN],
             pip + ["-e", f"{ROOT}[test]"]]
     if comfy is not None:
         plan.append(pip + ["-r", str(env / "comfy-requirements.txt"), "requests", "torchvision", "torchsde"])
@@ -117,25 +140,97 @@ def torchvision_cpu() -> int:
     return 0 if ok else 1
 
 
-def setup(env: Path, if_missing: bool = False, dry_run: bool = False) -> int:
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def read_lock(text: str) -> dict[str, str]:
+    """``{normalised name: version}`` of a lock's ``name==version`` lines (comments ignored)."""
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split("==", 1)
+            pins[_normal(name)] = version.strip()
+    return pins
+
+
+def installed(env: Path) -> dict[str, str]:
+    """``{normalised name: version}`` of what ``env`` holds, less the venv's pip and this pack; a
+    local version label (torch's ``+cpu``) dropped, so the pin fits the same release of any build."""
+    out = subprocess.run([str(env_python(env)), "-m", "pip", "list", "--format=freeze", "--exclude-editable",
+                          "--disable-pip-version-check"], capture_output=True, text=True, check=True).stdout
+    pins = read_lock(out)
+    return {n: v.split("+")[0] for n, v in pins.items() if n not in _UNLOCKED}
+
+
+def lock_text(pins: dict[str, str]) -> str:
+    """The lock file for ``pins``: a header saying what it is and how to refresh it, one pin a line."""
+    head = ("# The lock: every package bin/setup installs, at the versions the tests last passed with\n"
+            "# (pip reads it as constraints: a line pins a package only where something asks for it).\n"
+            "# Refresh: bin/setup --newest .venv-newest && bin/dev.py lock .venv-newest, then bin/test\n"
+            "# (docs/testing.md). torch stays 2.13.0: the CPU build on this machine's disk.\n")
+    return head + "".join(f"{n}=={v}\n" for n, v in sorted(pins.items()))
+
+
+def lock_changes(before: dict[str, str], after: dict[str, str]) -> list[str]:
+    """What moved from the lock ``before`` to the env ``after``, a line a package, sorted."""
+    lines = []
+    for name in sorted(set(before) | set(after)):
+        old, new = before.get(name), after.get(name)
+        if old != new:
+            lines.append(f"  {name}: {old or '-'} -> {new or '-'}" + ("  (new)" if old is None else
+                                                                       "  (gone)" if new is None else ""))
+    return lines
+
+
+def lock(env: Path) -> int:
+    """Write the lock from what ``env`` holds (torch held at :data:`TORCH_PIN`)."""
+    pins = installed(env)
+    name, version = TORCH_PIN.split("==")
+    if pins.get(name) != version:
+        print(f"dev.py lock: {env} has torch {pins.get(name)}, the lock keeps {TORCH_PIN}", file=sys.stderr)
+        return 1
+    changes = lock_changes(read_lock(LOCK.read_text(encoding="utf-8")), pins)
+    LOCK.write_text(lock_text(pins), encoding="utf-8")
+    print(f"{LOCK.name}: {len(pins)} packages from {env}; " + (f"{len(changes)} changed:" if changes else "unchanged"),
+          *changes, sep="\n", file=sys.stderr)
+    return 0
+
+
+def setup(env: Path, if_missing: bool = False, dry_run: bool = False, newest: bool = False) -> int:
+    """Make or update ``env`` (``newest``: make it afresh, removing a venv that is there, resolving
+    everything but torch to the registry's newest, and print what moved against the lock)."""
     if if_missing and is_complete(env):
         return 0
     comfy = comfy_tree()
-    plan = setup_plan(env, comfy)
+    plan = setup_plan(env, comfy, newest=newest)
     if dry_run:
         print("\n".join(subprocess.list2cmdline(c) for c in plan))
         return 0
+    if newest and env.exists():
+        if not (env / "pyvenv.cfg").is_file():
+            print(f"dev.py setup --newest: {env} is there and is not a venv; name another folder", file=sys.stderr)
+            return 2
+        import shutil
+        shutil.rmtree(env)
     for i, cmd in enumerate(plan):
+        if i == 1 and newest:
+            (env / "newest-pin.txt").write_text(TORCH_PIN + "\n", encoding="utf-8")
         if i == 3:  # after the pack: ComfyUI's own requirements
             print(f"ComfyUI at {comfy}: installing its requirements into {env}", file=sys.stderr)
             req = comfy_requirements((comfy / "requirements.txt").read_text(encoding="utf-8"))
             (env / "comfy-requirements.txt").write_text("\n".join(req) + "\n", encoding="utf-8")
-        subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)  # stdout stays the command's own
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr, env=child_env())  # stdout stays the command's own
     if comfy is None:
         print("no ComfyUI tree (COMFYUI_PATH or ~/comfy/ComfyUI): the ComfyUI tests will skip with one line",
               file=sys.stderr)
     elif subprocess.run([str(env_python(env)), "-c", "import torchvision"], capture_output=True).returncode:
         print("torchvision does not import: ComfyUI tests will fail", file=sys.stderr)
+    if newest:
+        changes = lock_changes(read_lock(LOCK.read_text(encoding="utf-8")), installed(env))
+        print(f"newest against the lock ({LOCK.name}): " + (f"{len(changes)} changed" if changes else "nothing moved"),
+              *changes, sep="\n")
     return 0
 
 
@@ -146,8 +241,8 @@ def run_in_env(args: list[str]) -> int:
     cmd = [str(env_python(env)), *args]
     if os.name != "nt":  # the command replaces this process, as the shell's exec did (signals, exit status)
         os.chdir(ROOT)
-        os.execv(cmd[0], cmd)
-    return subprocess.run(cmd, cwd=ROOT).returncode
+        os.execve(cmd[0], cmd, child_env())
+    return subprocess.run(cmd, cwd=ROOT, env=child_env()).returncode
 
 
 def lane_args(rest: list[str]) -> list[str]:
@@ -164,19 +259,28 @@ def lane_args(rest: list[str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     cmd, rest = (argv[0], argv[1:]) if argv else ("", [])
-    if cmd == "setup":
+    if sys.version_info < (3, 11):
+        print("dev.py: needs Python 3.11 or newer (it starts every process with PYTHONSAFEPATH=1, which 3.11 "
+              f"added); this is {sys.version.split()[0]}: run it with python3.11 (Windows: py -3.11)", file=sys.stderr)
+        return 2
+    if cmd in ("setup", "lock"):
         flags = {a for a in rest if a.startswith("--")}
-        unknown = flags - {"--if-missing", "--dry-run"}
+        unknown = flags - ({"--if-missing", "--dry-run", "--newest"} if cmd == "setup" else set())
         names = [a for a in rest if not a.startswith("--")]
-        if unknown or len(names) > 1:
-            print(f"dev.py setup: unknown arguments {sorted(unknown) or names[1:]}; "
-                  "usage: setup [--if-missing] [--dry-run] [ENV]", file=sys.stderr)
+        if unknown or len(names) > 1 or {"--newest", "--if-missing"} <= flags:
+            print(f"dev.py {cmd}: unknown arguments {sorted(unknown) or names[1:] or ['--newest', '--if-missing']}; "
+                  "usage: setup [--if-missing | --newest] [--dry-run] [ENV], lock [ENV]", file=sys.stderr)
             return 2
-        return setup(env_dir(names[0] if names else None), "--if-missing" in flags, "--dry-run" in flags)
+        env = env_dir(names[0] if names else None)
+        if cmd == "lock":
+            return lock(env)
+        return setup(env, "--if-missing" in flags, "--dry-run" in flags, "--newest" in flags)
     if cmd == "test":
         return run_in_env(["-m", "pytest", "-q", *lane_args(rest)])
     if cmd == "bench":
         return run_in_env(["-m", "unet_compiler.bench", "run", *rest])
+    if cmd == "python":
+        return run_in_env(rest)
     if cmd == "torchvision-cpu" and not rest:
         return torchvision_cpu()
     print(__doc__.strip().split("\n\n")[1], file=sys.stderr)

@@ -28,13 +28,23 @@ if "UNET_COMPILER_CACHE_DIR" not in os.environ:
 from unet_compiler.tests._families import comfy_path, comfy_problem  # noqa: E402 - after TRITON_INTERPRET is chosen
 
 
+def pytest_configure(config):
+    """Refuse to run with the checkout on ``sys.path``: its ``kernels/`` would hide Hugging Face's
+    ``kernels`` and diffusers' UNet would not import (tests/_pack.py)."""
+    from unet_compiler.tests._pack import shadow_problem
+    problem = shadow_problem()
+    if problem:
+        raise pytest.UsageError(problem)
+    os.environ["PYTHONSAFEPATH"] = "1"   # nor the tests' children (``python -c`` / ``-m`` in the checkout)
+
+
 #: set to 1 to run the tests marked ``long`` too (CI runs without them, to stay within its time)
 LONG_ENV = "UNET_COMPILER_LONG_TESTS"
 
 
 @pytest.hookimpl(tryfirst=True)   # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
-    from tests._lanes import LONG, lane
+    from unet_compiler.tests._lanes import LONG, lane
     for item in items:
         if lane(item.nodeid) == "full":
             item.add_marker(pytest.mark.full)
@@ -139,7 +149,7 @@ class StrictGraphStandIn(GraphStandIn):
     CudaGraphs the same way)."""
 
     def capture(self, fn, device):
-        from tests._fake_cuda import record, replay
+        from unet_compiler.tests._fake_cuda import record, replay
         if self.fail:
             raise RuntimeError(self.fail)
         ops: list = []
@@ -194,7 +204,7 @@ def dynamic_vram(comfy):
     the test; ``dynamic_vram.patcher(mp, budget, small, reload)`` makes a dynamic patcher over ``mp``'s
     model (``reload()``: the checkpoint loaded again, for ``clone(disable_dynamic=True)``)."""
     pytest.importorskip("comfy_aimdo.model_vbar", reason="comfy-aimdo not installed (bin/setup installs it)")
-    from tests._dynamic_vram import DynamicVRAM, make_dynamic
+    from unet_compiler.tests._dynamic_vram import DynamicVRAM, make_dynamic
     double = DynamicVRAM(comfy.ops)
     double.patcher = lambda mp, budget=0.5, small=256, reload=None: make_dynamic(comfy, mp, budget, small, reload)
     with double.installed():

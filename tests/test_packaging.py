@@ -10,7 +10,7 @@ import tomllib
 import pytest
 from pathlib import Path
 
-from tests._pack import ROOT, module_name, py_files
+from unet_compiler.tests._pack import ROOT, module_name, py_files
 
 
 def test_requirements_install_nothing_heavy():
@@ -97,7 +97,7 @@ def test_readme_commands_are_what_ci_runs():
     assert "ENV=${UNET_COMPILER_CI_ENV:-.venv}" in ci and 'rm -rf "$ENV"' in ci
     assert 'export UNET_COMPILER_ENV="$ENV"' in ci and "\nbin/test\n" in ci
     assert ci.index('rm -rf "$ENV"') < ci.index('export UNET_COMPILER_ENV="$ENV"') < ci.index("\nbin/test\n")
-    assert (ROOT / "constraints.txt").read_text().split() == ["torch==2.13.0"]
+    assert "torch==2.13.0" in (ROOT / "constraints.txt").read_text().split()   # the lock (below) keeps CPU torch
     tracked = subprocess.run(["git", "ls-files", "constraints.txt", "bin"], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode == 0:  # a git checkout (not an sdist): the files the README needs are committed
         assert tracked.stdout.split() == ["bin/bench", "bin/dev.py", "bin/setup", "bin/test", "constraints.txt"], \
@@ -135,6 +135,42 @@ def test_dev_test_runs_pytest_in_the_env_without_a_shell():
     bad = subprocess.run([sys.executable, str(ROOT / "bin" / "dev.py"), "setup", "--nope"], capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and "--nope" in bad.stderr and "usage" in bad.stderr, bad.stderr
+
+
+def test_the_env_is_the_lock(tmp_path, monkeypatch):
+    """constraints.txt is the lock: one ``name==version`` a line for every package this env holds (less
+    the venv's pip and the pack), torch at 2.13.0; ``bin/dev.py lock`` of this env writes it back
+    unchanged. An env that is not the lock: ``bin/setup`` makes it so (or the lock is stale:
+    docs/testing.md, "The lock")."""
+    dev = _dev()
+    text = (ROOT / "constraints.txt").read_text(encoding="utf-8")
+    pins = dev.read_lock(text)
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert len(lines) == len(pins) and lines == sorted(lines, key=lambda ln: dev._normal(ln.split("==")[0])), lines
+    assert pins["torch"] == "2.13.0" and "pip" not in pins and "unet-compiler" not in pins
+    have = dev.installed(Path(sys.prefix))
+    assert have == pins, ("this env is not the lock (bin/setup makes it so):\n"
+                          + "\n".join(dev.lock_changes(pins, have)))
+    monkeypatch.setattr(dev, "LOCK", tmp_path / "constraints.txt")
+    dev.LOCK.write_text(text, encoding="utf-8")
+    assert dev.lock(Path(sys.prefix)) == 0 and dev.LOCK.read_text(encoding="utf-8") == text
+
+
+def test_the_newest_lane_resolves_afresh_and_says_what_moved():
+    """``bin/setup --newest ENV`` pins torch alone (the rest resolves to the registry's newest), and
+    what moved against the lock is a line a package: changed, new, gone."""
+    dev = _dev()
+    env = ROOT / ".venv-newest"
+    plan = dev.setup_plan(env, comfy=ROOT, windows=False, python="python3", newest=True)
+    assert all(cmd[cmd.index("-c") + 1] == str(env / "newest-pin.txt") for cmd in plan[1:4]), plan
+    assert dev.TORCH_PIN == "torch==2.13.0" and plan[1][-1] == dev.TORCH_PIN
+    assert dev.lock_changes({"a": "1", "b": "2", "c": "3"}, {"a": "1", "b": "2.1", "d": "4"}) == [
+        "  b: 2 -> 2.1", "  c: 3 -> -  (gone)", "  d: - -> 4  (new)"]
+    assert dev.read_lock(dev.lock_text({"torch": "2.13.0", "foo-bar": "1.0"})) == {"torch": "2.13.0", "foo-bar": "1.0"}
+    assert dev.read_lock("Foo_Bar==1.0\n# x==2\nbaz==3 # pinned\n") == {"foo-bar": "1.0", "baz": "3"}
+    bad = subprocess.run([sys.executable, str(ROOT / "bin" / "dev.py"), "setup", "--newest", "--if-missing"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr, bad.stderr
 
 
 def test_dev_setup_on_windows_runs_the_envs_own_python():
@@ -441,7 +477,7 @@ def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
     """``bin/test`` alone is the quick lane, ``--full`` the tests marked full, ``--all`` both; tests
     named on the command line (or a marker) run as asked. Every test tests/_lanes.py names for the
     full lane exists (a renamed test would otherwise slip into the quick lane unnoticed)."""
-    from tests._lanes import FULL, LONG, lane
+    from unet_compiler.tests._lanes import FULL, LONG, lane
     dev = _dev()
     assert dev.lane_args([]) == ["-m", "not full"] and dev.lane_args(["-x"]) == ["-m", "not full", "-x"]
     assert dev.lane_args(["--full", "-x"]) == ["-m", "full", "-x"] and dev.lane_args(["--all"]) == []

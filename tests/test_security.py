@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from tests._pack import ROOT, py_files
+from unet_compiler.tests._pack import ROOT, py_files
 
 #: what the static scan reads: the pack and bench/ (development tools, shipped in the same folder)
 SCANNED = py_files(leave_out=("tests", "docs"))

@@ -519,7 +519,7 @@ def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypa
     room for one call's activations beside sampling; else the variant's first sampling call does it
     and the background line says so. A module whose weights are cast per call is never called.
     (Before: never on CUDA.)"""
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     args = (torch.zeros(2, 4, 8, 8), torch.zeros(2, 4))
     dev = args[0].device    # (CPU tensors stand for CUDA's: ``is_cuda`` is answered below)
     mods = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]

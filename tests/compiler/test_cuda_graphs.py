@@ -748,7 +748,7 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
     eager; the budget from the card; a prompt end keeps the graphs with room, and frees them (the
     cache emptied, a new pool next time) when the card is short; a host sync in a capture turns
     graphs off and the call still answers."""
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     from unet_compiler.compiler import graphs as G  # noqa: N812
     u = tiny_unet()
 
@@ -811,7 +811,7 @@ def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkey
     captures, the kernels run where nothing captures, every call == eager, nothing aborts, and the
     report says why the captures hold no kernels and how to get them there. (Before: graphs refused
     under cudaMallocAsync.)"""
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
     refs = [_sample(u, s) for s in range(3)]
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
@@ -841,7 +841,7 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
     H100 run did with the refusal lifted) meet triton's pointer refusal, and the fake records the
     abort that followed; under the native allocator the same capture holds the kernels, and its
     replays launch them again (== eager)."""
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
@@ -865,7 +865,7 @@ def test_the_graph_pool_counts_against_the_budget(tiny_unet, monkeypatch):
     pool: the fake's memory_reserved grows by it) is held memory: counted in the report and against
     the budget, so a budget the static buffers alone would fit stops capturing where the pool does
     not. (Before: only static inputs and outputs were counted, the pool came on top unseen.)"""
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     from unet_compiler.compiler import graphs as G  # noqa: N812
     u = tiny_unet()
     ref = _sample(u, 0)
@@ -903,7 +903,7 @@ def test_static_buffers_are_allocated_outside_the_captures(tiny_unet, monkeypatc
     allocated before the capture, so releasing them warns nothing and serving them uncopied is safe;
     results stay right and the next call captures again. (Before: the outputs were the captures'
     own allocations, emptied through ``set_()`` at release to silence the warning.)"""
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet()
     ref = _sample(u, 0)
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
@@ -929,7 +929,7 @@ def test_the_pools_idle_part_is_kept_out_of_comfyuis_free_memory(comfy, tiny_une
     read by ``minimum_inference_memory``), and taken back when they go, or with their owner."""
     import gc
 
-    from tests._fake_cuda import fake_cuda
+    from unet_compiler.tests._fake_cuda import fake_cuda
     mm = comfy.mm
     gc.collect()     # graphs an earlier test left to the collector give their share back first
     base, floor = mm.extra_reserved_memory(), mm.minimum_inference_memory()

@@ -5,7 +5,6 @@ custom node fails to import, so the log is what is checked."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from unet_compiler.bench.comfy_server import link, only_these_custom_nodes
+from unet_compiler.bench.comfy_server import link, only_these_custom_nodes, subprocess_env
 
 pytestmark = pytest.mark.e2e
 
@@ -39,7 +38,7 @@ def test_quick_test_for_ci_imports_the_pack(comfyui_path, tmp_path):
            "--disable-api-nodes", "--log-stdout"]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=str(comfyui_path), capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                          env=subprocess_env())
     log = proc.stdout + proc.stderr
     print(f"\n[e2e] --quick-test-for-ci: rc {proc.returncode} in {time.time() - t0:.1f} s")
     assert proc.returncode == 0, f"ComfyUI --quick-test-for-ci failed (rc {proc.returncode}):\n{log[-6000:]}"

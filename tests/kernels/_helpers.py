@@ -4,8 +4,8 @@ interpreter where needed), the device, dtypes, tolerances and random inputs.
 On CUDA the kernels run compiled; without CUDA they run on CPU tensors under
 the triton interpreter (TRITON_INTERPRET=1, set here before triton is imported).
 Sizes are small on purpose: the interpreter runs each program in numpy.
-Imported by the test files as ``tests.kernels._helpers`` (pytest's importlib mode
-makes ``tests`` a namespace package).
+Imported by the test files as ``unet_compiler.tests.kernels._helpers`` (the checkout is never on
+``sys.path``: its ``kernels/`` would hide Hugging Face's ``kernels`` package).
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels._helpers import DEV, TOL, KernelUnsupported, _common, close, load, rand
+from unet_compiler.tests.kernels._helpers import DEV, TOL, KernelUnsupported, _common, close, load, rand
 
 groupnorm = load("groupnorm")
 layernorm = load("layernorm")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernels._helpers import DEV, DTYPES, TOL, KernelUnsupported, close, load, rand
+from unet_compiler.tests.kernels._helpers import DEV, DTYPES, TOL, KernelUnsupported, close, load, rand
 
 epilogue = load("epilogue")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels._helpers import DTYPES, TOL, KernelUnsupported, close, load, rand
+from unet_compiler.tests.kernels._helpers import DTYPES, TOL, KernelUnsupported, close, load, rand
 
 geglu = load("geglu")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels._helpers import DEV, DTYPES, TOL, KernelUnsupported, close, load, rand
+from unet_compiler.tests.kernels._helpers import DEV, DTYPES, TOL, KernelUnsupported, close, load, rand
 
 layernorm = load("layernorm")
 

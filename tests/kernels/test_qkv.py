@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.kernels._helpers import DTYPES, TOL_MM, KernelUnsupported, close, load, rand
+from unet_compiler.tests.kernels._helpers import DTYPES, TOL_MM, KernelUnsupported, close, load, rand
 
 qkv = load("qkv")
 

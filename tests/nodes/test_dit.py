@@ -123,19 +123,18 @@ def test_every_family_through_its_shims_uncompiled(comfy, monkeypatch, key):
 
 
 @pytest.mark.parametrize("key", ["flux_dev", "sd35_medium", "qwen_image"])
-def test_blocks_that_return_two_streams_are_captured(comfy, monkeypatch, key):
+def test_blocks_that_return_two_streams_are_captured(comfy, monkeypatch, key, strict_graph_standin):
     """CUDA graphs on a DiT (the stand-in's buffer contract, conftest.GraphStandIn): Flux's double
     stream blocks, SD3's joint blocks and Qwen-Image's blocks return (img, txt); each is captured at
     its second call and replayed, both streams copied out, and the model's own output comes back.
     (Before: a tuple output turned graphs off for the whole model at the first capture.)"""
-    from tests.conftest import StrictGraphStandIn
     from unet_compiler.compiler.backends import inductor
     from unet_compiler.compiler.graphs import RegionGraphs
     monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
     mp = F.build_dit(F.DIT_FAMILIES[key])
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     accel = patcher.accelerator_of(cm)
-    fake = StrictGraphStandIn()   # replays recorded ops: the bodies' Python does not run again
+    fake = strict_graph_standin()   # replays recorded ops: the bodies' Python does not run again
     accel.graphs = RegionGraphs(graphs=fake)
     with torch.inference_mode():
         for seed in (3, 4, 5):    # call 1 runs eager, call 2 captures, call 3 replays

@@ -196,7 +196,7 @@ def test_comfys_compiler_recording_is_paused_around_the_pack(make_comfy_model, d
     compile or a compiled graph inside the recording fails the scope): Warmup Shapes and three
     prompts inside recording scopes run with no graph break, compiled == eager, and the report says
     the recording was paused. The double is shown to fail when nothing pauses it."""
-    from tests._dynamic_vram import ComfyCompiler
+    from unet_compiler.tests._dynamic_vram import ComfyCompiler
     dyn = dynamic_vram.patcher(make_comfy_model("sd15"), budget=0.5)
     ref = _apply(dyn, "sd15")
     with ComfyCompiler(assert_graph_breaks=True).installed() as compiler:
@@ -222,7 +222,7 @@ def test_quantized_leaves_keep_comfys_quantized_matmul(comfy, make_comfy_model, 
     with the newest forward rule (``comfy_cast_weights`` not read): under Dynamic VRAM every op is
     flagged, yet those regions keep ComfyUI's quantized matmul (they run the model's own code, and
     the report counts them with the reason); the others compile; compiled == eager."""
-    from tests._dynamic_vram import newest_mixed_precision
+    from unet_compiler.tests._dynamic_vram import newest_mixed_precision
     from unet_compiler.compiler import cast
     from .test_cast_weights import _mixed_precision_sd15
     mp = _mixed_precision_sd15(comfy, make_comfy_model)
