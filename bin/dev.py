@@ -57,6 +57,13 @@ def child_env(base: dict | None = None) -> dict:
     return {**(os.environ if base is None else base), "PYTHONSAFEPATH": "1"}
 
 
+#: prints ``name==version`` for every distribution the interpreter finds (run by an env's python)
+_DISTRIBUTIONS = """
+import importlib.metadata as m
+print("\\n".join(sorted({f"{d.metadata['Name']}=={d.version}" for d in m.distributions()})))
+"""
+
+
 def env_dir(name: str | None = None) -> Path:
     """The env's folder: ``name``, else ``$UNET_COMPILER_ENV``, else ``.venv``; relative to the checkout."""
     return ROOT / (name or os.environ.get("UNET_COMPILER_ENV") or ".venv")
@@ -158,8 +165,7 @@ def read_lock(text: str) -> dict[str, str]:
 def installed(env: Path) -> dict[str, str]:
     """``{normalised name: version}`` of what ``env`` holds, less the venv's pip and this pack; a
     local version label (torch's ``+cpu``) dropped, so the pin fits the same release of any build."""
-    out = subprocess.run([str(env_python(env)), "-m", "pip", "list", "--format=freeze", "--exclude-editable",
-                          "--disable-pip-version-check"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(env_python(env)), "-c", _DISTRIBUTIONS], capture_output=True, text=True, check=True).stdout
     pins = read_lock(out)
     return {n: v.split("+")[0] for n, v in pins.items() if n not in _UNLOCKED}
 

@@ -192,6 +192,8 @@ PROCESSES = {
     ("bin/dev.py", "setup"): "the same tool: makes the developers' venv (python -m venv, the env's own python -m pip "
                              "pinned by constraints.txt), prints that plan for --dry-run (list2cmdline)",
     ("bin/dev.py", "run_in_env"): "the same tool: runs pytest / the bench in that env (exec on POSIX)",
+    ("bin/dev.py", "installed"): "the same tool: asks the env's python which distributions it holds "
+                                 "(importlib.metadata), for the lock and the newest lane's changes",
     ("bin/dev.py", "torchvision_cpu"): "the same tool: asks the env's python whether torchvision imports, before "
                                        "and after guarding its two unguarded fake registrations",
     ("bench/targets.py", "main"): "one python process per GPU target (`-m unet_compiler.bench.targets --cap N`): "

@@ -34,7 +34,8 @@ print(report(u))
 
 
 def _run(pythonpath: str, unet_config: dict):
-    env = dict(os.environ, PYTHONPATH=pythonpath + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    # (no empty entry: one is the working directory, the checkout, whose kernels/ hides Hugging Face's)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [pythonpath, os.environ.get("PYTHONPATH")])))
     code = CODE.format(config=repr(unet_config))
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
 
