@@ -290,6 +290,12 @@ def _cast(leaf, dtype, device):
     return _held(leaf, w, "weight"), _held(leaf, b, "bias"), handle
 
 
+def _resident(leaf, t, name) -> bool:
+    """``t`` (a cast weight of ``leaf``) is the leaf's own parameter or its VBAR slot's view (``_v_weight`` /
+    ``_v_bias``): memory that stays where it is between calls (absent counts)."""
+    return t is None or t is leaf.__dict__.get(f"_v_{name}") or t is leaf._parameters.get(name)
+
+
 def _plain(t):
     """``t`` as a plain tensor (another pack's tensor subclass, as GGUF's, stays out of the graph)."""
     return t if t is None or type(t) in (torch.Tensor, torch.nn.Parameter) else t.as_subclass(torch.Tensor)
@@ -301,7 +307,7 @@ def _held(leaf, t, name, fresh_views: bool = False):
     they are; a view is copied (a cast buffer the next cast reuses may be exactly one weight's
     size), unless ``fresh_views``: another pack's own cast, whose dequantized weight is a new
     tensor each call, often a reshape of one (kept when it covers its whole storage)."""
-    if t is None or t is leaf.__dict__.get(f"_v_{name}") or t is leaf._parameters.get(name):
+    if _resident(leaf, t, name):
         return t
     if (t._base is None or fresh_views) and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
@@ -361,18 +367,23 @@ def _restore(saved) -> None:
 def applied(module, leaves, args):
     """Inside: each of ``leaves`` (the region ``module``'s, from :func:`plan`) shows ComfyUI's cast of
     its weights for this call (to the dtype and device of ``args``' first tensor) and takes its plain
-    forward; everything is put back after, also on an error. For the thread that runs the model (the
+    forward; everything is put back after, also on an error. Yields the cast weights' addresses
+    (``(data_ptr, dtype)`` each) when every one is resident (:func:`_resident`: what a CUDA graph may
+    read in place, pinned until this block ends), else None. For the thread that runs the model (the
     compile thread builds a :func:`stand_in` instead)."""
     dtype, device = compute_of(args)
     casts, saved = [], []
+    resident = True
     with _BUSY_LOCK:
         _BUSY.add(id(module))
     try:
         for leaf in leaves:
             w, b, handle = _cast(leaf, dtype, device)
+            resident = resident and _resident(leaf, w, "weight") and _resident(leaf, b, "bias")
             casts.append((leaf, w, b, handle))
             saved += _show(leaf, w, b)
-        yield
+        yield (tuple((t.data_ptr(), t.dtype) for _, w, b, _ in casts for t in (w, b) if t is not None)
+               if resident else None)
     finally:
         _restore(saved)
         with _BUSY_LOCK:

@@ -226,12 +226,15 @@ class _Buffer:
 class _Graph:
     """One captured graph of a region at one input signature: its static inputs (None for a
     non-tensor argument; an input that was another region's output at capture reads that region's
-    output buffer in place, ``chained``), its output buffers and the output structure it serves."""
-    __slots__ = ("graph", "static_in", "outs", "static_out", "chained")
+    output buffer in place, ``chained``), its output buffers and the output structure it serves;
+    ``weights``: the addresses of the cast weights it was captured with (Dynamic VRAM's slots)."""
+    __slots__ = ("graph", "static_in", "outs", "static_out", "chained", "weights")
 
-    def __init__(self, graph, static_in, outs, static_out, chained):
+    def __init__(self, graph, static_in, outs, static_out, chained, weights=None):
         self.graph, self.static_in, self.outs, self.static_out, self.chained = \
             graph, static_in, outs, static_out, chained
+        #: the per-call cast weights' addresses it reads in place (None: the region's own parameters)
+        self.weights = weights
 
     def copy_in(self, args, checked: bool = True) -> bool:
         """``args`` into the static inputs; False (nothing written) where a buffer the replay writes
@@ -268,14 +271,15 @@ class _Graph:
 class _Region:
     __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept")
 
-    def __init__(self, module):
+    def __init__(self, module, cast: bool = False):
         # (parameter or buffer dict of its owner module, name) for every parameter/buffer: read live
         # at each UNet call, so a replaced Parameter (ComfyUI's set_attr_param) or moved data is noticed.
         # The dicts, not their modules, are held: a region's entry must not keep its own key (the
-        # region module) alive.
+        # region module) alive. Made during a cast call (its leaves show the call's cast weights): read
+        # at the next UNet call, outside the casts (the cast weights are checked per call).
         self.slots = [(m._parameters, n) for m in module.modules() for n in m._parameters] + \
                      [(m._buffers, n) for m in module.modules() for n in m._buffers]
-        self.ptrs = self.weight_ptrs()
+        self.ptrs = None if cast else self.weight_ptrs()
         self.graphs: dict = {}   # signature -> _Graph
         self.seen: set = set()
         self.refused: dict = {}  # signature -> why it gets no graph (an out-of-memory capture)
@@ -342,7 +346,9 @@ class RegionGraphs:
         so the region calls of this UNet call read no weights."""
         for reg in list(self.regions.values()):
             ptrs = reg.weight_ptrs()
-            if ptrs != reg.ptrs:
+            if reg.ptrs is None:   # made during a cast call: its addresses as they stand between calls
+                reg.ptrs = ptrs
+            elif ptrs != reg.ptrs:
                 if reg.graphs:
                     self.stats["dropped for new weights"] += len(reg.graphs)
                     self._drop(reg.graphs.values())
@@ -351,9 +357,11 @@ class RegionGraphs:
                 reg.seen.clear()
                 reg.ptrs = ptrs
 
-    def run(self, impl, module, args):
+    def run(self, impl, module, args, weights=None):
         """``impl(module, *args)``, through a captured graph where possible (inside a UNet call that
-        :meth:`begin_call` opened)."""
+        :meth:`begin_call` opened). ``weights``: the addresses of the weights ComfyUI cast for this
+        call (resident, pinned while it runs: ``cast.applied``); a graph captured with others is
+        dropped and the call runs its launches (the next one captures again)."""
         if self.off is not None:
             return impl(module, *args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -366,10 +374,17 @@ class RegionGraphs:
             return impl(module, *args)
         reg = self.regions.get(module)
         if reg is None:
-            reg = self.regions[module] = _Region(module)
+            reg = self.regions[module] = _Region(module, cast=weights is not None)
         device = tensors[0].device
         key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
         entry = reg.graphs.get(key)
+        if entry is not None and entry.weights != weights:
+            self.stats["dropped for moved cast weights"] += 1
+            self._drop([entry])
+            del reg.graphs[key]
+            reg.seen.discard(key)
+            self._account()
+            entry = None
         if entry is not None:
             try:
                 if not entry.copy_in(args):
@@ -399,7 +414,7 @@ class RegionGraphs:
         if budget is not None and self.held + _bytes(args) + _bytes(args[:1]) > budget:
             self.skipped[f"graph memory at its budget ({budget / 2**20:.0f} MiB)"] += 1
             return impl(module, *args)
-        return self._capture(reg, key, impl, module, args, device)
+        return self._capture(reg, key, impl, module, args, device, weights)
 
     def _timed(self, fn, device):
         timed = getattr(self.graphs, "timed", None)
@@ -496,7 +511,7 @@ class RegionGraphs:
             chained[i] = b
         return static_in, chained
 
-    def _capture(self, reg, key, impl, module, args, device):
+    def _capture(self, reg, key, impl, module, args, device, weights=None):
         self.device = device
         static_in, chained = self._static_inputs(args)
         call_args = [s if s is not None else a for s, a in zip(static_in, args, strict=True)]
@@ -527,7 +542,7 @@ class RegionGraphs:
                 self.pool_bytes = (self.pool_bytes or 0) + max(0, after - before)
             for b in outs:
                 b.settle()
-            entry = _Graph(graph, static_in, outs, static_out, chained)
+            entry = _Graph(graph, static_in, outs, static_out, chained, weights)
             if measure:
                 def replay():
                     entry.copy_in(args, checked=False)

@@ -203,9 +203,16 @@ class Accelerator:
     def _run_here(self, kind, impl, module, original, args, eager_kwargs, casts):
         try:
             if casts:
-                # ComfyUI's per-call cast outside the graph; no CUDA graph (its weights are new each call)
-                with cast.applied(module, casts, args):
-                    out = impl(module, *args)
+                # ComfyUI's per-call cast outside the graph: a CUDA graph where every cast weight is
+                # resident (a VBAR slot or the leaf's own, pinned until the block ends), read in place
+                with cast.applied(module, casts, args) as resident:
+                    if self.graphs is None:
+                        out = impl(module, *args)
+                    elif resident is None:
+                        self.graphs.skipped["a weight streamed or patched per call (not resident)"] += 1
+                        out = impl(module, *args)
+                    else:
+                        out = self.graphs.run(impl, module, args, weights=resident)
                 self.stats["region_cast_compiled"] += 1
             else:
                 out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
