@@ -40,13 +40,17 @@ _STD = frozenset({"training", "_parameters", "_buffers", "_non_persistent_buffer
 #: what ComfyUI's model patcher sets on its ops per load (partial loads, patches; Dynamic VRAM's slot,
 #: pins, per-call prefetch and LoRA), read by no compiled code: inside a compiled call a leaf's cast
 #: flag is off and its weight functions are empty, because ``cast.applied`` shows leaves that cast per
-#: call as plain ones, so a load's split, and what comes and goes between calls, is not a key
+#: call as plain ones, so a load's split, and what comes and goes between calls, is not a key. Also
+#: what the newest ComfyUI sets on blocks as they run: its compiler's allocation recording
+#: (``_comfy_malloc_graph``), its block graphs (``_comfy_graph``), a block's buffers kept across
+#: steps (``_comfy_cross_step_state``) and a resident weight bank (``_resident_bank``)
 _COMFY_LOAD_STATE = frozenset({"comfy_cast_weights", "prev_comfy_cast_weights", "comfy_patched_weights",
                                "weight_function", "bias_function", "weight_lowvram_function",
                                "bias_lowvram_function", "seed_key", "_pin_state", "_pins", "_v", "_v_signature",
                                "_v_weight", "_v_bias", "_prefetch", "_v_block", "_v_block_faulted",
                                "_comfy_graph", "comfy_force_cast_weights", "comfy_need_lazy_init_bias",
-                               "weight_comfy_model_dtype", "bias_comfy_model_dtype"})
+                               "weight_comfy_model_dtype", "bias_comfy_model_dtype", "_comfy_malloc_graph",
+                               "_comfy_cross_step_state", "_resident_bank"})
 
 
 

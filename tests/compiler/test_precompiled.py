@@ -101,6 +101,25 @@ def test_structure_tells_blocks_and_missing_inputs_apart(tiny_unet):
     assert V.structure(b, (x, x)) is None
 
 
+def test_the_newest_comfys_per_module_state_is_no_variant(tiny_unet):
+    """What the newest ComfyUI sets on blocks and ops as they run, and no compiled code of the pack
+    reads: its compiler's allocation recording (``_comfy_malloc_graph``, set by ``malloc_graph_begin``
+    on the first call), its block graph and VBAR block (``_comfy_graph``, ``_v_block``,
+    ``_v_block_faulted``), a block's buffers kept across steps (``_comfy_cross_step_state``) and a
+    resident weight bank (``_resident_bank``). Set or not, a region's variant key is the same:
+    otherwise each one appearing after warmup compiles the region again."""
+    block = tiny_unet().down_blocks[0].attentions[0].transformer_blocks[0]
+    x = torch.zeros(1)
+    plain = V.structure(block, (x, None))
+    for name in ("_comfy_malloc_graph", "_comfy_cross_step_state", "_resident_bank", "_comfy_graph", "_v_block",
+                 "_v_block_faulted"):
+        setattr(block, name, object())
+        setattr(block.attn1.to_q, name, object())
+    assert V.structure(block, (x, None)) == plain
+    block.something_else = 1
+    assert V.structure(block, (x, None)) != plain, "another instance attribute is still part of the key"
+
+
 def test_a_call_no_variant_fits_compiles_one_more_and_names_the_input(tiny_unet, store):
     unet = tiny_unet()
     api.compile_unet(unet, "inductor")
