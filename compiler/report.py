@@ -198,7 +198,10 @@ def accelerator_text(accel) -> str:
     if accel.stats.get("region_cast_compiled"):
         extra.append(f"  weights ComfyUI casts or patches per call (fp8 or other storage dtypes, partial loads, "
                      f"weight functions): {accel.stats['region_cast_compiled']} region call(s) compiled with "
-                     f"ComfyUI's cast outside the graph" + (", without CUDA graphs" if accel.graphs is not None else ""))
+                     f"ComfyUI's cast outside the graph" + (
+                         f", {accel.stats['region_cast_resident']} of them with every weight resident (a "
+                         f"Dynamic VRAM slot or its own: through CUDA graphs), the rest without"
+                         if accel.graphs is not None else ""))
         own = cast.own_cast_ops(leaf for region in accel.plan.regions for leaf in region.leaves)
         if own:
             extra.append(f"  weights another pack's ops make per call ({', '.join(own)}): dequantized or patched "

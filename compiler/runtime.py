@@ -213,6 +213,7 @@ class Accelerator:
                         out = impl(module, *args)
                     else:
                         out = self.graphs.run(impl, module, args, weights=resident)
+                        self.stats["region_cast_resident"] += 1
                 self.stats["region_cast_compiled"] += 1
             else:
                 out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)

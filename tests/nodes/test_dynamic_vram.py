@@ -335,6 +335,8 @@ def test_resident_regions_replay_their_graphs(comfy, make_comfy_model, dynamic_v
     assert per_call[2] == resident[2], (per_call, resident, n)
     if room == 1.0:
         assert resident[2] == n and per_call[-1] == n, (per_call, resident, n)
+        assert f"{accel.stats['region_cast_resident']} of them with every weight resident" in accel.text()
+        assert accel.stats["region_cast_resident"] == 7 * n, accel.stats   # from the first fault on
     elif room == 0.0:
         assert resident[2] == 0 and sum(per_call) == 0 and fake.captures == 0, (per_call, fake.captures)
         assert accel.graphs.skipped["a weight streamed or patched per call (not resident)"] > 0
