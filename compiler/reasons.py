@@ -72,6 +72,12 @@ class Reason(str):
 #: which model and why): not a failure, nothing for the user to fix
 NOTHING_TO_COMPILE = "nothing to compile, running eager"
 
+
+class Slower(Reason):
+    """A region kind that runs the model's own code because that measured faster here (backend
+    ``auto`` keeps the faster): a choice, not a failure."""
+
+
 def wrong_result(diff: float, tolerance: float, label: str) -> Reason:
     """Warmup's compare found the compiled result off the model's own by more than the tolerance
     (the region kinds it names run the model's own code from now on)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import cast, settings
-from .reasons import DISABLE_ENV, NOTHING_TO_COMPILE, Reason
+from .reasons import DISABLE_ENV, NOTHING_TO_COMPILE, Reason, Slower
 
 _DYNAMIC = {True: "on", False: "off", None: "on, the one warmup shape compiled for exactly it"}
 
@@ -160,7 +160,9 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
     that failed at run time (``failed``: {kind: error}) make it a fallback, and so does a warmup in
     which no region's accelerated code ran (``ran``: (regions that ran it, regions that have it);
     ``cast_eager``: {kind: Reason} for region calls that ran the model's code because ComfyUI casts
-    their weights in a way compiled code cannot serve)."""
+    their weights in a way compiled code cannot serve). A kind that runs the model's own code because
+    that measured faster (a :class:`~.reasons.Slower` reason) is a choice: no fallback."""
+    failed = {k: why for k, why in failed.items() if not isinstance(why, Slower)}
     if failed:
         by_why: dict = {}
         for k, why in failed.items():

@@ -32,7 +32,7 @@ from .compat import comfy as comfy_compat
 from .config import CompileConfig
 from .inserted import Inserted
 from .lifecycle.recompiles import Recompiles
-from .reasons import Reason, build_failure, error_summary
+from .reasons import Reason, Slower, build_failure, error_summary
 from .report import Report, accelerator_text
 
 log = logging.getLogger(__name__)
@@ -383,7 +383,7 @@ class Accelerator:
         """The compile thread's queue emptied for this model: counted in its ledger. Returns the
         model's state."""
         self.ledger.background_compiled(graphs, seconds, first, marks, self.background, self.warmed_shapes)
-        return "fallback" if self.failed else "compiled"
+        return "fallback" if any(not isinstance(why, Slower) for why in self.failed.values()) else "compiled"
 
     def text(self) -> str:
         return accelerator_text(self)

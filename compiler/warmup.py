@@ -14,8 +14,13 @@ import torch
 
 from . import shims
 from .lifecycle import variants
+from .reasons import Slower
 from .runtime import Accelerator
 from .shapes import LATENT_SCALE, MIN_SIDE, Shape
+
+#: backend auto keeps a region kind compiled unless the model's own code in its place made a forward at
+#: least this share faster (under it: the timing's noise)
+FASTER_BY = 0.03
 
 #: the first shape traced when shapes are dynamic: batch 2, non-square, and at
 #: least 2x2 at the deepest level of an SD UNet (latent / 8)
@@ -94,6 +99,50 @@ def primed_probes(accel: Accelerator) -> set:
     if cache is None or accel.backend.name != "inductor" or not variants.enabled():
         return set()
     return cache.primed_probes()
+
+
+def measures_kinds(accel: Accelerator) -> bool:
+    """Whether warmup times each region kind against the model's own code: backend ``auto`` on CUDA,
+    the default, which must never lose to the model's own code (a backend chosen by name runs as
+    asked; on a CPU a forward's timing is too noisy and too dear to repeat per kind)."""
+    return accel.config.backend == "auto" and accel.device_type == "cuda"
+
+
+def _forward_seconds(run_one, shape) -> float:
+    t0 = time.perf_counter()
+    out = run_one(shape)
+    if isinstance(out, torch.Tensor) and out.is_cuda:
+        torch.cuda.synchronize(out.device)
+    return time.perf_counter() - t0
+
+
+def keep_the_faster(accel: Accelerator, run_one, shape: Shape, reps: int = 3) -> list[str]:
+    """Time one forward at ``shape`` with every region kind compiled against the same with one kind at
+    a time on the model's own code (interleaved, the median of ``reps`` each, after one settling
+    forward); a kind whose own code makes the forward at least :data:`FASTER_BY` faster runs the
+    model's own code from now on (a :class:`Slower` reason: a report line, not a fallback). Returns
+    those kinds."""
+    kinds = [k for k in accel.report.regions if k not in accel.failed]
+    if not kinds:
+        return []
+    _forward_seconds(run_one, shape)
+    times: dict = {None: [], **{k: [] for k in kinds}}
+    for _ in range(reps):
+        times[None].append(_forward_seconds(run_one, shape))
+        for k in kinds:
+            with accel.gate.own_code([k]):
+                times[k].append(_forward_seconds(run_one, shape))
+    median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    slower = [k for k in kinds if median[k] < median[None] * (1 - FASTER_BY)]
+    for k in slower:
+        why = Slower(f"measured faster on the model's own code at {shape.label} (a forward: "
+                     f"{median[None] * 1e3:.1f} ms with them compiled, {median[k] * 1e3:.1f} ms without); "
+                     f"backend auto keeps the faster",
+                     "none needed; to compile them anyway, choose triton or inductor in Select Backend",
+                     what=f"{k} regions")
+        accel.gate.close([k], why)
+        accel.report.notes.append(str(why))
+    return slower
 
 
 def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
@@ -214,6 +263,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:
                 on_shape(i, shape, secs)
+        if not background and shapes and measures_kinds(accel):
+            keep_the_faster(accel, run_one, shapes[0])
     accel.warmed = True
     accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep

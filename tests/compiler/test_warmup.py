@@ -1,0 +1,79 @@
+"""compiler/warmup.py's measured choice: with backend ``auto`` on CUDA (the default), warmup times a
+forward with every region kind compiled against each kind on the model's own code, and a kind whose
+own code is faster runs it from now on, said in the report; a backend chosen by name runs as asked.
+The region bodies run uncompiled here (the measurement is under test, not inductor) and one kind is
+slowed by a sleep, so the timing's verdict is certain on a shared CPU."""
+from __future__ import annotations
+
+import importlib
+import time
+
+import pytest
+import torch
+
+from unet_compiler.compiler import api
+from unet_compiler.compiler.backends import inductor
+from unet_compiler.compiler.reasons import Slower
+from unet_compiler.compiler.report import warmup_facts
+from unet_compiler.compiler.runtime import Accelerator
+
+W = importlib.import_module("unet_compiler.compiler.warmup")   # (the package's ``warmup`` is api.warmup)
+
+
+@pytest.fixture
+def slowed(monkeypatch):
+    """Region bodies as written (no compile), the resblock regions' compiled path 20 ms a call slower,
+    and warmup measuring on this CPU as it does on CUDA."""
+    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
+    run = Accelerator._run_here
+
+    def slow(self, kind, *a):
+        if kind == "resblock":
+            time.sleep(0.02)
+        return run(self, kind, *a)
+    monkeypatch.setattr(Accelerator, "_run_here", slow)
+    monkeypatch.setattr(W, "measures_kinds", lambda accel: accel.config.backend == "auto")
+
+
+def _forward(unet, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x, ctx = torch.randn(1, 4, 8, 8, generator=g), torch.randn(1, 6, 32, generator=g)
+    with torch.inference_mode():
+        return unet(x, torch.tensor([10.0]), ctx).sample
+
+
+def test_auto_runs_a_kind_measured_slower_on_the_models_own_code(tiny_unet, slowed):
+    unet = tiny_unet()
+    api.compile_unet(unet, "auto")
+    text = api.warmup(unet, "1x64x64", context_tokens=6)
+    accel = api.accelerator_of(unet)
+    why = accel.failed.get("resblock")
+    assert isinstance(why, Slower) and "measured faster on the model's own code at 1x64x64" in why, accel.failed
+    assert "resblock regions: measured faster" in text, text
+    facts = warmup_facts(accel.report, accel.backend.name, accel.failed, accel.ran_compiled(), accel.cast_eager)
+    assert facts["state"] == "compiled", facts          # a choice, not a fallback
+    ran = accel.stats["ran_resblock"]
+    out = _forward(unet)
+    with accel.bypass():
+        ref = _forward(unet)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert accel.stats["ran_resblock"] == ran, "resblock regions run the model's own code now"
+    assert sum(v for k, v in accel.stats.items() if k.startswith("ran_") and k != "ran_resblock"), accel.stats
+
+
+def test_a_backend_chosen_by_name_is_not_second_guessed(tiny_unet, slowed):
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    api.warmup(unet, "1x64x64", context_tokens=6)
+    assert not api.accelerator_of(unet).failed
+
+
+def test_warmup_measures_kinds_only_for_auto_on_cuda(tiny_unet):
+    unet = tiny_unet()
+    api.compile_unet(unet, "auto")
+    accel = api.accelerator_of(unet)
+    assert not W.measures_kinds(accel)            # a CPU: too noisy and too dear per kind
+    accel.device_type = "cuda"
+    assert W.measures_kinds(accel)
+    accel.config = accel.config.replace(backend="inductor")
+    assert not W.measures_kinds(accel)
