@@ -231,8 +231,9 @@ class WarmupFeedback:
             yield self.wrap(call), on_shape
         finally:
             self.close()
-            if call.dropped and call.dropped not in self.accel.report.notes:
-                self.accel.report.notes.append(call.dropped)
+            for note in (call.dropped, call.random_conds):
+                if note and note not in self.accel.report.notes:
+                    self.accel.report.notes.append(note)
         pbar.update_absolute(total, total)
         self.done = self.finished(problem=self.problem or call.dropped)
 

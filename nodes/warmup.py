@@ -8,6 +8,7 @@ built as KSampler builds its calls), or why none runs. The compiler's ``warmup_r
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from dataclasses import dataclass
 
@@ -70,6 +71,26 @@ def _fits(unet, x, c) -> bool:
     return True
 
 
+def processed(cond, batch_size: int, device):
+    """``cond.process_cond(...).cond`` as this ComfyUI's sampler calls it (``get_area_and_mult``): no
+    area, and ``device=`` only where the method names it (older ComfyUIs; newer samplers pass none
+    and their conds keep their device)."""
+    try:
+        named = "device" in inspect.signature(cond.process_cond).parameters
+    except (TypeError, ValueError):
+        named = False
+    return cond.process_cond(batch_size=batch_size, area=None, **({"device": device} if named else {})).cond
+
+
+def _to(value, device):
+    """``value`` (a tensor, a list of them, or anything else a cond holds) on ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to(v, device) for v in value)
+    return value
+
+
 class SamplingCall:
     """One UNet call at a warmup shape, built the way KSampler builds it
     (comfy.samplers ``_calc_cond_batch``): the patcher's wrappers, callbacks and
@@ -90,6 +111,9 @@ class SamplingCall:
         self.patches = patch_names(model.model_options)
         self.patched = True
         self.dropped: str | None = None
+        #: why warmup's conditioning is random tensors of the UNet's input sizes, not the model's own
+        #: ``extra_conds`` (a report line; the compiled code is the same, sampling uses the prompt's)
+        self.random_conds: str | None = None
         #: the model's modules that take whole videos (an ``Inserted``) and the frames per call sampling
         #: gives them (its context windows, or their video length), which each call gives them too
         self.videos, self.frames = None, None
@@ -135,13 +159,20 @@ class SamplingCall:
                                     prompt_type="positive", seed=0, cross_attn=ctx,
                                     pooled_output=torch.randn(1, dit_pooled_width(unet) or 1280,
                                                               generator=g).to(self.device, self.dtype))
-            c = {k: v.process_cond(batch_size=shape.batch, device=self.device, area=None).cond for k, v in made.items()}
+            c = {k: _to(processed(v, shape.batch, self.device), self.device) for k, v in made.items()}
             if "c_crossattn" in c and _fits(unet, x, c):
                 return x, c
+            why = "what it built does not fit the UNet's inputs"
         except Exception as e:
             if is_interrupt(e):
                 raise
+            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
             log.debug("UNet Compiler: warmup conditioning from extra_conds failed", exc_info=True)
+        if self.random_conds is None:
+            self.random_conds = (f"warmup conditioning: random tensors of the UNet's input sizes, as the model's own "
+                                 f"extra_conds could not make it ({why}); the code warmup compiles is the same, "
+                                 f"sampling uses the prompt's")
+            log.info("UNet Compiler: %s", self.random_conds)
         (xin, _), kw = unet_inputs(unet, "comfy", shape, self.tokens, self.dtype, self.device)
         c = {"c_crossattn": kw["context"], **({"y": kw["y"]} if "y" in kw else {})}
         if xin.shape[1] > latent_c:  # inpainting / pix2pix / upscaler: the extra channels arrive as c_concat

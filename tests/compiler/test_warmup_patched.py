@@ -153,3 +153,45 @@ def test_a_model_warmup_cannot_call_is_reported_not_failed(make_comfy_model, mon
     assert "warmup stopped: this model could not be called outside sampling (RuntimeError: needs " in text, text
     assert "compiles on its first KSampler step instead" in text.splitlines()[-1], text
     assert not patcher.accelerator_of(cm).warmed
+
+
+def test_warmup_conditioning_is_processed_as_this_comfys_sampler_does(make_comfy_model, monkeypatch):
+    """Warmup's conditioning is the model's own ``extra_conds``, each cond's ``process_cond`` called as
+    this ComfyUI's sampler calls it: without ``device=`` where the method names none (0.8.0's and newer
+    samplers pass none; a method without ``**kwargs`` would raise on it), with it where the method
+    names it (older ComfyUIs); the result on the model's device. No random stand-in, so no note."""
+    import comfy.conds
+    from unet_compiler.compiler.shapes import Shape
+    own = comfy.conds.CONDRegular.process_cond
+    seen = []
+
+    def newest(self, batch_size, area=None):           # no device, no **kwargs
+        seen.append("newest")
+        return own(self, batch_size, area=area)
+    monkeypatch.setattr(comfy.conds.CONDRegular, "process_cond", newest)
+    call = nodes_warmup.SamplingCall(make_comfy_model("sd15"), 77, torch.device("cpu"), torch.float32)
+    _, c = call.conds(Shape(2, 64, 64))
+    assert seen and call.random_conds is None and c["c_crossattn"].shape[0] == 2, (seen, call.random_conds)
+
+    def older(self, batch_size, device, area=None, **kwargs):
+        seen.append(device)
+        return own(self, batch_size, area=area)
+    monkeypatch.setattr(comfy.conds.CONDRegular, "process_cond", older)
+    call = nodes_warmup.SamplingCall(make_comfy_model("sd15"), 77, torch.device("cpu"), torch.float32)
+    call.conds(Shape(2, 64, 64))
+    assert torch.device("cpu") in seen and call.random_conds is None
+
+
+def test_random_warmup_conditioning_is_a_report_line(make_comfy_model, monkeypatch):
+    """Where the model's own conditioning cannot be made (here a ``process_cond`` that raises), warmup
+    runs on random tensors of the UNet's input sizes and the report says so, once, with the error."""
+    import comfy.conds
+
+    def broken(self, *a, **k):
+        raise RuntimeError("cond from the future")
+    monkeypatch.setattr(comfy.conds.CONDRegular, "process_cond", broken)
+    cm, _ = patcher.compile_model(make_comfy_model("sd15"), EAGER)
+    text = patcher.warmup_model(cm, "2x64x64, 1x64x64", 77)
+    line = ("warmup conditioning: random tensors of the UNet's input sizes, as the model's own extra_conds could "
+            "not make it (RuntimeError: cond from the future)")
+    assert text.count(line) == 1, text
