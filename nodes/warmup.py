@@ -247,6 +247,22 @@ class Job:
     note: str | None = None
 
 
+def usable_memory(model, device) -> tuple[int, str]:
+    """What an entry's activations may take on ``device`` with ``model`` (a ModelPatcher) loaded, and
+    how a message names it. The patcher's own count where it has one (newer ComfyUI's
+    ``ModelPatcher.get_free_memory``: free memory plus what Dynamic VRAM's VBARs would give back, which
+    the module-level ``get_free_memory`` leaves out), else ComfyUI's free memory; on a GPU plus the
+    model's weights ComfyUI can offload."""
+    import comfy.model_management
+    own = getattr(model, "get_free_memory", None)
+    room = own(device) if callable(own) else comfy.model_management.get_free_memory(device)
+    said = ["free as ComfyUI counts it for sampling"] if callable(own) else []
+    if device.type == "cuda":
+        room += model.loaded_size()
+        said = (said or ["free"]) + ["plus the model's weights ComfyUI can offload"]
+    return room, memory_name(device) + (f" ({', '.join(said)})" if said else "")
+
+
 def prepare(model, accel, shapes, context_tokens: int) -> Job:
     """Warmup's job on ``model`` (a ModelPatcher Compile UNet made, ``accel`` its accelerator) at the
     parsed ``shapes``: checks each entry against what its calls will need (frames for a video model;
@@ -267,10 +283,7 @@ def prepare(model, accel, shapes, context_tokens: int) -> Job:
     comfy.model_management.load_models_gpu([model])
     # an entry too large for the memory left is the user's input to fix, said before warmup allocates
     # it (on a GPU, ComfyUI offloads weights to make room for activations: those count as room too)
-    room, where = comfy.model_management.get_free_memory(device), memory_name(device)
-    if device.type == "cuda":
-        room += model.loaded_size()
-        where += " (free, plus the model's weights ComfyUI can offload)"
+    room, where = usable_memory(model, device)
     check_memory(shapes, width if dit else first_level_channels(unet), dtype.itemsize, room, where,
                  **(grid if dit else {}))
     why = accel.gate.why_all_eager(accel.plan.regions)

@@ -373,6 +373,15 @@ def dynamic_patcher_class(comfy):
                 self._restore_loaded()
             return freed
 
+        def get_free_memory(self, device):
+            """``ModelPatcher.get_free_memory`` (newer ComfyUI, model_patcher.py @08d0e510): the module's
+            ``get_free_memory`` plus what aimdo's VBARs could give back (``vbars_analyze``: here the
+            resident ranges no call has pinned), which the module-level count leaves out."""
+            import comfy.model_management
+            vbar = self.vbar()
+            return comfy.model_management.get_free_memory(device) + sum(size for address, (size, _) in vbar.resident.items()
+                                                    if not vbar.pins[address])
+
         def loaded_size(self):
             return self.vbar().loaded_size() + self.model.model_loaded_weight_memory
 

@@ -375,3 +375,20 @@ def test_graphs_follow_the_resident_set(comfy, make_comfy_model, dynamic_vram, m
     assert per_call[2:] == resident[2:] and resident[2] == n and 0 < resident[3] < n and resident[6] == 0, \
         (per_call, resident)
     assert fake.captures == n and p.vbar().evictions > 0, (fake.captures, n)
+
+
+def test_warmups_memory_check_counts_what_dynamic_vram_gives_back(comfy, make_comfy_model, dynamic_vram,
+                                                                   monkeypatch):
+    """Warmup Shapes' memory floor takes the patcher's own count where it has one (the newest
+    ``ModelPatcher.get_free_memory``: free memory plus the VBAR ranges Dynamic VRAM would evict, which
+    ComfyUI's module-level ``get_free_memory`` leaves out and marks wrong for this), else the module's;
+    an entry is refused only beyond that."""
+    from unet_compiler.nodes.warmup import usable_memory
+    dyn = dynamic_vram.patcher(make_comfy_model("sd15"), budget=1.0)
+    _apply(dyn, "sd15")                                     # its slots faulted in, resident, unpinned
+    monkeypatch.setattr(comfy.mm, "get_free_memory", lambda *a, **k: 2**20)
+    resident = sum(size for size, _ in dyn.vbar().resident.values())
+    room, where = usable_memory(dyn, torch.device("cpu"))
+    assert resident > 0 and room == 2**20 + resident and "as ComfyUI counts it for sampling" in where, (room, where)
+    plain = make_comfy_model("sd15")
+    assert usable_memory(plain, torch.device("cpu"))[0] == 2**20     # 0.8.0's patcher: the module's count
