@@ -254,12 +254,15 @@ def run_in_env(args: list[str]) -> int:
 def lane_args(rest: list[str]) -> list[str]:
     """pytest's arguments for ``test``: ``--full`` the full lane (tests marked ``full``: servers, soak,
     browser, minute-long in-process tests; tests/_lanes.py), ``--all`` every test; otherwise the quick
-    lane (``-m "not full"``) unless the arguments name tests or a marker (then they run as asked)."""
+    lane (``-m "not full"``) unless the arguments name tests (a path or node id in the checkout, a
+    ``-k`` expression) or a marker (then they run as asked). An option's value (``-p no:warnings``)
+    names no test."""
     if "--full" in rest:
         return ["-m", "full", *(a for a in rest if a != "--full")]
     if "--all" in rest:
         return [a for a in rest if a != "--all"]
-    named = any(not a.startswith("-") for a in rest) or any(a == "-m" or a.startswith("-m=") for a in rest)
+    named = any(not a.startswith("-") and ("::" in a or (ROOT / a).exists()) for a in rest) \
+        or any(a in ("-m", "-k") or a.startswith(("-m=", "-k=")) for a in rest)
     return rest if named else ["-m", "not full", *rest]
 
 

@@ -482,7 +482,8 @@ def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
     assert dev.lane_args([]) == ["-m", "not full"] and dev.lane_args(["-x"]) == ["-m", "not full", "-x"]
     assert dev.lane_args(["--full", "-x"]) == ["-m", "full", "-x"] and dev.lane_args(["--all"]) == []
     assert dev.lane_args(["tests/e2e/test_soak.py"]) == ["tests/e2e/test_soak.py"]
-    assert dev.lane_args(["-m", "e2e"]) == ["-m", "e2e"]
+    assert dev.lane_args(["-m", "e2e"]) == ["-m", "e2e"] and dev.lane_args(["-k", "soak"]) == ["-k", "soak"]
+    assert dev.lane_args(["-p", "no:warnings"]) == ["-m", "not full", "-p", "no:warnings"]   # a value, not a test
     assert lane("tests/e2e/test_soak.py::test_soak_after_a_range_warmup") == "full"
     assert lane("tests/test_packaging.py::test_the_test_command_runs_the_quick_lane_and_full_the_rest") == "quick"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "full", "-p", "no:cacheprovider"],

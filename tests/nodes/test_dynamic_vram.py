@@ -285,6 +285,32 @@ def test_autocast_runs_on_the_load_device(make_comfy_model, dynamic_vram, monkey
     assert seen == ["cuda"]
 
 
+def _graphed(make_comfy_model, dynamic_vram, monkeypatch, standin, room):
+    """A Dynamic VRAM SD1.5 at VBAR ``room`` compiled with region graphs on ``standin`` (the bodies
+    uncompiled: the graphs are under test, not inductor): (compiled patcher, base patcher, accelerator)."""
+    from unet_compiler.compiler.backends import inductor
+    from unet_compiler.compiler.graphs import RegionGraphs
+    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
+    base = dynamic_vram.patcher(make_comfy_model("sd15"), budget=room)
+    cm, _ = patcher.compile_model(base, CFG)
+    accel = patcher.accelerator_of(cm)
+    accel.graphs = RegionGraphs(graphs=standin)
+    return cm, base, accel
+
+
+def _graphed_call(accel, p) -> tuple[int, int]:
+    """One call of ``p`` == ComfyUI's eager with no pin left after: (regions that replayed a graph,
+    regions whose every slot was resident)."""
+    before = accel.graphs.stats["replays"]
+    got = _apply(p, "sd15", load=True)
+    replayed, resident = accel.graphs.stats["replays"] - before, _fully_resident(accel, p.vbar())
+    with accel.bypass():
+        want = _apply(p, "sd15", load=False)
+    _close(got, want)
+    assert p.vbar().pinned() == 0
+    return replayed, resident
+
+
 def _fully_resident(accel, vbar) -> int:
     """Regions whose every slotted leaf's VBAR range is resident now (the loaded leaves stay where they are)."""
     n = 0
@@ -305,14 +331,8 @@ def test_resident_regions_replay_their_graphs(comfy, make_comfy_model, dynamic_v
     (a slot evicted and not faulted back would read NaN). Compiled == ComfyUI's eager on every call,
     across LoRA strength changes (the slots refilled in place through ``weight_lowvram_function``);
     no pin left. (Before: every region under Dynamic VRAM took the cast path, which never replayed.)"""
-    from unet_compiler.compiler.backends import inductor
-    from unet_compiler.compiler.graphs import RegionGraphs
-    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)   # the graphs, not inductor
-    base = dynamic_vram.patcher(make_comfy_model("sd15"), budget=room)
-    cm, _ = patcher.compile_model(base, CFG)
-    accel = patcher.accelerator_of(cm)
     fake = strict_graph_standin()
-    accel.graphs = RegionGraphs(graphs=fake)
+    cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, room)
     n = _regions(accel)
     patches = _lora(comfy, base, 0.05)
     per_call, resident = [], []
@@ -321,14 +341,9 @@ def test_resident_regions_replay_their_graphs(comfy, make_comfy_model, dynamic_v
         if strength is not None:
             p.add_patches(patches, strength)
         p.budget = room
-        before = accel.graphs.stats["replays"]
-        got = _apply(p, "sd15", load=True)
-        per_call.append(accel.graphs.stats["replays"] - before)
-        resident.append(_fully_resident(accel, p.vbar()))
-        with accel.bypass():
-            want = _apply(p, "sd15", load=False)
-        _close(got, want)
-        assert p.vbar().pinned() == 0
+        replayed, here = _graphed_call(accel, p)
+        per_call.append(replayed)
+        resident.append(here)
     assert accel.stats["region_eager"] == 0, accel.text()
     # call 1 runs each region's launches, call 2 captures (and replays once), call 3 on: replays; a strength
     # change refills the slots in place, at the addresses captured: the graphs replay on
@@ -350,28 +365,16 @@ def test_graphs_follow_the_resident_set(comfy, make_comfy_model, dynamic_vram, m
     """Another model takes VBAR room and gives it back between prompts (evicted ranges read NaN in the
     double): each call replays exactly the regions whose slots are resident then (faulted back in at the
     addresses captured: no capture again), runs the others' launches, and == ComfyUI's eager."""
-    from unet_compiler.compiler.backends import inductor
-    from unet_compiler.compiler.graphs import RegionGraphs
-    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
-    base = dynamic_vram.patcher(make_comfy_model("sd15"), budget=1.0)
-    cm, _ = patcher.compile_model(base, CFG)
-    accel = patcher.accelerator_of(cm)
     fake = strict_graph_standin()
-    accel.graphs = RegionGraphs(graphs=fake)
+    cm, _, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
     n = _regions(accel)
-    rooms = (1.0, 1.0, 1.0, 0.3, 0.3, 1.0, 0.0, 1.0)
     per_call, resident = [], []
-    for room in rooms:
+    for room in (1.0, 1.0, 1.0, 0.3, 0.3, 1.0, 0.0, 1.0):
         p = cm.clone()
         p.budget = room
-        before = accel.graphs.stats["replays"]
-        got = _apply(p, "sd15", load=True)
-        per_call.append(accel.graphs.stats["replays"] - before)
-        resident.append(_fully_resident(accel, p.vbar()))
-        with accel.bypass():
-            want = _apply(p, "sd15", load=False)
-        _close(got, want)
-        assert p.vbar().pinned() == 0
+        replayed, here = _graphed_call(accel, p)
+        per_call.append(replayed)
+        resident.append(here)
     assert per_call[2:] == resident[2:] and resident[2] == n and 0 < resident[3] < n and resident[6] == 0, \
         (per_call, resident)
     assert fake.captures == n and p.vbar().evictions > 0, (fake.captures, n)
