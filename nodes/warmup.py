@@ -17,6 +17,7 @@ import torch
 from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, is_interrupt, is_video, latent_frames,
                                      latent_scale)
 from ..compiler.inserted import frame_count
+from ..compiler.reasons import error_summary
 from ..compiler.shapes import check_frames, check_memory, context_dim, first_level_channels, memory_name, unet_inputs
 
 log = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class SamplingCall:
         except Exception as e:
             if is_interrupt(e):
                 raise
-            why = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
+            why = error_summary(e)
             log.debug("UNet Compiler: warmup conditioning from extra_conds failed", exc_info=True)
         if self.random_conds is None:
             self.random_conds = (f"warmup conditioning: random tensors of the UNet's input sizes, as the model's own "
