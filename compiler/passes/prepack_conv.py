@@ -106,11 +106,6 @@ def check(x: torch.Tensor, weight: torch.Tensor, padding) -> bool:
 
 # ---- eager replacement for an nn.Conv2d outside any compiled region ---------
 
-def module_applies(conv: torch.nn.Module) -> bool:
-    return (isinstance(conv, torch.nn.Conv2d) and conv.padding_mode == "zeros"
-            and not isinstance(conv.padding, str))
-
-
 def conv_module_forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
     if not check(x, conv.weight, conv.padding):
         stats["eager_declined"] += 1
