@@ -285,13 +285,14 @@ def test_autocast_runs_on_the_load_device(make_comfy_model, dynamic_vram, monkey
     assert seen == ["cuda"]
 
 
-def _graphed(make_comfy_model, dynamic_vram, monkeypatch, standin, room):
+def _graphed(make_comfy_model, dynamic_vram, monkeypatch, standin, room, weight_dtype=None):
     """A Dynamic VRAM SD1.5 at VBAR ``room`` compiled with region graphs on ``standin`` (the bodies
-    uncompiled: the graphs are under test, not inductor): (compiled patcher, base patcher, accelerator)."""
+    uncompiled: the graphs are under test, not inductor), its weights stored in ``weight_dtype``:
+    (compiled patcher, base patcher, accelerator)."""
     from unet_compiler.compiler.backends import inductor
     from unet_compiler.compiler.graphs import RegionGraphs
     monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
-    base = dynamic_vram.patcher(make_comfy_model("sd15"), budget=room)
+    base = dynamic_vram.patcher(make_comfy_model("sd15", weight_dtype=weight_dtype), budget=room)
     cm, _ = patcher.compile_model(base, CFG)
     accel = patcher.accelerator_of(cm)
     accel.graphs = RegionGraphs(graphs=standin)
@@ -395,3 +396,18 @@ def test_warmups_memory_check_counts_what_dynamic_vram_gives_back(comfy, make_co
     assert resident > 0 and room == 2**20 + resident and "as ComfyUI counts it for sampling" in where, (room, where)
     plain = make_comfy_model("sd15")
     assert usable_memory(plain, torch.device("cpu"))[0] == 2**20     # 0.8.0's patcher: the module's count
+
+
+def test_weights_converted_per_call_are_never_captured(make_comfy_model, dynamic_vram, monkeypatch,
+                                                      strict_graph_standin):
+    """Weights stored in fp16 and computed in fp32 (ComfyUI converts each slot's weight per call, a new
+    tensor each time): every slot is resident, yet no region reads a weight that stays put, so none is
+    captured or replayed; each call runs its launches, counted, == ComfyUI's eager."""
+    fake = strict_graph_standin()
+    cm, _, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0, weight_dtype=torch.float16)
+    n = _regions(accel)
+    for _ in range(3):
+        replayed, resident = _graphed_call(accel, cm.clone())
+        assert replayed == 0 and resident == n, (replayed, resident, n)
+    assert fake.captures == 0 and accel.stats["region_cast_resident"] == 0, accel.stats
+    assert accel.graphs.skipped["a weight streamed or patched per call (not resident)"] > 0
