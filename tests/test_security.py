@@ -463,8 +463,12 @@ _WRITES = textwrap.dedent('''
 
 
 def _files(folder: Path) -> dict:
+    """Every file under ``folder`` with its mtime and size, less git's and the editable install's
+    metadata (``*.egg-info``: pip rewrites it when another env installs this checkout, as CI's newest
+    lane does beside the full lane; the pack never writes it)."""
     return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")
-            if p.is_file() and ".git" not in p.relative_to(folder).parts}
+            if p.is_file() and not any(part == ".git" or part.endswith(".egg-info")
+                                       for part in p.relative_to(folder).parts)}
 
 
 def _under(path: str, root) -> bool:
