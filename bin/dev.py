@@ -50,11 +50,11 @@ sys.exit(not (mine and all(map(u.find_spec, ("torch", "pytest", "diffusers", "co
 """
 
 
-def child_env(base: dict | None = None) -> dict:
-    """The environment of every process this script starts: ``base`` (default ``os.environ``) with
-    ``PYTHONSAFEPATH=1``, so no ``python -m`` / ``-c`` puts its working directory (the checkout) on
-    ``sys.path``; their own children inherit it."""
-    return {**(os.environ if base is None else base), "PYTHONSAFEPATH": "1"}
+def child_env() -> dict:
+    """The environment of every process this script starts: ours with ``PYTHONSAFEPATH=1``, so no
+    ``python -m`` / ``-c`` puts its working directory (the checkout) on ``sys.path``; their own
+    children inherit it."""
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
 #: prints ``name==version`` for every distribution the interpreter finds (run by an env's python)
@@ -162,6 +162,11 @@ def read_lock(text: str) -> dict[str, str]:
     return pins
 
 
+def locked() -> dict[str, str]:
+    """The lock's pins (:func:`read_lock` of :data:`LOCK`)."""
+    return read_lock(LOCK.read_text(encoding="utf-8"))
+
+
 def installed(env: Path) -> dict[str, str]:
     """``{normalised name: version}`` of what ``env`` holds, less the venv's pip and this pack; a
     local version label (torch's ``+cpu``) dropped, so the pin fits the same release of any build."""
@@ -197,7 +202,7 @@ def lock(env: Path) -> int:
     if pins.get(name) != version:
         print(f"dev.py lock: {env} has torch {pins.get(name)}, the lock keeps {TORCH_PIN}", file=sys.stderr)
         return 1
-    changes = lock_changes(read_lock(LOCK.read_text(encoding="utf-8")), pins)
+    changes = lock_changes(locked(), pins)
     LOCK.write_text(lock_text(pins), encoding="utf-8")
     print(f"{LOCK.name}: {len(pins)} packages from {env}; " + (f"{len(changes)} changed:" if changes else "unchanged"),
           *changes, sep="\n", file=sys.stderr)
@@ -234,7 +239,7 @@ def setup(env: Path, if_missing: bool = False, dry_run: bool = False, newest: bo
     elif subprocess.run([str(env_python(env)), "-c", "import torchvision"], capture_output=True).returncode:
         print("torchvision does not import: ComfyUI tests will fail", file=sys.stderr)
     if newest:
-        changes = lock_changes(read_lock(LOCK.read_text(encoding="utf-8")), installed(env))
+        changes = lock_changes(locked(), installed(env))
         print(f"newest against the lock ({LOCK.name}): " + (f"{len(changes)} changed" if changes else "nothing moved"),
               *changes, sep="\n")
     return 0

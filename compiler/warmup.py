@@ -108,12 +108,13 @@ def measures_kinds(accel: Accelerator) -> bool:
     return accel.config.backend == "auto" and accel.device_type == "cuda"
 
 
-def _forward_seconds(run_one, shape) -> float:
+def _timed_forward(run_one, shape):
+    """(``run_one(shape)``, its seconds): on a GPU the GPU's, not the launch queue's."""
     t0 = time.perf_counter()
     out = run_one(shape)
     if isinstance(out, torch.Tensor) and out.is_cuda:
         torch.cuda.synchronize(out.device)
-    return time.perf_counter() - t0
+    return out, time.perf_counter() - t0
 
 
 def keep_the_faster(accel: Accelerator, run_one, shape: Shape, reps: int = 3) -> list[str]:
@@ -125,13 +126,13 @@ def keep_the_faster(accel: Accelerator, run_one, shape: Shape, reps: int = 3) ->
     kinds = [k for k in accel.report.regions if k not in accel.failed]
     if not kinds:
         return []
-    _forward_seconds(run_one, shape)
+    _timed_forward(run_one, shape)
     times: dict = {None: [], **{k: [] for k in kinds}}
     for _ in range(reps):
-        times[None].append(_forward_seconds(run_one, shape))
+        times[None].append(_timed_forward(run_one, shape)[1])
         for k in kinds:
             with accel.gate.own_code([k]):
-                times[k].append(_forward_seconds(run_one, shape))
+                times[k].append(_timed_forward(run_one, shape)[1])
     median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     slower = [k for k in kinds if median[k] < median[None] * (1 - FASTER_BY)]
     for k in slower:
@@ -177,11 +178,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
 
     def timed(shape, label):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
-        t0 = time.perf_counter()
-        out = run_one(shape)
-        if isinstance(out, torch.Tensor) and out.is_cuda:
-            torch.cuda.synchronize(out.device)  # the seconds are the GPU's, not the launch queue's
-        secs = time.perf_counter() - t0
+        out, secs = _timed_forward(run_one, shape)
         rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
         rep.from_cache[label] = accel.stats["graphs_from_cache"] - c0
         return out, secs
