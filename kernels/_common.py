@@ -110,6 +110,105 @@ class Plans(dict):
             return None
 
 
+class NotBound(KernelUnsupported):
+    """A launch inside a CUDA graph capture that would have to go through triton's JIT (no compiled
+    kernel for it yet, or pointers the compiled one cannot take): nothing was launched. The caller
+    runs the torch ops it replaces for this call; later calls are not affected."""
+
+
+#: whether planned launches may launch their compiled kernel directly (False: every launch goes
+#: through triton's JIT; set by :func:`bound_launch_problem` when the check below fails)
+BIND = [True]
+_BIND_CHECKED: list = []   # [None] once the check passed, [why] once it failed
+
+
+def _launch_hooks(rt) -> bool:
+    """Whether triton launch hooks (a profiler's) are registered: launches then go through the JIT,
+    which calls them."""
+    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
+        if hook is not None and getattr(hook, "calls", True):
+            return True
+    return False
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except (AssertionError, RuntimeError):   # a torch without CUDA
+        return False
+
+
+class Launch:
+    """One launch of a kernel at one input signature (held by a launcher's plan): its grid, the
+    scalar arguments after the tensors and the constexprs / launch options, all fixed; a call gives
+    the tensors (pointer arguments, first in every kernel of the pack). The first call goes through
+    triton's JIT (checks, specialisation, compile, cache) and keeps the compiled kernel it returns;
+    later calls launch that kernel on the current stream with the tensors' addresses as integers,
+    which triton's launcher takes as they are: no JIT dispatch (tens of µs a call), and no
+    ``cuPointerGetAttribute``, which refuses memory a CUDA graph capture allocated under the
+    cudaMallocAsync allocator. A call whose pointers break the 16-byte alignment the compiled kernel
+    was specialised for goes through the JIT again; inside a capture nothing goes through the JIT
+    (:class:`NotBound`)."""
+
+    __slots__ = ("kernel", "grid", "args", "kw", "compiled", "tail", "aligned", "grid3", "device", "rt")
+
+    def __init__(self, kernel, grid: tuple, args: tuple = (), kw: dict | None = None):
+        self.kernel, self.grid, self.args, self.kw = kernel, tuple(grid), tuple(args), dict(kw or {})
+        self.compiled = None
+        self.grid3 = (*self.grid, 1, 1)[:3]
+
+    def __call__(self, *tensors) -> None:
+        c = self.compiled
+        if c is not None and BIND[0]:
+            ptrs = [t.data_ptr() for t in tensors]
+            if not any(ptrs[i] & 15 for i in self.aligned) and not _launch_hooks(self.rt):
+                c.run(*self.grid3, torch._C._cuda_getCurrentRawStream(self.device), c.function,
+                      c.packed_metadata, None, None, None, *ptrs, *self.tail)
+                return
+        if _capturing():
+            raise NotBound(f"{getattr(self.kernel, '__name__', 'kernel')}: a launch inside a CUDA graph capture "
+                           f"with no compiled kernel bound for it")
+        compiled = self.kernel[self.grid](*tensors, *self.args, **self.kw)
+        if c is None:
+            self._bind(compiled, tensors)
+
+    def _bind(self, compiled, tensors) -> None:
+        """Keep ``compiled`` (what the JIT launch returned: a compiled kernel, or None under the
+        interpreter) with the arguments a direct launch passes after the pointers: every parameter of
+        the kernel in order, constexprs included, as triton's JIT passes them."""
+        if not all(hasattr(compiled, a) for a in ("run", "function", "packed_metadata")):
+            return
+        names = list(getattr(self.kernel, "arg_names", ()))
+        given = {**dict(zip(names, (*tensors, *self.args), strict=False)), **self.kw}
+        if len(names) < len(tensors) + len(self.args) or any(n not in given for n in names):
+            return   # a parameter left to its default: not bound, the JIT keeps launching it
+        if bound_launch_problem(tensors[0].device) is not None:
+            return
+        import triton
+        self.rt = triton.knobs.runtime
+        self.tail = [given[n] for n in names[len(tensors):]]
+        self.aligned = tuple(i for i, t in enumerate(tensors) if t.data_ptr() % 16 == 0)
+        self.device = tensors[0].device.index if tensors[0].device.index is not None else 0
+        self.compiled = compiled
+
+
+def bound_launch_problem(device) -> str | None:
+    """Why planned launches cannot launch their compiled kernel directly here (None: they can):
+    checked once per process on ``device`` by launching a small kernel both ways and comparing
+    (a triton whose launcher takes other arguments fails it); on failure every launch goes
+    through the JIT (:data:`BIND`) and captures run the torch ops instead of the kernels."""
+    if not _BIND_CHECKED:
+        _BIND_CHECKED.append(None)   # the check's own launches bind without checking again
+        try:
+            from . import _launch_check
+            _BIND_CHECKED[0] = _launch_check.run(device)
+        except Exception as e:   # anything: the JIT stays the way kernels launch
+            _BIND_CHECKED[0] = f"the direct launch check failed ({type(e).__name__}: {e})"
+        if _BIND_CHECKED[0] is not None:
+            BIND[0] = False
+    return _BIND_CHECKED[0]
+
+
 def tf32_matmuls_allowed() -> bool:
     """Whether torch itself would run an fp32 CUDA matmul in TF32. torch >= 2.9 has
     ``fp32_precision`` (it also reflects the legacy setters); reading the legacy

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (KernelUnsupported, Plans, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
+from ._common import (KernelUnsupported, Launch, Plans, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
                       gpu_capability, launch_first_fitting, matmul_precision, next_pow2, tensor_key)
 
 MAX_HEAD_DIM = 256
@@ -177,11 +177,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     if launch is not None:
         lkey, configs, grid, args, kw, fit = launch
         if fit:   # the config that fitted this GPU at this signature before: launched as is
-            _attn_fwd_kernel[fit[0]](q, k, v, out, *args, **fit[1])
+            fit[0](q, k, v, out)
         else:
             cfg = configs[launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw,
                                                "attention", q.device)]
-            fit += [grid(cfg), {**kw, **cfg}]
+            fit.append(Launch(_attn_fwd_kernel, grid(cfg), args, {**kw, **cfg}))
     return out.squeeze(0) if squeeze else out
 
 
@@ -189,7 +189,7 @@ def _plan(q, k, v, scale, prec) -> tuple:
     """The checks (KernelUnsupported for inputs the kernel cannot take), then (whether 3-D inputs
     get a batch dim, the output's [B, Nq, H, d] shape, the launch: None when there is nothing to
     compute, else (config key, configs, grid of a config, scalar arguments, strides and constexprs,
-    [grid, keyword arguments] of the config that fitted, filled at the first launch))."""
+    [the launch of the config that fitted], filled at the first launch))."""
     name = "attention"
     for arg, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, arg, t, _attn_fwd_kernel, device=q.device if arg != "q" else None)

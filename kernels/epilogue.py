@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, Plans, cdiv, check_tensor, is_dense, tensor_key
+from ._common import KernelUnsupported, Launch, Plans, cdiv, check_tensor, is_dense, tensor_key
 
 BLOCK = 1024
 
@@ -52,18 +52,15 @@ def bias_residual(x: torch.Tensor, bias: torch.Tensor | None = None, residual: t
         out = torch.empty_like(x)  # dense x: same strides
     if plan is _EMPTY:
         return out
-    grid, args = plan
-    _bias_residual_kernel[grid](
-        x, bias.contiguous() if bias is not None else x, residual if residual is not None else x, out, *args,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4)
+    plan(x, bias.contiguous() if bias is not None else x, residual if residual is not None else x, out)
     return out
 
 
-_EMPTY = ((0,), ())
+_EMPTY = "empty"
 
 
 def _plan(x, bias, residual, dim, out) -> tuple:
-    """The checks (KernelUnsupported for inputs the kernel cannot take), then (grid, scalar arguments)."""
+    """The checks (KernelUnsupported for inputs the kernel cannot take), then the launch."""
     name = "bias_residual"
     check_tensor(name, "x", x, _bias_residual_kernel, ndim_min=1)
     if not is_dense(x):
@@ -90,7 +87,8 @@ def _plan(x, bias, residual, dim, out) -> tuple:
     if x.numel() == 0:
         return _EMPTY
     stride_c = x.stride(d) if C > 1 else 1
-    return (cdiv(x.numel(), BLOCK),), (x.numel(), C, stride_c)
+    return Launch(_bias_residual_kernel, (cdiv(x.numel(), BLOCK),), (x.numel(), C, stride_c),
+                  dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK=BLOCK, num_warps=4))
 
 
 def bias_residual_reference(x: torch.Tensor, bias: torch.Tensor | None = None,

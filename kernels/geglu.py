@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, Plans, cdiv, check_row_block, check_tensor, next_pow2, tensor_key
+from ._common import KernelUnsupported, Launch, Plans, cdiv, check_row_block, check_tensor, next_pow2, tensor_key
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -42,20 +42,20 @@ def geglu(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     plan = _PLANS.find(key)
     if plan is None:
         plan = _PLANS.put(key, _plan(h, approximate))
-    y_shape, two_d, copy, grid, args, kw = plan
+    y_shape, two_d, copy, launch = plan
     y = torch.empty(y_shape, dtype=h.dtype, device=h.device)
-    if grid is None:
+    if launch is None:
         return y
     h2 = h.reshape(-1, two_d)
     if copy:
         h2 = h2.contiguous()
-    _geglu_kernel[grid](h2, y, *args, **kw)
+    launch(h2, y)
     return y
 
 
 def _plan(h, approximate) -> tuple:
     """The checks (KernelUnsupported for inputs the kernel cannot take), then (output shape, 2*D,
-    whether h's rows need a copy, grid, scalar arguments, constexprs); grid None: nothing to launch."""
+    whether h's rows need a copy, the launch); launch None: nothing to launch."""
     name = "geglu"
     check_tensor(name, "h", h, _geglu_kernel, ndim_min=1)
     if approximate not in ("none", "tanh"):
@@ -66,7 +66,7 @@ def _plan(h, approximate) -> tuple:
     D = two_d // 2
     y_shape = (*h.shape[:-1], D)
     if h.numel() == 0:
-        return y_shape, two_d, False, None, (), {}
+        return y_shape, two_d, False, None
     h2 = h.reshape(-1, two_d)
     copy = h2.stride(1) != 1
     row_stride = two_d if copy else h2.stride(0)
@@ -77,8 +77,9 @@ def _plan(h, approximate) -> tuple:
     grid = (cdiv(M, block_m), cdiv(D, block_d))
     if grid[1] > 65535:
         raise KernelUnsupported(f"{name}: last dim of h is {two_d}, beyond the launch grid.")
-    return (y_shape, two_d, copy, grid, (M, D, row_stride, D),
-            dict(TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4))
+    return y_shape, two_d, copy, Launch(_geglu_kernel, grid, (M, D, row_stride, D),
+                                        dict(TANH=approximate == "tanh", BLOCK_M=block_m, BLOCK_D=block_d,
+                                             num_warps=4))
 
 
 def geglu_reference(h: torch.Tensor, approximate: str = "none") -> torch.Tensor:

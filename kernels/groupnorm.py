@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, Plans, cdiv, check_tensor, gpu_capability, next_pow2, tensor_key
+from ._common import KernelUnsupported, Launch, Plans, cdiv, check_tensor, gpu_capability, next_pow2, tensor_key
 
 MAX_CHUNKS = 64
 STATS_BLOCK = 1024      # values per step of _gn_stats_kernel
@@ -173,8 +173,7 @@ def _as_ncs(t: torch.Tensor) -> torch.Tensor:
 
 class _Plan:
     """One input signature's launches: grids, scalar arguments and block sizes (see :func:`_plan`)."""
-    __slots__ = ("empty", "N", "C", "S", "y_nchw", "work_n", "stats_cl", "stats_grid", "stats_args", "stats_kw",
-                 "fin_grid", "fin_args", "grid", "apply_args", "apply_kw")
+    __slots__ = ("empty", "N", "C", "S", "y_nchw", "work_n", "stats", "fin", "apply")
 
 
 _PLANS = Plans()
@@ -203,11 +202,9 @@ def groupnorm(x: torch.Tensor, num_groups: int, weight: torch.Tensor | None = No
     bias = bias.contiguous() if bias is not None else None
     # one fp32 scratch: (mean, rstd) per group, then the statistics partials, (mean, M2, count) each
     work = torch.empty(plan.work_n, device=x.device, dtype=torch.float32)
-    stats = _gn_stats_cl_kernel if plan.stats_cl else _gn_stats_kernel
-    stats[plan.stats_grid](x3, work, *plan.stats_args, **plan.stats_kw)
-    _gn_finalize_kernel[plan.fin_grid](work, *plan.fin_args, BLOCK=FINAL_BLOCK, num_warps=1)
-    _gn_apply_kernel[plan.grid](x3, y3, weight if weight is not None else work, bias if bias is not None else work,
-                                work, *plan.apply_args, **plan.apply_kw)
+    plan.stats(x3, work)
+    plan.fin(work)
+    plan.apply(x3, y3, weight if weight is not None else work, bias if bias is not None else work, work)
     return y
 
 
@@ -245,7 +242,6 @@ def _plan(x, num_groups, weight, bias, eps, silu) -> _Plan:
         sx_s = 1
     cuda = gpu_capability(x.device) is not None
     ch_inner = sx_c == 1 and C > 1 and S > 1  # channels_last: channels vary fastest
-    p.stats_cl = ch_inner
     if ch_inner:  # reduce whole rows, per channel
         block_c = min(CL_BLOCK_C, next_pow2(C))
         block_s = CL_TILE // block_c
@@ -255,11 +251,11 @@ def _plan(x, num_groups, weight, bias, eps, silu) -> _Plan:
         num_chunks = cdiv(S, chunk)
         part_n = N * C * num_chunks
         per_group = cpg * num_chunks
-        p.stats_grid = (num_chunks, cdiv(C, block_c), N)
-        if p.stats_grid[1] > 65535 or N > 65535:
+        stats_grid = (num_chunks, cdiv(C, block_c), N)
+        if stats_grid[1] > 65535 or N > 65535:
             raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
-        p.stats_args = (2 * N * G, C, S, chunk, num_chunks, sx_n, sx_s)
-        p.stats_kw = dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8)
+        p.stats = Launch(_gn_stats_cl_kernel, stats_grid, (2 * N * G, C, S, chunk, num_chunks, sx_n, sx_s),
+                         dict(BLOCK_S=block_s, BLOCK_C=block_c, num_warps=8))
     else:
         elems = cpg * S
         num_chunks = _chunks(cdiv(elems, STATS_BLOCK), N * G, cuda)
@@ -267,12 +263,12 @@ def _plan(x, num_groups, weight, bias, eps, silu) -> _Plan:
         num_chunks = cdiv(elems, chunk)
         part_n = N * G * num_chunks
         per_group = num_chunks
-        p.stats_grid = (N * G, num_chunks)
-        p.stats_args = (2 * N * G, S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s)
-        p.stats_kw = dict(CONTIG=sx_s == 1 and sx_c == S, BLOCK=STATS_BLOCK, num_warps=4)
+        p.stats = Launch(_gn_stats_kernel, (N * G, num_chunks),
+                         (2 * N * G, S, G, cpg, chunk, num_chunks, sx_n, sx_c, sx_s),
+                         dict(CONTIG=sx_s == 1 and sx_c == S, BLOCK=STATS_BLOCK, num_warps=4))
     p.work_n = 2 * N * G + 3 * part_n
-    p.fin_grid = (N * G,)
-    p.fin_args = (2 * N * G, per_group, float(eps))
+    p.fin = Launch(_gn_finalize_kernel, (N * G,), (2 * N * G, per_group, float(eps)),
+                   dict(BLOCK=FINAL_BLOCK, num_warps=1))
 
     # block sizes from the channel count and layout only, never the spatial size: a new
     # resolution must not compile a new kernel variant (zero recompiles inside a warmed box)
@@ -282,15 +278,15 @@ def _plan(x, num_groups, weight, bias, eps, silu) -> _Plan:
     else:
         block_s = APPLY_BLOCK_S
         block_c = max(1, min(next_pow2(C), 4096 // block_s))
-    p.grid = (cdiv(S, block_s), cdiv(C, block_c), N)
-    if p.grid[1] > 65535 or p.grid[2] > 65535:
+    grid = (cdiv(S, block_s), cdiv(C, block_c), N)
+    if grid[1] > 65535 or grid[2] > 65535:
         raise KernelUnsupported(f"{name}: x of shape {tuple(x.shape)} needs a launch grid beyond 65535 in y/z.")
     sy_n, sy_c, sy_s = y3.stride()
     if S == 1:
         sy_s = 1
-    p.apply_args = (C, S, G, cpg, sx_n, sx_c, sx_s, sy_n, sy_c, sy_s)
-    p.apply_kw = dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
-                      BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4)
+    p.apply = Launch(_gn_apply_kernel, grid, (C, S, G, cpg, sx_n, sx_c, sx_s, sy_n, sy_c, sy_s),
+                     dict(HAS_W=weight is not None, HAS_B=bias is not None, SILU=bool(silu),
+                          BLOCK_C=block_c, BLOCK_S=block_s, num_warps=4))
     return p
 
 

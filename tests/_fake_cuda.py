@@ -7,7 +7,12 @@ and whose replay re-runs them on the captured tensors. CPU tensors stand for dev
 ``CudaGraphs.usable``'s "is this tensor on CUDA" cannot be faked and is answered by the test.
 
 A Triton kernel launched inside a capture (the interpreter's, on CPU tensors) is recorded as one op
-and launched again by a replay, as a real graph holds the kernel. ``allocator="cudaMallocAsync"``
+and launched again by a replay, as a real graph holds the kernel. A JIT launch returns what triton's
+JIT returns on a GPU, a compiled kernel (:class:`Compiled`), whose ``run`` takes arguments as
+triton's launcher does (triton 3.9 ``CudaLauncher``; ``extractPointer`` in its driver.c): a pointer
+given as an int is taken as is, a tensor goes through the pointer check; the kernel then runs under
+the interpreter on the memory at those addresses, on the stream it was given (which must be the
+current one, ``torch._C._cuda_getCurrentRawStream``). ``allocator="cudaMallocAsync"``
 (ComfyUI's default) adds what the H100 run showed (docs/gpu.md):
 memory a capture allocates there is a graph allocation that Triton's launcher cannot take, so a Triton
 kernel (the interpreter's launch, patched) given such a tensor inside a capture raises triton's
@@ -18,6 +23,7 @@ ValueError, and ``aborted`` records it: the real process then dies with SIGABRT.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 from collections import Counter
 
 import torch
@@ -104,6 +110,8 @@ class FakeCUDA:
         #: torch.cuda.memory_reserved(): grows by what each capture allocates (its private pool, which a
         #: real capture never gives back until the graphs are freed and the cache emptied)
         self.reserved = 0
+        #: Triton launches through the JIT (a direct launch of a compiled kernel is counted by it)
+        self.jit_launches = 0
         self._streams = [self.Stream()]
         fake = self
 
@@ -135,6 +143,7 @@ class FakeCUDA:
     class Stream:
         def __init__(self, device=None):
             self.device = device
+            self.cuda_stream = id(self)   # the raw handle triton's launches name
 
         def wait_stream(self, other):
             pass
@@ -144,6 +153,10 @@ class FakeCUDA:
 
     def current_stream(self, device=None):
         return self._streams[-1]
+
+    def raw_stream(self, device=None) -> int:
+        """``torch._C._cuda_getCurrentRawStream``: the current stream's handle."""
+        return self._streams[-1].cuda_stream
 
     @contextlib.contextmanager
     def stream(self, s):
@@ -193,6 +206,54 @@ class FakeCUDA:
                 raise ValueError(f"Pointer argument (at {i}) cannot be accessed from Triton (cpu tensor?)")
 
 
+class Compiled:
+    """What triton's JIT launch returns on a GPU: the compiled kernel, for the launch's specialisation.
+    ``run(gridX, gridY, gridZ, stream, function, packed_metadata, launch_metadata, enter_hook,
+    exit_hook, *args)`` takes every parameter in order (constexprs included, as the JIT passes them);
+    ``launches`` counts its direct launches (not the JIT's); the fake's log counts those a capture
+    recorded (``kernel_captured``) and those its replays launched again (``kernel_replayed``)."""
+
+    def __init__(self, fake: FakeCUDA, fn, launch, args, kwargs):
+        names = list(fn.arg_names)
+        given = {**dict(zip(names, args)), **kwargs}
+        #: pointer parameters (position -> dtype), from the tensors the JIT launch was given
+        self.pointers = {i: given[n].dtype for i, n in enumerate(names) if isinstance(given.get(n), torch.Tensor)}
+        self.fake, self.fn, self._launch, self.nparams = fake, fn, launch, len(names)
+        self.function, self.packed_metadata = object(), object()
+        self.launches = 0
+
+    def run(self, grid_x, grid_y, grid_z, stream, function, packed_metadata, launch_metadata, enter_hook,
+            exit_hook, *args):
+        if len(args) != self.nparams or function is not self.function or packed_metadata is not self.packed_metadata:
+            raise TypeError(f"{self.fn.__name__}: launched with {len(args)} arguments for {self.nparams} parameters, "
+                            f"or another kernel's function / metadata")
+        if stream != self.fake.raw_stream():
+            raise RuntimeError(f"{self.fn.__name__}: launched on a stream that is not the current one")
+        self.fake.triton_pointer_check(args)    # tensors only: an int is taken as it is
+        self.launches += 1
+        fake, fn, launch, pointers = self.fake, self.fn, self._launch, self.pointers
+
+        def go():
+            vals = [_at(a, pointers[i]) if i in pointers and isinstance(a, int) else a for i, a in enumerate(args)]
+            launch(fn, *vals, grid=(grid_x, grid_y, grid_z), warmup=False)
+        from torch.utils._python_dispatch import _disable_current_modes
+        with _disable_current_modes():
+            go()
+        if fake.recording is not None:
+            fake.log["kernel_captured"] += 1
+
+            def replayed(*a, **k):
+                fake.log["kernel_replayed"] += 1
+                go()
+            fake.recording.append((replayed, (), {}, None))
+
+
+def _at(address: int, dtype: torch.dtype) -> torch.Tensor:
+    """A one-element tensor at ``address`` (the interpreter reads and writes through its address)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer((ctypes.c_byte * size).from_address(address), dtype=dtype)
+
+
 @contextlib.contextmanager
 def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocator: str = "native"):
     """torch.cuda's names that compiler/graphs.py calls, faked for the block (``monkeypatch`` undoes it);
@@ -203,6 +264,7 @@ def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocato
                  "is_current_stream_capturing", "graph_pool_handle", "get_device_properties", "mem_get_info",
                  "empty_cache", "CUDAGraph", "memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", fake.raw_stream, raising=False)
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: fake.allocator)
     from torch.utils._python_dispatch import _disable_current_modes
     from triton.runtime.interpreter import InterpretedFunction
@@ -211,14 +273,31 @@ def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocato
     def launched(self, *args, **kwargs):
         """A Triton launch (the interpreter's): inside a capture, one recorded op that a replay launches
         again on the captured tensors (not the interpreter's own host copies), after triton's pointer
-        check."""
+        check; returns the compiled kernel (:class:`Compiled`) as triton's JIT does on a GPU."""
         if fake.allocator == "cudaMallocAsync":
             fake.triton_pointer_check(list(args) + list(kwargs.values()))
         if fake.recording is None:
-            return launch(self, *args, **kwargs)
-        with _disable_current_modes():
-            out = launch(self, *args, **kwargs)
-        fake.recording.append((lambda *a, **k: launch(self, *a, **k), args, kwargs, None))
-        return out
+            launch(self, *args, **kwargs)
+        else:
+            with _disable_current_modes():
+                launch(self, *args, **kwargs)
+            fake.recording.append((lambda *a, **k: launch(self, *a, **k), args, kwargs, None))
+        fake.jit_launches += 1
+        if kwargs.get("warmup"):
+            return None
+        grid_free = {k: v for k, v in kwargs.items() if k not in ("grid", "warmup")}
+        return Compiled(fake, self, launch, args, grid_free)
     monkeypatch.setattr(InterpretedFunction, "run", launched)
-    yield fake
+    forget_launches()
+    try:
+        yield fake
+    finally:
+        forget_launches()
+
+
+def forget_launches() -> None:
+    """Drop the kernels' plans, whose launches may hold this fake's compiled kernels (a process
+    keeps them; a test outside the fake must not launch them)."""
+    import importlib
+    for name in ("attention", "epilogue", "geglu", "groupnorm"):
+        importlib.import_module(f"unet_compiler.kernels.{name}")._PLANS.clear()

@@ -94,8 +94,8 @@ class KernelChoice(Ops):
         self.where = "?"                     # the region kind being run (set per call by the backend)
         self.declined: Counter = Counter()
         self.torch_faster: Counter = Counter()
-        from ...kernels._common import KernelUnsupported
-        self.Unsupported = KernelUnsupported
+        from ...kernels._common import KernelUnsupported, NotBound
+        self.Unsupported, self.NotBound = KernelUnsupported, NotBound
 
     def decline(self, why: str) -> None:
         self.declined[why] += 1
@@ -136,6 +136,9 @@ class KernelChoice(Ops):
             return reference()
         try:
             out = kernel()
+        except self.NotBound as e:   # inside a capture, nothing launched: the capture takes the torch ops
+            self.declined[str(e).split(": ", 1)[1]] += 1
+            return reference()
         except self.Unsupported as e:
             return self._declined(e, reference, key)
         self.fired[name] += 1

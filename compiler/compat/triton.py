@@ -255,11 +255,16 @@ def cuda_graphs_problem(f: Facts, kernels_leave_captures: bool = False) -> Reaso
 
 
 def kernels_in_captures_problem(f: Facts) -> str | None:
-    """Why Triton kernels must stay out of CUDA graph captures here (None: a capture may hold them)."""
-    if f.allocator_backend == "cudaMallocAsync":
+    """Why Triton kernels must stay out of CUDA graph captures here (None: a capture may hold them).
+    Under cudaMallocAsync a capture holds a kernel only through a direct launch of its compiled
+    kernel with integer pointers (``kernels._common.Launch``); where the check of direct launches
+    failed, the captures hold the torch ops instead."""
+    from ...kernels import _common
+    if f.allocator_backend == "cudaMallocAsync" and not _common.BIND[0]:
+        why = _common._BIND_CHECKED[0] if _common._BIND_CHECKED else "direct launches are off"
         return ("captured regions run torch's ops, the kernels only outside captures: under ComfyUI's "
-                "cudaMallocAsync allocator Triton cannot take memory a capture allocates (start ComfyUI with "
-                "--disable-cuda-malloc to capture the kernels too)")
+                f"cudaMallocAsync allocator Triton cannot take memory a capture allocates, and {why} (start "
+                "ComfyUI with --disable-cuda-malloc to capture the kernels too)")
     return None
 
 

@@ -675,16 +675,21 @@ def test_graphs_outlive_a_prompt_while_the_card_has_room(monkeypatch):
 
 def test_kernels_are_timed_as_the_calls_will_run(monkeypatch, tiny_unet):
     """The triton backend's kernel-vs-torch choice times device time only where graphs will replay
-    the kernels: graphs asked for under ComfyUI's cudaMallocAsync, whose captures run the torch ops
-    -> wall time, each launch paid; graphs refused -> wall time; backend
-    auto on CUDA (measured graphs) -> device time; graphs turned off by a failed capture -> wall time
-    for what is timed from then on. (Before: device time whenever cuda_graphs was asked for, wall
-    time under auto's graphs.)"""
+    the kernels: graphs asked for under ComfyUI's cudaMallocAsync, whose captures hold the kernels
+    through direct launches -> device time; the same where direct launches are off (their check
+    failed), so the captures run the torch ops -> wall time, each launch paid; graphs refused -> wall
+    time; backend auto on CUDA (measured graphs) -> device time; graphs turned off by a failed capture
+    -> wall time for what is timed from then on. (Before: device time whenever cuda_graphs was asked
+    for, wall time under auto's graphs.)"""
     from unet_compiler.compiler import backends, runtime
     from unet_compiler.compiler.backends import triton as TB
+    from unet_compiler.kernels import _common
     u = tiny_unet()
     monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (TB.TritonBackend(), []))
     monkeypatch.setattr(triton_compat, "gather", lambda: triton_compat.Facts(allocator_backend="cudaMallocAsync"))
+    a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
+    assert a.graphs is not None and a.backend.ops.in_captures and a.backend.ops.timing == "device"
+    monkeypatch.setattr(_common, "BIND", [False])
     a = Accelerator(u, CompileConfig(backend="triton", cuda_graphs=True), device=torch.device("cuda"))
     assert a.graphs is not None and not a.backend.ops.in_captures and a.backend.ops.timing == "wall"
     monkeypatch.setattr(backends, "graphs_problem", lambda backend, device: "refused")
@@ -804,13 +809,14 @@ def _triton_on_fake_cuda(u, monkeypatch, **config):
 
 @pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
                     "without a GPU); on a GPU the allocator probe (bench gpu) runs the real capture")
-def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkeypatch):
+def test_graphs_under_comfyuis_allocator_hold_the_kernels(tiny_unet, monkeypatch):
     """ComfyUI's default allocator, cudaMallocAsync, as the H100 run met it (tests/_fake_cuda.py: a
-    Triton launch inside a capture on memory the capture allocated is refused and the process aborts):
-    the triton backend's regions are captured with the torch ops the kernels replace inside the
-    captures, the kernels run where nothing captures, every call == eager, nothing aborts, and the
-    report says why the captures hold no kernels and how to get them there. (Before: graphs refused
-    under cudaMallocAsync.)"""
+    Triton launch given a tensor the capture allocated is refused, and the process aborts): the
+    triton backend's regions are captured with the pack's kernels inside, each launched by its
+    compiled kernel with integer pointers (kernels/_common.Launch); the replays launch them again,
+    every call == eager, nothing aborts, no kernel call is left to the torch ops, and the kernels are
+    timed by device time, as graphs replay them. (Before: the captures held the torch ops the kernels
+    replace, the kernels ran only outside captures, timed by wall time.)"""
     from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
     refs = [_sample(u, s) for s in range(3)]
@@ -820,35 +826,40 @@ def test_graphs_under_comfyuis_allocator_capture_the_torch_ops(tiny_unet, monkey
         outs = [_sample(u, s) for s in range(3)]
         assert cuda.aborted is None, cuda.aborted
         g, ops = accel.graphs, accel.backend.ops
-        assert g.off is None and g.stats["captured"] == len(accel._shims) > 0 and cuda.log["capture_begin"] > 0
-        assert g.stats["replays"] == 2 * len(accel._shims)
+        n = len(accel._shims)
+        assert g.off is None and g.stats["captured"] == n > 0 and g.stats["replays"] == 2 * n
         # what a capture grows torch's reservation by says nothing under cudaMallocAsync (the H100 read
         # 0 MiB for 2.9 GiB of outputs): the pool is not claimed, the static buffers are what is held
         assert g.pool_bytes is None and g.held == g.bytes > 0 and "graph pool" not in "\n".join(g.status_lines())
-        assert sum(ops.fired.values()) > 0           # the first calls ran the kernels
-        assert ops.declined["kept out of CUDA graph captures (cudaMallocAsync)"] > 0
-        assert ops.timing == "wall"                  # a kernel serves only calls that pay their launches
+        assert ops.in_captures and not ops.declined, dict(ops.declined)
+        captured = cuda.log["kernel_captured"]
+        assert captured > 0 and cuda.log["kernel_replayed"] == 2 * captured
+        assert ops.timing == "device"                # a replay pays device time only
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    text = accel.text()
-    assert "cudaMallocAsync" in text and "--disable-cuda-malloc" in text and "captured" in text
+    assert "--disable-cuda-malloc" not in accel.text()
 
 
 @pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
                     "without a GPU); on a GPU the allocator probe (bench gpu) runs the real capture")
 def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
-    """The stand-in's fidelity: the pack's kernels inside a capture under cudaMallocAsync (what the
-    H100 run did with the refusal lifted) meet triton's pointer refusal, and the fake records the
-    abort that followed; under the native allocator the same capture holds the kernels, and its
-    replays launch them again (== eager)."""
+    """The stand-in's fidelity: the pack's kernels launched through triton's JIT inside a capture
+    under cudaMallocAsync (what the H100 run did with the refusal lifted: direct launches off, the
+    JIT let into captures) meet triton's pointer refusal, and the fake records the abort that
+    followed; under the native allocator the same capture holds the kernels, and its replays launch
+    them again (== eager)."""
+    from unet_compiler.kernels import _common
     from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
+        monkeypatch.setattr(_common, "BIND", [False])
+        monkeypatch.setattr(_common, "_capturing", lambda: False)
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
         accel.backend.ops.in_captures = True      # the kernels inside the captures, as before
         for s in range(2):
             _sample(u, s)
         assert cuda.aborted is not None and "Pointer argument" in (accel.graphs.off or "")
+    monkeypatch.undo()
     refs = [_sample(u, s) for s in range(3)]
     with fake_cuda(monkeypatch, allocator="native") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)

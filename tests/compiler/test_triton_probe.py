@@ -119,9 +119,19 @@ def test_windows_portable_python_without_include_and_libs():
 def test_cuda_malloc_async_and_cuda_graphs():
     assert "--disable-cuda-malloc" in T.cuda_graphs_problem(facts(allocator_backend="cudaMallocAsync"))
     assert T.cuda_graphs_problem(facts(allocator_backend="native")) is None
-    # the triton backend's kernels step out of a capture: graphs run there, the kernels outside them
+    # the triton backend's kernels step out of a capture: graphs run there
     assert T.cuda_graphs_problem(facts(allocator_backend="cudaMallocAsync"), kernels_leave_captures=True) is None
-    assert "--disable-cuda-malloc" in T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync"))
+    # a capture holds the kernels through direct launches; where their check failed, the torch ops
+    assert T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync")) is None
+    assert T.kernels_in_captures_problem(facts(allocator_backend="native")) is None
+
+
+def test_captures_hold_the_kernels_only_through_direct_launches(monkeypatch):
+    from unet_compiler.kernels import _common
+    monkeypatch.setattr(_common, "BIND", [False])
+    monkeypatch.setattr(_common, "_BIND_CHECKED", ["the direct launch check failed (TypeError: x)"])
+    why = T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync"))
+    assert "--disable-cuda-malloc" in why and "check failed (TypeError: x)" in why
     assert T.kernels_in_captures_problem(facts(allocator_backend="native")) is None
 
 

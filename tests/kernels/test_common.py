@@ -161,3 +161,104 @@ def test_each_launcher_checks_a_signature_once(monkeypatch):
         attention.attention(q, q, q)
         assert len(attention._PLANS) == n + 1
         assert {p[2][4]["PREC"] for p in attention._PLANS.values() if p[2] is not None} == {"ieee", "tf32"}
+
+
+def _fake_cuda(monkeypatch, allocator="cudaMallocAsync"):
+    if CUDA_HERE:
+        pytest.skip("the fake CUDA runs the kernels under the Triton interpreter (a machine without a GPU); "
+                    "on a GPU the allocator probe (bench gpu) launches them for real")
+    from unet_compiler.tests._fake_cuda import fake_cuda
+    monkeypatch.setattr(_common, "_BIND_CHECKED", [None])   # checked (below, on its own)
+    return fake_cuda(monkeypatch, allocator=allocator)
+
+
+CUDA_HERE = torch.cuda.is_available()
+
+
+def test_a_planned_launch_goes_direct_and_is_captured_under_cudamallocasync(monkeypatch):
+    """kernels/_common.Launch under the fake CUDA (tests/_fake_cuda.py, whose JIT launch returns a
+    compiled kernel as triton's does on a GPU): the first call at a signature launches through the JIT,
+    later calls launch the compiled kernel with integer pointers. Inside a capture under
+    cudaMallocAsync, where a JIT launch given the capture's own memory is refused and the process
+    aborts, groupnorm's three launches and bias_residual's are captured, nothing aborts, and a replay
+    after the inputs changed == the reference on the new inputs."""
+    groupnorm = load("groupnorm")
+    x, w, b = rand(2, 64, 4, 4, seed=1), rand(64, seed=2), rand(64, seed=3)
+    with _fake_cuda(monkeypatch) as cuda, torch.inference_mode():
+        close(groupnorm.groupnorm(x, 32, w, b, silu=True), groupnorm.groupnorm_reference(x, 32, w, b, silu=True),
+              TOL[torch.float32])
+        assert cuda.jit_launches == 3
+        y = epilogue.bias_residual(x, w.clone(), x)      # planned and bound outside the capture
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        h = groupnorm.groupnorm(x, 32, w, b, silu=True)  # scratch and output: the capture's own memory
+        y = epilogue.bias_residual(h, w, h.clone())
+        graph.capture_end()
+        assert cuda.aborted is None and cuda.jit_launches == 4 and cuda.log["kernel_captured"] == 4
+        x.copy_(rand(2, 64, 4, 4, seed=4))
+        graph.replay()
+        want = groupnorm.groupnorm_reference(x, 32, w, b, silu=True)
+        close(y, epilogue.bias_residual_reference(want, w, want), TOL[torch.float32])
+        assert cuda.log["kernel_replayed"] == 4 and cuda.jit_launches == 4
+
+
+def test_a_launch_the_compiled_kernel_cannot_take_goes_through_the_jit(monkeypatch):
+    """A pointer that breaks the 16-byte alignment the compiled kernel was specialised for, or a
+    launch hook (a profiler's) registered with triton: the call goes through the JIT, which
+    specialises again or calls the hooks. Inside a capture such a call launches nothing and raises
+    NotBound (a JIT launch there may abort the process); a signature never launched before does too."""
+    import triton
+    x = rand(4 * 64 + 1, seed=5)
+    with _fake_cuda(monkeypatch) as cuda, torch.inference_mode():
+        epilogue.bias_residual(x[:-1].view(4, 64), residual=x[:-1].view(4, 64), dim=1)   # aligned: binds
+        n = cuda.jit_launches
+        shifted = x[1:].view(4, 64)                                            # 4 bytes off: not aligned
+        close(epilogue.bias_residual(shifted, residual=shifted, dim=1), 2 * shifted, TOL[torch.float32])
+        assert cuda.jit_launches == n + 1
+        epilogue.bias_residual(x[:-1].view(4, 64), residual=x[:-1].view(4, 64), dim=1)
+        assert cuda.jit_launches == n + 1                                      # aligned again: direct
+        hook = triton.knobs.runtime.launch_enter_hook
+
+        def seen(metadata):
+            pass
+        if hasattr(hook, "add"):
+            hook.add(seen)
+            try:
+                epilogue.bias_residual(x[:-1].view(4, 64), residual=x[:-1].view(4, 64), dim=1)
+            finally:
+                hook.remove(seen)
+            assert cuda.jit_launches == n + 2
+        n, new = cuda.jit_launches, rand(3, 32, seed=6)
+        graph = torch.cuda.CUDAGraph()
+        graph.capture_begin()
+        try:
+            with pytest.raises(_common.NotBound):
+                epilogue.bias_residual(shifted, residual=shifted, dim=1)
+            with pytest.raises(_common.NotBound):
+                epilogue.bias_residual(new, dim=1)                               # never planned
+        finally:
+            graph.capture_end()
+        assert cuda.jit_launches == n and cuda.aborted is None and cuda.log["kernel_captured"] == 0
+
+
+def test_direct_launches_are_checked_once_and_turned_off_when_wrong(monkeypatch):
+    """The first compiled kernel bound in a process is checked (kernels/_launch_check.py: a small
+    kernel launched through the JIT and directly must agree); a triton whose launcher computes
+    something else turns direct launches off for the process, every launch then goes through the
+    JIT, and the reason is kept for the report."""
+    from unet_compiler.compiler.compat import triton as triton_compat
+    from unet_compiler.tests._fake_cuda import Compiled
+    monkeypatch.setattr(_common, "BIND", [True])
+    with _fake_cuda(monkeypatch):
+        monkeypatch.setattr(_common, "_BIND_CHECKED", [])
+        assert _common.bound_launch_problem(DEV) is None and _common.BIND[0]
+    monkeypatch.setattr(Compiled, "run", lambda self, *a: None)   # launches nothing
+    x = rand(4, 64, seed=7)
+    with _fake_cuda(monkeypatch) as cuda, torch.inference_mode():
+        monkeypatch.setattr(_common, "_BIND_CHECKED", [])
+        for _ in range(3):
+            close(epilogue.bias_residual(x, residual=x, dim=1), 2 * x, TOL[torch.float32])
+        assert not _common.BIND[0] and "different result" in _common._BIND_CHECKED[0]
+        assert cuda.jit_launches == 3 + 1   # the check's own JIT launch, then the kernel's three
+        why = triton_compat.kernels_in_captures_problem(triton_compat.Facts(allocator_backend="cudaMallocAsync"))
+        assert "different result" in why and "--disable-cuda-malloc" in why
