@@ -10,8 +10,8 @@ replay path and its input copies): the pack's own Python per step (the time spen
 the pack's functions, under cProfile, which inflates every function call: an upper bound; with
 graphs replaying also the wall time of one step's region calls made again, not profiled),
 the launches per step (the pack's kernels, and aten ops that launch work on a GPU, views excluded).
-Per kernel call: each launcher alone on CPU tensors of the same shapes, its Python up to the stubbed
-launch, not profiled. A meta op's
+Per kernel call: each launcher alone on CPU tensors of the same shapes, its Python up to triton's
+launcher (stubbed), not profiled, and how many of its launches went through triton's JIT dispatch. A meta op's
 own dispatch runs Python meta functions, so a step's wall time here is no GPU host time and is not
 reported. Inductor's compiled code cannot run on meta: no row.
 """
@@ -31,22 +31,39 @@ SHAPES = {"sd15": 64, "sdxl": 128, "tiny": 8}   # latent side; tiny: the tests' 
 
 
 class _Launches:
-    """Stands in for one @triton.jit kernel: ``kernel[grid](...)`` counts a launch and runs nothing."""
+    """Stands in for one @triton.jit kernel: ``kernel[grid](...)`` (triton's JIT) counts a launch, runs
+    nothing and returns a compiled kernel whose ``run`` (triton's launcher, called by the pack's direct
+    launches) counts a launch and runs nothing."""
 
-    def __init__(self, name: str, counts: Counter):
-        self.__name__, self.counts = name, counts
+    def __init__(self, kernel, name: str, counts: Counter, jit: Counter):
+        self.__name__, self.counts, self.jit, self.arg_names = name, counts, jit, list(kernel.arg_names)
+        count = self._count
+
+        class Compiled:
+            function = packed_metadata = None
+
+            def run(self, *args):
+                count()
+        self.compiled = Compiled()
+
+    def _count(self):
+        self.counts[self.__name__] += 1
 
     def __getitem__(self, grid):
         return self._launch
 
     def _launch(self, *args, **kwargs):
-        self.counts[self.__name__] += 1
+        self.jit[self.__name__] += 1
+        self._count()
+        return self.compiled
 
 
 @contextlib.contextmanager
-def stubbed_launches(counts: Counter):
-    """Every @triton.jit kernel of the pack replaced by a launch counter, the launchers taking meta
+def stubbed_launches(counts: Counter, jit: Counter | None = None):
+    """Every @triton.jit kernel of the pack replaced by a launch counter (``counts``; ``jit``: those
+    through triton's JIT, not a direct launch of the compiled kernel), the launchers taking meta
     tensors and planning for sm_90, autocast queries answered "off" for meta; restored on exit."""
+    jit = Counter() if jit is None else jit
     from ..compiler import graphs as G  # noqa: N812
     from ..kernels import _common, attention, epilogue, geglu, groupnorm, layernorm, qkv
     mods = (attention, epilogue, geglu, groupnorm, layernorm, qkv)
@@ -61,19 +78,30 @@ def stubbed_launches(counts: Counter):
 
     def is_autocast_enabled(*device_type):   # no autocast on meta (torch raises for the device type)
         return False if device_type[:1] == ("meta",) else real_autocast(*device_type)
-    patches = [(m, name, _Launches(name, counts)) for m in mods for name, obj in list(vars(m).items())
+    patches = [(m, name, _Launches(obj, name, counts, jit)) for m in mods for name, obj in list(vars(m).items())
                if type(obj).__name__ in ("JITFunction", "InterpretedFunction")]
+    # direct launches: checked (nothing runs here), on stream 0 where torch has no CUDA
+    patches += [(_common, "_BIND_CHECKED", [None]), (_common, "BIND", [True])]
+    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
+        patches.append((torch._C, "_cuda_getCurrentRawStream", lambda device: 0))
     patches += [(m, "check_tensor", check_tensor) for m in mods if hasattr(m, "check_tensor")]
     patches += [(_common, "COMPILE_TARGET", (9, 0)), (torch, "is_autocast_enabled", is_autocast_enabled),
                 (G, "_autocast_state", lambda device_type: None if device_type == "meta" else real_state(device_type))]
-    saved = [(m, name, getattr(m, name)) for m, name, _ in patches]
+    missing = object()
+    saved = [(m, name, getattr(m, name, missing)) for m, name, _ in patches]
     try:
         for m, name, value in patches:
             setattr(m, name, value)
         yield
     finally:
         for m, name, obj in saved:
-            setattr(m, name, obj)
+            if obj is missing:
+                delattr(m, name)
+            else:
+                setattr(m, name, obj)
+        for m in mods:   # plans made here hold the stand-ins
+            if hasattr(m, "_PLANS"):
+                m._PLANS.clear()
 
 
 class _NoReplay:
@@ -238,18 +266,21 @@ def kernel_rows(iters: int) -> list[dict]:
              ("attention 2x8x4096x4096 d40", lambda: KA.attention(q, q, q)),
              ("bias_residual 2x320x64x64", lambda: KE.bias_residual(x, w, x, dim=1))]
     rows = []
-    counts: Counter = Counter()
-    with stubbed_launches(counts), torch.inference_mode():
+    counts, jit = Counter(), Counter()
+    with stubbed_launches(counts, jit), torch.inference_mode():
         for name, fn in cases:
             fn()
             n, best = 200, float("inf")
             counts.clear()
+            jit.clear()
             for _ in range(max(1, iters)):   # the least disturbed of ``iters`` runs of n calls
                 t0 = time.perf_counter()
                 for _ in range(n):
                     fn()
                 best = min(best, (time.perf_counter() - t0) / n * 1e6)
-            rows.append(dict(kernel=name, host_us=best, launches=sum(counts.values()) // (n * max(1, iters))))
+            calls = n * max(1, iters)
+            rows.append(dict(kernel=name, host_us=best, launches=sum(counts.values()) // calls,
+                             jit_launches=sum(jit.values()) / calls))
     return rows
 
 
@@ -264,9 +295,12 @@ def main(argv=None) -> int:
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"host time on the meta device, launches stubbed ({machine})")
     ks = kernel_rows(o.iters)
-    print(f"{'kernel call':34s} {'pack us':>8s} {'launches':>8s}")
+    print(f"{'kernel call':34s} {'pack us':>8s} {'launches':>8s} {'by JIT':>7s}")
     for r in ks:
-        print(f"{r['kernel']:34s} {r['host_us']:8.1f} {r['launches']:8d}")
+        print(f"{r['kernel']:34s} {r['host_us']:8.1f} {r['launches']:8d} {r['jit_launches']:7.2f}")
+    print("pack us: the pack's Python per kernel call up to triton's launcher (stubbed: it counts and runs nothing), "
+          "least of --iters runs of 200 calls; by JIT: launches per call that went through triton's JIT dispatch "
+          "(its binding, specialisation key and cache lookup, not counted in pack us) instead of a direct launch")
     rows = []
     print(f"{'model, path':44s} {'pack ms':>8s} {'triton':>7s} {'torch':>6s} {'regions':>7s} {'wall ms':>8s}")
     for size in filter(None, o.size.split(",")):

@@ -122,15 +122,6 @@ BIND = [True]
 _BIND_CHECKED: list = []   # [None] once the check passed, [why] once it failed
 
 
-def _launch_hooks(rt) -> bool:
-    """Whether triton launch hooks (a profiler's) are registered: launches then go through the JIT,
-    which calls them."""
-    for hook in (rt.launch_enter_hook, rt.launch_exit_hook):
-        if hook is not None and getattr(hook, "calls", True):
-            return True
-    return False
-
-
 def _capturing() -> bool:
     try:
         return torch.cuda.is_current_stream_capturing()
@@ -147,8 +138,8 @@ class Launch:
     which triton's launcher takes as they are: no JIT dispatch (tens of µs a call), and no
     ``cuPointerGetAttribute``, which refuses memory a CUDA graph capture allocated under the
     cudaMallocAsync allocator. A call whose pointers break the 16-byte alignment the compiled kernel
-    was specialised for goes through the JIT again; inside a capture nothing goes through the JIT
-    (:class:`NotBound`)."""
+    was specialised for, or made while launch hooks (a profiler's) are registered, goes through the
+    JIT again; inside a capture nothing goes through the JIT (:class:`NotBound`)."""
 
     __slots__ = ("kernel", "grid", "args", "kw", "compiled", "tail", "aligned", "grid3", "device", "rt")
 
@@ -161,7 +152,12 @@ class Launch:
         c = self.compiled
         if c is not None and BIND[0]:
             ptrs = [t.data_ptr() for t in tensors]
-            if not any(ptrs[i] & 15 for i in self.aligned) and not _launch_hooks(self.rt):
+            low = 0
+            for i in self.aligned:
+                low |= ptrs[i]
+            rt = self.rt
+            enter, leave = rt.launch_enter_hook, rt.launch_exit_hook
+            if not low & 15 and not getattr(enter, "calls", enter) and not getattr(leave, "calls", leave):
                 c.run(*self.grid3, torch._C._cuda_getCurrentRawStream(self.device), c.function,
                       c.packed_metadata, None, None, None, *ptrs, *self.tail)
                 return
@@ -170,9 +166,9 @@ class Launch:
                            f"with no compiled kernel bound for it")
         compiled = self.kernel[self.grid](*tensors, *self.args, **self.kw)
         if c is None:
-            self._bind(compiled, tensors)
+            self.bind(compiled, tensors)
 
-    def _bind(self, compiled, tensors) -> None:
+    def bind(self, compiled, tensors) -> None:
         """Keep ``compiled`` (what the JIT launch returned: a compiled kernel, or None under the
         interpreter) with the arguments a direct launch passes after the pointers: every parameter of
         the kernel in order, constexprs included, as triton's JIT passes them."""
@@ -185,7 +181,10 @@ class Launch:
         if bound_launch_problem(tensors[0].device) is not None:
             return
         import triton
-        self.rt = triton.knobs.runtime
+        rt = getattr(getattr(triton, "knobs", None), "runtime", None)
+        if rt is None:
+            return   # a triton before 3.4 (no knobs): its launch hooks live elsewhere, the JIT keeps launching
+        self.rt = rt
         self.tail = [given[n] for n in names[len(tensors):]]
         self.aligned = tuple(i for i, t in enumerate(tensors) if t.data_ptr() % 16 == 0)
         self.device = tensors[0].device.index if tensors[0].device.index is not None else 0
@@ -264,12 +263,12 @@ _CONFIG_CHOICE: dict = {}
 
 
 def launch_first_fitting(kernel, key: tuple, configs: list[dict], grid_fn, args: tuple, kwargs: dict,
-                         what: str, device: torch.device) -> int:
+                         what: str, device: torch.device) -> tuple[int, object]:
     """Launch ``kernel`` with the first of ``configs`` (launch options and block
     constexprs, biggest first) whose compiled form fits this GPU's shared
     memory / registers; the choice is remembered per (key, device), so the
-    OutOfResources probe happens once. ``grid_fn(config)`` gives the grid. Returns the index of
-    the config launched."""
+    OutOfResources probe happens once. ``grid_fn(config)`` gives the grid. Returns (the index of
+    the config launched, what triton's JIT launch returned: the compiled kernel on a GPU)."""
     from triton.runtime.errors import OutOfResources
 
     ck = (getattr(kernel, "__name__", repr(kernel)), key, str(device))
@@ -278,12 +277,12 @@ def launch_first_fitting(kernel, key: tuple, configs: list[dict], grid_fn, args:
     for i in range(start, len(configs)):
         cfg = configs[i]
         try:
-            kernel[grid_fn(cfg)](*args, **kwargs, **cfg)
+            compiled = kernel[grid_fn(cfg)](*args, **kwargs, **cfg)
         except OutOfResources as e:
             last = e
             continue
         _CONFIG_CHOICE[ck] = i
-        return i
+        return i, compiled
     raise KernelUnsupported(f"{what}: no block configuration fits this GPU ({last}).")
 
 

@@ -179,9 +179,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         if fit:   # the config that fitted this GPU at this signature before: launched as is
             fit[0](q, k, v, out)
         else:
-            cfg = configs[launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw,
-                                               "attention", q.device)]
-            fit.append(Launch(_attn_fwd_kernel, grid(cfg), args, {**kw, **cfg}))
+            i, compiled = launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw,
+                                               "attention", q.device)
+            fit.append(Launch(_attn_fwd_kernel, grid(configs[i]), args, {**kw, **configs[i]}))
+            fit[0].bind(compiled, (q, k, v, out))
     return out.squeeze(0) if squeeze else out
 
 

@@ -28,6 +28,12 @@ def test_steps_on_meta_count_launches_and_the_packs_time():
 
 def test_each_launcher_alone():
     from unet_compiler.bench import hosttime as H  # noqa: N812
+    import torch
+    from unet_compiler.kernels import _common
+    before = (_common._BIND_CHECKED, _common.BIND, hasattr(torch._C, "_cuda_getCurrentRawStream"))
     rows = {r["kernel"].split()[0]: r for r in H.kernel_rows(1)}
     assert rows["groupnorm_silu"]["launches"] == 3 and rows["geglu"]["launches"] == 1
     assert all(r["host_us"] > 0 for r in rows.values())
+    # after a signature's first call every launch is a direct one (kernels/_common.Launch)
+    assert all(r["jit_launches"] == 0 for r in rows.values()), rows
+    assert (_common._BIND_CHECKED, _common.BIND, hasattr(torch._C, "_cuda_getCurrentRawStream")) == before
