@@ -252,35 +252,95 @@ def step_rows(size: str, iters: int) -> list[dict]:
     return rows
 
 
+def _kernel_cases(device: str = "cpu") -> list[tuple]:
+    """(name, call) per kernel, SD1.5 512² shapes, bf16, on ``device``'s tensors."""
+    from ..kernels import attention as KA, epilogue as KE, geglu as KG, groupnorm as KN  # noqa: N812
+    m = dict(device=device, dtype=torch.bfloat16)
+    x, w = torch.empty(2, 320, 64, 64, **m), torch.empty(320, **m)
+    h = torch.empty(2, 4096, 2560, **m)
+    q = torch.empty(2, 4096, 320, **m).view(2, 4096, 8, 40).transpose(1, 2)
+    return [("groupnorm_silu 2x320x64x64", lambda: KN.groupnorm(x, 32, w, w, 1e-5, silu=True)),
+            ("geglu 2x4096x2560", lambda: KG.geglu(h)),
+            ("attention 2x8x4096x4096 d40", lambda: KA.attention(q, q, q)),
+            ("bias_residual 2x320x64x64", lambda: KE.bias_residual(x, w, x, dim=1))]
+
+
+def _per_call_us(fn, iters: int, n: int = 200) -> float:
+    """Microseconds per call of ``fn``: the least disturbed of ``iters`` runs of ``n`` calls."""
+    best = float("inf")
+    for _ in range(max(1, iters)):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
 def kernel_rows(iters: int) -> list[dict]:
     """The pack's Python per kernel call (launch stubbed), SD1.5 512² shapes, bf16, on CPU tensors:
     their allocations run in C++ as a CUDA caching allocator's do (a meta tensor's run Python meta
     functions, ~100 µs a call)."""
-    from ..kernels import attention as KA, epilogue as KE, geglu as KG, groupnorm as KN  # noqa: N812
-    m = dict(device="cpu", dtype=torch.bfloat16)
-    x, w = torch.empty(2, 320, 64, 64, **m), torch.empty(320, **m)
-    h = torch.empty(2, 4096, 2560, **m)
-    q = torch.empty(2, 4096, 320, **m).view(2, 4096, 8, 40).transpose(1, 2)
-    cases = [("groupnorm_silu 2x320x64x64", lambda: KN.groupnorm(x, 32, w, w, 1e-5, silu=True)),
-             ("geglu 2x4096x2560", lambda: KG.geglu(h)),
-             ("attention 2x8x4096x4096 d40", lambda: KA.attention(q, q, q)),
-             ("bias_residual 2x320x64x64", lambda: KE.bias_residual(x, w, x, dim=1))]
     rows = []
     counts, jit = Counter(), Counter()
     with stubbed_launches(counts, jit), torch.inference_mode():
-        for name, fn in cases:
+        for name, fn in _kernel_cases():
             fn()
-            n, best = 200, float("inf")
             counts.clear()
             jit.clear()
-            for _ in range(max(1, iters)):   # the least disturbed of ``iters`` runs of n calls
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    fn()
-                best = min(best, (time.perf_counter() - t0) / n * 1e6)
-            calls = n * max(1, iters)
+            best = _per_call_us(fn, iters)
+            calls = 200 * max(1, iters)
             rows.append(dict(kernel=name, host_us=best, launches=sum(counts.values()) // calls,
                              jit_launches=sum(jit.values()) / calls))
+    return rows
+
+
+DISPATCH_PATHS = ("through triton's JIT", "direct")
+
+
+def dispatch_rows(iters: int, only: str = "") -> list[dict]:
+    """Per kernel call with triton's own dispatch in it (in a child process: it swaps triton's
+    driver): the kernels compiled for sm_90 (a stand-in driver, as ``bench targets``), each compiled
+    kernel's launcher a counter that runs nothing; every launch through triton's JIT (binding,
+    specialisation key, cache lookup, launch metadata: the way before direct launches), then with
+    direct launches. ``only``: a comma list of kernel names (default all)."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "unet_compiler.bench", "hosttime", "--dispatch-child", only or "all",
+           "--iters", str(iters)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if r.returncode != 0:
+        raise RuntimeError(f"hosttime dispatch rows failed ({r.returncode}): {r.stderr[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _dispatch_child(iters: int, only: str) -> list[dict]:
+    from triton.compiler.compiler import CompiledKernel
+
+    from ..kernels import _common
+    from .targets import use_target
+    use_target(90)
+    launches: Counter = Counter()
+
+    def loaded(self):   # stands in for loading the binary onto a GPU: its launcher counts, runs nothing
+        if self.module is None:
+            self.module, self.function = object(), 0
+            self._run = lambda *args: launches.update(["launch"])
+    CompiledKernel._init_handles = loaded
+    _common._BIND_CHECKED[:] = [None]   # nothing runs here to check
+    if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
+        torch._C._cuda_getCurrentRawStream = lambda device: 0
+    cases = [(n, fn) for n, fn in _kernel_cases() if only in ("", "all") or n.split()[0] in only.split(",")]
+    rows = []
+    with torch.inference_mode():
+        for path in DISPATCH_PATHS:
+            _common.BIND[0] = path == "direct"
+            for name, fn in cases:
+                fn()   # compiles (the first time in this triton cache) and plans
+                launches.clear()
+                us = _per_call_us(fn, iters)
+                rows.append(dict(kernel=name, path=path, host_us=us,
+                                 launches=launches["launch"] // (200 * max(1, iters))))
     return rows
 
 
@@ -290,7 +350,14 @@ def main(argv=None) -> int:
     ap.add_argument("--size", default="sd15,sdxl", help="comma list of sd15, sdxl (default %(default)s)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="", help="folder for hosttime_<machine>.json")
+    ap.add_argument("--dispatch", action="store_true",
+                    help="also time each kernel call with triton's own dispatch (kernels compiled for sm_90, "
+                         "about a minute the first time), through triton's JIT and launched directly")
+    ap.add_argument("--dispatch-child", default=None, help=argparse.SUPPRESS)
     o = ap.parse_args(argv)
+    if o.dispatch_child is not None:
+        print(json.dumps(_dispatch_child(o.iters, o.dispatch_child)))
+        return 0
     import platform
     machine = f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     print(f"host time on the meta device, launches stubbed ({machine})")
@@ -301,6 +368,15 @@ def main(argv=None) -> int:
     print("pack us: the pack's Python per kernel call up to triton's launcher (stubbed: it counts and runs nothing), "
           "least of --iters runs of 200 calls; by JIT: launches per call that went through triton's JIT dispatch "
           "(its binding, specialisation key and cache lookup, not counted in pack us) instead of a direct launch")
+    dispatch = []
+    if o.dispatch:
+        dispatch = dispatch_rows(o.iters)
+        print(f"{'kernel call, with triton dispatch':34s} {'path':>22s} {'us':>7s} {'launches':>8s}")
+        for r in dispatch:
+            print(f"{r['kernel']:34s} {r['path']:>22s} {r['host_us']:7.1f} {r['launches']:8d}")
+        print("us: the pack's and triton's Python per kernel call up to triton's C launcher (a counter here), the "
+              "kernels compiled for sm_90; through triton's JIT: every launch bound, keyed and looked up by triton "
+              "(before direct launches); direct: the compiled kernel launched with integer pointers")
     rows = []
     print(f"{'model, path':44s} {'pack ms':>8s} {'triton':>7s} {'torch':>6s} {'regions':>7s} {'wall ms':>8s}")
     for size in filter(None, o.size.split(",")):
@@ -320,6 +396,6 @@ def main(argv=None) -> int:
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"hosttime_{platform.machine()}.json"
-        path.write_text(json.dumps(dict(machine=machine, kernels=ks, steps=rows), indent=1))
+        path.write_text(json.dumps(dict(machine=machine, kernels=ks, dispatch=dispatch, steps=rows), indent=1))
         print(f"wrote {path}")
     return 0

@@ -126,22 +126,16 @@ def occupancy(cap: int, warps: int, regs: int, smem: int) -> str:
     return f"{blocks[limiter] * warps:2d}w/SM {limiter}"
 
 
-def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
-    """Compile every case for one target in this process; print a line per variant."""
-    os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
-    tmp = tempfile.TemporaryDirectory(prefix="unet-compiler-targets-")
-    # a fresh cache, so every variant compiles and triton prints its ptxas -v log
-    os.environ.update(TRITON_CACHE_DIR=tmp.name, TRITON_DUMP_PTXAS_LOG="1")
-    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # triton 3.9's notice of a new default
+def use_target(cap: int) -> None:
+    """Make triton in this process compile for compute capability ``cap`` with no GPU: a stand-in
+    driver reports the target (nothing can run), and the launchers plan for it
+    (``_common.COMPILE_TARGET``). Exits with a line naming the triton internal that moved."""
     import torch
     import triton
     try:  # triton internals this tool leans on; they move between releases
         from triton.backends.compiler import GPUTarget
         from triton.backends.driver import DriverBase
         from triton.runtime.driver import driver
-        from triton.runtime.errors import OutOfResources
-        from triton.runtime.jit import JITFunction
-        from triton.tools.disasm import path_to_cuobjdump
     except ImportError as e:
         sys.exit(f"bench targets: triton {triton.__version__} moved an internal this tool uses ({e}); "
                  f"it works with triton 3.6 and 3.9")
@@ -164,6 +158,27 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
     except TypeError as e:  # a new abstract method on DriverBase
         sys.exit(f"bench targets: triton {triton.__version__}'s driver interface changed ({e})")
     _common.COMPILE_TARGET = (cap // 10, cap % 10)
+
+
+def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
+    """Compile every case for one target in this process; print a line per variant."""
+    os.environ.pop("TRITON_INTERPRET", None)  # compile, never interpret
+    tmp = tempfile.TemporaryDirectory(prefix="unet-compiler-targets-")
+    # a fresh cache, so every variant compiles and triton prints its ptxas -v log
+    os.environ.update(TRITON_CACHE_DIR=tmp.name, TRITON_DUMP_PTXAS_LOG="1")
+    warnings.filterwarnings("ignore", message="TRITON_DEFAULT_FP_FUSION")  # triton 3.9's notice of a new default
+    import torch
+    import triton
+    try:  # triton internals this tool leans on; they move between releases
+        from triton.runtime.errors import OutOfResources
+        from triton.runtime.jit import JITFunction
+        from triton.tools.disasm import path_to_cuobjdump
+    except ImportError as e:
+        sys.exit(f"bench targets: triton {triton.__version__} moved an internal this tool uses ({e}); "
+                 f"it works with triton 3.6 and 3.9")
+
+    from ..kernels import _common
+    use_target(cap)
     limit = SMEM_LIMIT[cap]
     compiled = []
     launch = JITFunction.run
@@ -176,7 +191,7 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
         compiled.append((self.fn.__name__, cfg, k, log.getvalue()))
         if k.metadata.shared > limit:  # as on the GPU: the launcher tries its next config
             raise OutOfResources(k.metadata.shared, limit, "shared memory")
-        return k
+        return None   # nothing launched: a planned launch has no compiled kernel to launch directly
 
     JITFunction.run = compile_only
     mods = {f: importlib.import_module(f"{__package__.rpartition('.')[0]}.kernels.{f}") for f in FAMILIES}

@@ -37,3 +37,14 @@ def test_each_launcher_alone():
     # after a signature's first call every launch is a direct one (kernels/_common.Launch)
     assert all(r["jit_launches"] == 0 for r in rows.values()), rows
     assert (_common._BIND_CHECKED, _common.BIND, hasattr(torch._C, "_cuda_getCurrentRawStream")) == before
+
+
+def test_direct_launches_skip_tritons_dispatch():
+    """``hosttime --dispatch``: bias_residual compiled for sm_90 with no GPU (its launcher a counter),
+    timed with every launch through triton's JIT and with direct launches of the compiled kernel:
+    one launch a call either way, and the direct path costs less than triton's dispatch (13.5 vs
+    5.2 µs a call on the 2-core VM, docs/bench.md)."""
+    from unet_compiler.bench import hosttime as H  # noqa: N812
+    rows = {r["path"]: r for r in H.dispatch_rows(3, "bias_residual")}
+    assert set(rows) == set(H.DISPATCH_PATHS) and all(r["launches"] == 1 for r in rows.values()), rows
+    assert rows["direct"]["host_us"] < rows["through triton's JIT"]["host_us"], rows
