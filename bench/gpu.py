@@ -3,8 +3,10 @@
 One call on a GPU machine, within a time budget (default 470 s, for a 500 s call), steps in priority
 order, each capped and skipped when too little time is left:
 
+    probe_alloc   CUDA graph capture under the native allocator and cudaMallocAsync (ComfyUI's default):
+                  capture memory and the driver, the pack's kernels launched directly and through
+                  triton's JIT inside captures, a tiny UNet with graphs both ways
     tests         the GPU tests: kernels + triton backend, and real CUDA graphs + graph memory, at once
-    probe_alloc   CUDA graph capture under the native allocator and cudaMallocAsync (ComfyUI's default)
     probe_prompt_async  SDXL 1024x1024 batch 2 prompts under cudaMallocAsync, as a stock ComfyUI runs
     probe_prompt  the same under torch's native allocator: steady step, each prompt's first step, host ms,
                   memory, graph pool
@@ -52,6 +54,7 @@ def steps() -> list[Step]:
     prompt = _py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl", "--latent", "128", "--steps", "10",
                  "--prompts", "2")
     return [
+        Step("probe_alloc", 150, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
         Step("tests", 190, 60, [
             _py(*tests, "-rfEs", *xdist, "tests/kernels", "tests/compiler/test_triton_backend.py"),
             _py(*tests, "-rfEs", "tests/compiler/test_cuda_graphs.py",
@@ -62,7 +65,6 @@ def steps() -> list[Step]:
                 "tests/compiler/test_precompiled.py::test_precompiled_variants_serve_a_bf16_unet_on_cuda")],
              [r"^(FAILED|ERROR)", r"^SKIPPED.*(cuda|CUDA|GPU|ComfyUI)", r" passed| failed| error",
               r"not precompiled|graph (capture|replay) failed"]),
-        Step("probe_alloc", 120, 40, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
         Step("probe_prompt_async", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"],
              {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
         Step("probe_prompt", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"]),

@@ -84,15 +84,65 @@ def choice() -> None:
 TINY = dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             attention_head_dim=8, norm_num_groups=8)
-STAGES = ("plain", "pool", "pack", "pack_kernels")
+STAGES = ("pointer", "launch", "jit", "plain", "pool", "pack", "pack_jit")
+
+
+def _cu_pointer_status(t: torch.Tensor) -> int:
+    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`` on ``t``'s address through ctypes:
+    the driver's status (0: the address is device memory it knows; 1: CUDA_ERROR_INVALID_VALUE)."""
+    import ctypes
+    lib = ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
+    out = ctypes.c_uint64(0)
+    return int(lib.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(2), ctypes.c_uint64(t.data_ptr())))
+
+
+def _launch_stage(name: str) -> dict:
+    """pointer / launch / jit: memory a capture allocates, and the pack's groupnorm launched on it."""
+    from ..kernels import _common
+    from ..kernels import groupnorm as KN  # noqa: N812
+    x, w, b = (torch.randn(*s, device="cuda", dtype=BF) for s in ((2, 320, 32, 32), (320,), (320,)))
+    ref = lambda: F.silu(F.group_norm(x.float(), 32, w.float(), b.float(), 1e-5)).to(BF)   # noqa: E731
+    with torch.inference_mode():
+        KN.groupnorm(x, 32, w, b, 1e-5, silu=True)   # planned and bound outside the capture
+        torch.cuda.synchronize()
+        g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        res: dict = {}
+        if name == "jit":   # every launch through triton's JIT, let into the capture
+            _common.BIND[0] = False
+            _common._capturing = lambda: False
+        with torch.cuda.graph(g, stream=s):
+            h = torch.empty_like(x)
+            if name == "pointer":
+                res["cu_pointer_status_inside"] = _cu_pointer_status(h)
+            y = KN.groupnorm(x, 32, w, b, 1e-5, silu=True) if name != "pointer" else h
+        torch.cuda.synchronize()
+        if name == "pointer":
+            res["cu_pointer_status_outside"] = _cu_pointer_status(x)
+            return res
+        junk = [torch.empty(1 << 20, device="cuda") for _ in range(16)]   # unrelated allocations come and go
+        del junk
+        for _ in range(2):
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            torch.cuda.synchronize()
+            res["max_abs_diff"] = max(res.get("max_abs_diff", 0.0), float((y.float() - ref().float()).abs().max()))
+        del g
+        torch.cuda.synchronize()
+    return res
 
 
 def stage(name: str) -> dict:
-    """One capture under this process's allocator. plain: ``torch.cuda.graph`` of a matmul; pool: the
+    """One capture under this process's allocator. pointer: the driver's answer for memory a capture
+    allocated (triton's launcher asks it of every tensor argument); launch: the pack's groupnorm (three
+    kernels, launched directly with integer pointers) captured, replayed after unrelated allocations
+    came and went, == torch, the graph freed; jit: the same launched through triton's JIT (under
+    cudaMallocAsync it aborted with triton 3.6); plain: ``torch.cuda.graph`` of a matmul; pool: the
     pack's CudaGraphs (side stream, private pool); pack: the triton backend with graphs on a tiny bf16
-    diffusers UNet, as shipped (under cudaMallocAsync its captures hold the torch ops, not the kernels);
-    pack_kernels: the same with the kernels inside the captures whatever the allocator (for this
-    process only: under cudaMallocAsync it aborted with triton 3.6; a newer triton may not)."""
+    diffusers UNet, as shipped (its captures hold the kernels, launched directly); pack_jit: the same
+    with every launch through triton's JIT, let into the captures (as before direct launches)."""
+    if name in ("pointer", "launch", "jit"):
+        return _launch_stage(name)
     x = torch.randn(256, 256, device="cuda")
     if name == "plain":
         g = torch.cuda.CUDAGraph()
@@ -120,7 +170,10 @@ def stage(name: str) -> dict:
     from ..compiler import compile_unet
     from ..compiler.api import accelerator_of
     from ..compiler.compat import triton as tc
-    if name == "pack_kernels":
+    if name == "pack_jit":
+        from ..kernels import _common
+        _common.BIND[0] = False
+        _common._capturing = lambda: False
         tc.kernels_in_captures_problem = lambda facts: None
     torch.manual_seed(0)
     u = diffusers.UNet2DConditionModel(**TINY).eval().to("cuda", BF)
