@@ -200,7 +200,7 @@ def bound_launch_problem(device) -> str | None:
         _BIND_CHECKED.append(None)   # the check's own launches bind without checking again
         try:
             from . import _launch_check
-            _BIND_CHECKED[0] = _launch_check.run(device)
+            _BIND_CHECKED[0] = _launch_check.run(device, Launch)
         except Exception as e:   # anything: the JIT stays the way kernels launch
             _BIND_CHECKED[0] = f"the direct launch check failed ({type(e).__name__}: {e})"
         if _BIND_CHECKED[0] is not None:

@@ -1,12 +1,10 @@
 """The check behind ``_common.bound_launch_problem``: one small kernel launched through triton's JIT
-and then directly (``_common.Launch``), whose results must agree."""
+and then directly (``_common.Launch``, handed in), whose results must agree."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-from ._common import Launch
 
 
 @triton.jit
@@ -17,8 +15,9 @@ def _axpb_kernel(X, Y, N, B, A: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(Y + i, A * tl.load(X + i, mask=mask) + B, mask=mask)
 
 
-def run(device) -> str | None:
-    """None when a direct launch computes what the JIT launch did on ``device``, else why not."""
+def run(device, Launch) -> str | None:  # noqa: N803 - the class, handed in (_common imports this module)
+    """None when a direct launch (``Launch``: ``_common.Launch``) computes what the JIT launch did on
+    ``device``, else why not."""
     n = 100
     x = torch.arange(n, dtype=torch.float32, device=device)
     launch = Launch(_axpb_kernel, (2,), (n, 5.0), dict(A=3, BLOCK=64))

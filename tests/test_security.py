@@ -186,6 +186,8 @@ PROCESSES = {
                                   "unet_compiler.bench storage --row`, cwd = the ComfyUI tree) so its compile is cold",
     ("bench/starts.py", "_read_only"): "the fleet-start bench: `mount --bind` / `remount,ro` / `umount` of a temp "
                                        "folder to simulate a read-only shared cache (root only)",
+    ("bench/hosttime.py", "dispatch_rows"): "times triton's dispatch in a fresh python process (`-m "
+                                            "unet_compiler.bench hosttime --dispatch-child`): it swaps triton's driver",
     ("bench/targets.py", "sass_of"): "runs triton's bundled cuobjdump to read a compiled kernel's SASS",
     ("bin/dev.py", "is_complete"): "the developers' env tool (bin/setup, bin/test, bin/bench; never imported by the "
                                    "pack): asks the env's python whether it finds torch, pytest and this checkout",
