@@ -47,7 +47,7 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     shape = label_of(args[0] if args else kwargs.get("sample"))
     if torch.is_grad_enabled():
         with accel.active(shape=shape):
-            return _map_out(type(module).forward(module, *args, **kwargs), in_model_dtype)
+            return _map_out(accel.forward(module, args, kwargs), in_model_dtype)
     # no_grad (diffusers pipelines) or inference_mode: run the way ComfyUI and
     # warmup() do, on inference tensors under inference_mode, so the graphs
     # warmup compiled are the ones that run (dynamo guards on inference-ness).
@@ -55,7 +55,7 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     with torch.inference_mode():
         args, kwargs = _as_inference(args), _as_inference(kwargs)
         with accel.active(shape=shape):
-            out = _map_out(type(module).forward(module, *args, **kwargs), in_model_dtype)
+            out = _map_out(accel.forward(module, args, kwargs), in_model_dtype)
     if outer:
         return out
     # back outside inference_mode: hand out normal tensors the caller may modify in place

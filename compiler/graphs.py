@@ -257,12 +257,14 @@ class _Graph:
             s.copy_(a)
         return True
 
-    def served(self):
+    def served(self, copies: bool = False):
         """What a call gets: aliases of the output buffers, in the region's own structure (no copy;
-        the buffers' ``held`` keeps a later replay from writing them while a caller holds one)."""
+        the buffers' ``held`` keeps a later replay from writing them while a caller holds one), or
+        copies of them (``copies``)."""
+        take = torch.Tensor.clone if copies else torch.Tensor.detach
         if isinstance(self.static_out, torch.Tensor):
-            return self.static_out.detach()
-        return type(self.static_out)(None if o is None else o.detach() for o in self.static_out)
+            return take(self.static_out)
+        return type(self.static_out)(None if o is None else take(o) for o in self.static_out)
 
     def tensors(self) -> list:
         return [t for t in self.static_in if t is not None] + [b.tensor for b in self.outs]
@@ -294,9 +296,18 @@ KEEP_BELOW = 0.9
 
 
 class RegionGraphs:
-    def __init__(self, max_shapes: int = 4, graphs=None, budget: int | None = None, measured: bool = False):
+    def __init__(self, max_shapes: int = 4, graphs=None, budget: int | None = None, measured: bool = False,
+                 copies: bool = False):
         self.max_shapes = max_shapes
         self.measured = measured
+        #: a replay serves copies of its output buffers, not aliases (whole UNet calls: a sampler may
+        #: keep one call's result while it makes the next call)
+        self.copies = copies
+        #: set while another graph of the model captures or runs a UNet call whole: region calls then
+        #: run their code as it is, inside that one graph
+        self.aside = False
+        #: set while one of these graphs captures
+        self.capturing = False
         self.graphs = graphs if graphs is not None else CudaGraphs()
         #: region module -> its graphs; weak keys: a region module that dies (its model dropped, or
         #: the module replaced) takes its graphs and static buffers with it, and a new module that
@@ -357,12 +368,13 @@ class RegionGraphs:
                 reg.seen.clear()
                 reg.ptrs = ptrs
 
-    def run(self, impl, module, args, weights=None):
+    def run(self, impl, module, args, weights=None, extra=None):
         """``impl(module, *args)``, through a captured graph where possible (inside a UNet call that
         :meth:`begin_call` opened). ``weights``: the addresses of the weights ComfyUI cast for this
         call (resident, pinned while it runs: ``cast.applied``); a graph captured with others is
-        dropped and the call runs its launches (the next one captures again)."""
-        if self.off is not None:
+        dropped and the call runs its launches (the next one captures again). ``extra``: what else
+        the call's graph is keyed by (hashable)."""
+        if self.off is not None or self.aside:
             return impl(module, *args)
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         why = "autograd on" if torch.is_grad_enabled() else self.graphs.usable(tensors)
@@ -376,7 +388,7 @@ class RegionGraphs:
         if reg is None:
             reg = self.regions[module] = _Region(module, cast=weights is not None)
         device = tensors[0].device
-        key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled())
+        key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled(), extra)
         entry = reg.graphs.get(key)
         if entry is not None and entry.weights != weights:
             self.stats["dropped for moved cast weights"] += 1
@@ -397,7 +409,7 @@ class RegionGraphs:
                 self._turn_off("replay", e)
                 return impl(module, *args)
             self.stats["replays"] += 1
-            return entry.served()
+            return entry.served(self.copies)
         why = reg.refused.get(key)
         if why is None and background.BACKGROUND.active:
             why = "a background compile was running"
@@ -536,7 +548,11 @@ class RegionGraphs:
                 return static_out
             reserved = getattr(self.graphs, "reserved", None)   # a stand-in without it holds no device memory
             before = reserved(device) if reserved is not None else None
-            graph, _ = self.graphs.capture(body, device)
+            self.capturing = True
+            try:
+                graph, _ = self.graphs.capture(body, device)
+            finally:
+                self.capturing = False
             after = reserved(device) if before is not None else None
             if after is not None:
                 self.pool_bytes = (self.pool_bytes or 0) + max(0, after - before)
@@ -552,7 +568,7 @@ class RegionGraphs:
                     reg.refused[key] = "auto: replay not faster than launching its kernels"
                     self.stats["not kept"] += 1
                     self._account()
-                    return entry.served()   # (nothing replays into these buffers again)
+                    return entry.served(self.copies)   # (nothing replays into these buffers again)
                 self.stats["kept"] += 1
                 reg.kept.add(key)
             else:
@@ -580,7 +596,7 @@ class RegionGraphs:
         self._account()
         self.stats["captured"] += 1
         self.stats["replays"] += 1
-        return entry.served()
+        return entry.served(self.copies)
 
     def status_lines(self) -> list[str]:
         if self.off is not None:

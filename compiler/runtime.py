@@ -28,6 +28,7 @@ from .lifecycle.ledger import Ledger
 from . import plan as P
 from .backends import choose, graphs_for
 from .cache import CompileCache
+from .call_graph import CallGraphs
 from .compat import comfy as comfy_compat
 from .config import CompileConfig
 from .inserted import Inserted
@@ -81,6 +82,8 @@ class Accelerator:
         #: ids of the region modules whose accelerated code ran at least once, and in the latest UNet call
         self.regions_ran: set[int] = set()
         self.regions_ran_last: set[int] = set()
+        #: inside a UNet call through the regions (their shims installed)
+        self._through = False
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
         #: the dtype region inputs had at the first accelerated call (the activations' dtype)
@@ -107,6 +110,9 @@ class Accelerator:
             log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
                         self.config.backend, rep.backend, "; ".join(rep.why))
         self.graphs = graphs_for(self.backend, self.config, device, rep.notes)
+        #: one graph per UNet call where nothing in it needs Python between regions (UNets only)
+        self.call_graphs = CallGraphs(unet, self.graphs, self.stats) \
+            if self.graphs is not None and self.plan.arch == "unet" else None
         self._autocast = self.config.autocast_dtype(self.model_dtype, rep.notes)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
@@ -169,15 +175,28 @@ class Accelerator:
         return self._root()
 
     def idle_graphs(self, why: str) -> int:
-        """A prompt ended: the regions' CUDA graphs stay for the next prompt while the card has room,
-        else they are freed (``why`` in the report). Returns how many graphs were freed."""
-        return self.graphs.idle(why) if self.graphs is not None else 0
+        """A prompt ended: the CUDA graphs (the regions' and the whole calls') stay for the next prompt
+        while the card has room, else they are freed (``why`` in the report). Returns how many graphs
+        were freed."""
+        return sum(g.idle(why) for g in self._all_graphs())
 
     def release_graphs(self, why: str) -> int:
-        """Free the regions' CUDA graphs and their static buffers (ComfyUI unloaded the model: the
-        memory goes back where ComfyUI's accounting sees it); the next call at a shape captures
-        again. Returns how many graphs were freed."""
-        return self.graphs.release(why) if self.graphs is not None else 0
+        """Free the CUDA graphs (the regions' and the whole calls') and their static buffers (ComfyUI
+        unloaded the model: the memory goes back where ComfyUI's accounting sees it); the next call at
+        a shape captures again. Returns how many graphs were freed."""
+        return sum(g.release(why) for g in self._all_graphs())
+
+    def _all_graphs(self) -> list:
+        return [g for g in (self.call_graphs.graphs if self.call_graphs is not None else None, self.graphs)
+                if g is not None]
+
+    def forward(self, module, args: tuple, kwargs: dict):
+        """The UNet's own forward on ``module`` (the root) inside a call through the regions: one CUDA
+        graph for the whole call where it can be (:mod:`call_graph`), else region by region."""
+        forward = type(module).forward
+        if self.call_graphs is None or not self._through:
+            return forward(module, *args, **kwargs)
+        return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last)
 
     # ---- one region call ----------------------------------------------
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
@@ -218,8 +237,8 @@ class Accelerator:
             else:
                 out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
-            if comfy_compat.is_cancel(e):
-                raise
+            if comfy_compat.is_cancel(e) or (self.call_graphs is not None and self.call_graphs.graphs.capturing):
+                raise   # inside a whole call's capture: that capture fails, not this region kind
             error = e
             if comfy_compat.is_oom(e):
                 # out of memory in the accelerated code: the model's own code may fit (ComfyUI's
@@ -320,8 +339,8 @@ class Accelerator:
     def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
         self.inserted.check()
-        if self.graphs is not None:
-            self.graphs.begin_call()
+        for g in self._all_graphs():
+            g.begin_call()
         installed = []
         with contextlib.ExitStack() as stack:
             for cm in self.backend.dynamo_config(self.config):
@@ -341,8 +360,16 @@ class Accelerator:
                     hook = getattr(shim, "hook", "forward")
                     module.__dict__[hook] = shim
                     installed.append((module, hook))
+                root = self.root
+                if self.call_graphs is not None and root is not None and "forward" not in root.__dict__:
+                    # ComfyUI calls the diffusion model itself (a diffusers UNet's forward is the pack's:
+                    # api._accelerated_forward calls forward() above)
+                    root.__dict__["forward"] = lambda *a, **k: self.forward(root, a, k)
+                    installed.append((root, "forward"))
+                self._through = True
                 yield
             finally:
+                self._through = False
                 for module, hook in installed:
                     module.__dict__.pop(hook, None)
                 weights.release_scratch()

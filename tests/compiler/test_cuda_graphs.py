@@ -809,35 +809,51 @@ def _triton_on_fake_cuda(u, monkeypatch, **config):
 
 @pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
                     "without a GPU); on a GPU the allocator probe (bench gpu) runs the real capture")
-def test_graphs_under_comfyuis_allocator_hold_the_kernels(tiny_unet, monkeypatch):
+@pytest.mark.parametrize("whole", [True, False], ids=["one graph per call", "per region"])
+def test_graphs_under_comfyuis_allocator_hold_the_kernels(tiny_unet, monkeypatch, whole):
     """ComfyUI's default allocator, cudaMallocAsync, as the H100 run met it (tests/_fake_cuda.py: a
     Triton launch given a tensor the capture allocated is refused, and the process aborts): the
-    triton backend's regions are captured with the pack's kernels inside, each launched by its
+    triton backend's graphs are captured with the pack's kernels inside, each launched by its
     compiled kernel with integer pointers (kernels/_common.Launch); the replays launch them again,
     every call == eager, nothing aborts, no kernel call is left to the torch ops, and the kernels are
-    timed by device time, as graphs replay them. (Before: the captures held the torch ops the kernels
-    replace, the kernels ran only outside captures, timed by wall time.)"""
+    timed by device time, as graphs replay them. Both ways: one graph per UNet call, and region by
+    region where the call cannot be one graph (a forward hook on the model). (Before: the captures
+    held the torch ops the kernels replace, the kernels ran only outside captures, timed by wall
+    time; and every call was region by region.)"""
     from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
     refs = [_sample(u, s) for s in range(3)]
     with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
-        assert accel.graphs is not None, accel.text()
+        assert accel.graphs is not None and accel.call_graphs is not None, accel.text()
+        hook = None if whole else u.conv_in.register_forward_hook(lambda m, a, out: None)
         outs = [_sample(u, s) for s in range(3)]
+        if hook is not None:
+            hook.remove()
         assert cuda.aborted is None, cuda.aborted
-        g, ops = accel.graphs, accel.backend.ops
+        g, c, ops = accel.graphs, accel.call_graphs.graphs, accel.backend.ops
         n = len(accel._shims)
-        assert g.off is None and g.stats["captured"] == n > 0 and g.stats["replays"] == 2 * n
-        # what a capture grows torch's reservation by says nothing under cudaMallocAsync (the H100 read
-        # 0 MiB for 2.9 GiB of outputs): the pool is not claimed, the static buffers are what is held
-        assert g.pool_bytes is None and g.held == g.bytes > 0 and "graph pool" not in "\n".join(g.status_lines())
+        if whole:
+            assert c.off is None and c.stats["captured"] == 1 and c.stats["replays"] == 2
+            assert g.stats["captured"] == 0 and not g.skipped, (dict(g.stats), dict(g.skipped))
+            assert accel.regions_ran_last and len(accel.regions_ran_last) == n   # a replay counts its regions
+        else:
+            assert g.off is None and g.stats["captured"] == n > 0 and g.stats["replays"] == 2 * n
+            assert c.stats["captured"] == 0 and accel.call_graphs.skipped["a forward hook runs inside the call"] == 3
+            # what a capture grows torch's reservation by says nothing under cudaMallocAsync (the H100
+            # read 0 MiB for 2.9 GiB of outputs): the pool is not claimed, the static buffers are held
+            assert g.pool_bytes is None and g.held == g.bytes > 0
+            assert "graph pool" not in "\n".join(g.status_lines())
         assert ops.in_captures and not ops.declined, dict(ops.declined)
         captured = cuda.log["kernel_captured"]
         assert captured > 0 and cuda.log["kernel_replayed"] == 2 * captured
         assert ops.timing == "device"                # a replay pays device time only
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
-    assert "--disable-cuda-malloc" not in accel.text()
+    text = accel.text()
+    assert "--disable-cuda-malloc" not in text
+    assert ("one graph per UNet call: 1 captured, 2 replays" in text) == whole, text
+    assert ("a forward hook runs inside the call x3" in text) != whole, text
 
 
 @pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
@@ -855,6 +871,7 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
         monkeypatch.setattr(_common, "BIND", [False])
         monkeypatch.setattr(_common, "_capturing", lambda: False)
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
+        accel.call_graphs = None                  # region by region, as then
         accel.backend.ops.in_captures = True      # the kernels inside the captures, as before
         for s in range(2):
             _sample(u, s)
@@ -863,6 +880,7 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
     refs = [_sample(u, s) for s in range(3)]
     with fake_cuda(monkeypatch, allocator="native") as cuda:
         accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
+        accel.call_graphs = None
         outs = [_sample(u, s) for s in range(3)]   # the third call replays the kernels the graphs hold
         assert cuda.aborted is None and accel.graphs.off is None and accel.graphs.stats["captured"] > 0
         assert accel.graphs.stats["replays"] == 2 * accel.graphs.stats["captured"]

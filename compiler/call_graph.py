@@ -1,0 +1,173 @@
+"""One CUDA graph per UNet call, where nothing inside the call needs Python between its regions.
+
+A UNet call whose body is the same launches every time (no ComfyUI patch, wrapper, ControlNet or
+attention override in the call, no forward hook on the model, no weight ComfyUI casts per call,
+every input a tensor, None, a flag or a name) is captured whole on its second call at an input
+signature and replayed from the third: the regions' compiled code and ComfyUI's dispatch between
+them in one graph (as stable-fast does), where per-region graphs leave that dispatch to Python. Any
+other call runs as before, through the per-region graphs, and the report counts why. A replay
+serves a copy of the output (a sampler may hold one call's result while it makes the next), and
+counts for each region what its capture counted. The graph is keyed by the inputs' signature, the
+fixed values and which region kinds run the model's own code; a moved or replaced weight drops it
+(``RegionGraphs.begin_call``); a failed capture turns these graphs off for the model and leaves the
+per-region graphs on. UNets only: a DiT's call builds positions and masks in Python per call.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from . import cast
+from .compat import comfy as comfy_compat
+from .graphs import RegionGraphs
+
+def _flatten(value, path, tensors: list, fixed: list) -> str | None:
+    """``value``'s tensors appended to ``tensors`` and its other parts to ``fixed`` (with ``path``);
+    why the graph cannot hold it, or None."""
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        fixed.append((path, "tensor"))
+    elif value is None or isinstance(value, (bool, str)):
+        fixed.append((path, value))
+    elif isinstance(value, (int, float)):
+        return "a number input (a Python number may change every call)"
+    elif isinstance(value, (tuple, list)):
+        fixed.append((path, type(value).__name__, len(value)))
+        for i, v in enumerate(value):
+            why = _flatten(v, (*path, i), tensors, fixed)
+            if why:
+                return why
+    elif isinstance(value, dict):
+        fixed.append((path, "dict", tuple(value)))
+        for k, v in value.items():
+            why = _flatten(v, (*path, k), tensors, fixed)
+            if why:
+                return why
+    else:
+        return f"an input the graph cannot hold ({type(value).__name__})"
+    return None
+
+
+def _rebuild(value, it):
+    """``value``'s structure with its tensors taken in order from ``it``."""
+    if isinstance(value, torch.Tensor):
+        return next(it)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebuild(v, it) for v in value)
+    if isinstance(value, dict):
+        return {k: _rebuild(v, it) for k, v in value.items()}
+    return value
+
+
+def call_problem(kwargs: dict) -> str | None:
+    """Why this ComfyUI UNet call's keyword arguments need Python between its regions (None: they
+    do not): ControlNet's residuals, a patch, a diffusion-model wrapper or an attention override."""
+    if kwargs.get("control") is not None:
+        return "ControlNet adds its residuals inside the call"
+    to = kwargs.get("transformer_options") or {}
+    if any(to.get("patches", {}).values()) or any(to.get("patches_replace", {}).values()):
+        return "a model patch runs inside the call"
+    if any((to.get("wrappers") or {}).get("diffusion_model", {}).values()):
+        return "a diffusion-model wrapper runs around the call"
+    if "optimized_attention_override" in to:
+        return "an attention override runs inside the call"
+    return None
+
+
+class CallGraphs:
+    """The whole-call graphs of one UNet (``root``) beside its per-region graphs (``regions``, which
+    step aside while a whole call runs). ``stats``: the accelerator's, whose region counts a replay
+    repeats; ``skipped``: why calls ran without their graph."""
+
+    def __init__(self, root: torch.nn.Module, regions: RegionGraphs, stats: Counter):
+        self.regions, self.stats = regions, stats
+        self.graphs = RegionGraphs(max_shapes=regions.max_shapes, graphs=regions.graphs, measured=regions.measured,
+                                   copies=True)
+        self.skipped: Counter = Counter()
+        self._watched = cast.watch([m for m in root.modules() if not any(True for _ in m.children())])
+        self._hooks = [(m._forward_hooks, m._forward_pre_hooks) for m in root.modules()]
+        self._counted: dict = {}   # graph key -> (region counts, region ids) its capture counted
+        self._wrap: dict = {}      # graph key -> (output class, field names): a diffusers output, rebuilt
+
+    def problem(self, kwargs: dict) -> str | None:
+        """Why this call runs through the per-region graphs (None: it can be one graph)."""
+        if self.graphs.off is not None:
+            return None   # said by the graphs' own status line
+        why = call_problem(kwargs)
+        if why:
+            return why
+        if any(a or b for a, b in self._hooks) or torch.nn.modules.module._global_forward_hooks or \
+                torch.nn.modules.module._global_forward_pre_hooks:
+            return "a forward hook runs inside the call"
+        if not cast.idle(self._watched):
+            return "ComfyUI casts or patches weights per call (Dynamic VRAM, a partial load, fp8 storage or LoRA)"
+        if comfy_compat.compiler_recording() is not None:
+            return "ComfyUI's compiler records the model's allocations"
+        return None
+
+    def call(self, forward, root, args: tuple, kwargs: dict, failed: dict, ran_last: set):
+        """``forward(root, *args, **kwargs)``, one graph where it can be (``failed``: the region
+        kinds running the model's own code, part of the key; ``ran_last``: the regions that ran
+        compiled code this call, which a replay fills as its capture did)."""
+        why = self.problem(kwargs)
+        tensors, fixed = [], []
+        if why is None and self.graphs.off is None:
+            why = _flatten((args, {k: v for k, v in kwargs.items() if k != "transformer_options"}), (), tensors, fixed)
+        if why is not None or self.graphs.off is not None:
+            if why is not None:
+                self.skipped[why] += 1
+            return forward(root, *args, **kwargs)
+        extra = (tuple(fixed), tuple(sorted(failed)))
+        options = {"transformer_options": kwargs["transformer_options"]} if "transformer_options" in kwargs else {}
+        ran = []
+
+        def whole(module, *flat):
+            a, k = _rebuild((args, {n: v for n, v in kwargs.items() if n != "transformer_options"}), iter(flat))
+            before, earlier = Counter(self.stats), set(ran_last)
+            ran_last.clear()
+            self.regions.aside = True
+            try:
+                out = forward(module, *a, **k, **options)
+            finally:
+                self.regions.aside = False
+            counted = Counter(self.stats)
+            counted.subtract(before)
+            self._counted[extra] = (+counted, set(ran_last))
+            ran_last.update(earlier)
+            if self.graphs.capturing:   # the capture records this call, its replay counts it
+                self.stats.clear()
+                self.stats.update(before)
+            ran.append(True)
+            if hasattr(out, "to_tuple") and hasattr(out, "keys"):   # diffusers' output dataclass
+                self._wrap[extra] = (type(out), list(out.keys()))
+                return out.to_tuple()
+            return out
+        out = self.graphs.run(whole, root, tensors, extra=extra)
+        if not ran and extra in self._counted:   # a replay: the regions' counts as its capture made them
+            counted, ids = self._counted[extra]
+            self.stats.update(counted)
+            ran_last |= ids
+        wrap = self._wrap.get(extra)
+        return wrap[0](**dict(zip(wrap[1], out, strict=True))) if wrap is not None else out
+
+    def status_lines(self) -> list[str]:
+        g = self.graphs
+        if g.off is not None:
+            return [f"  one graph per UNet call: off after a failed {g.off}; the regions' graphs run"]
+        s = g.stats
+        if not (s or self.skipped or g.skipped):
+            return []
+        line = (f"  one graph per UNet call: {s['captured']} captured, {s['replays']} replays, "
+                f"{g.bytes / 2**20:.0f} MiB of static buffers")
+        if s["dropped for new weights"]:
+            line += f", {s['dropped for new weights']} dropped when weights were replaced"
+        if s["released"]:
+            line += f", {s['released']} freed ({g.released})"
+        lines = [line]
+        why = Counter(self.skipped)
+        why.update(g.skipped)
+        if why:
+            lines.append("  UNet calls through the regions' graphs instead: "
+                         + ", ".join(f"{k} x{n}" for k, n in sorted(why.items())))
+        return lines

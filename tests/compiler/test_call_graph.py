@@ -1,0 +1,145 @@
+"""compiler/call_graph.py: one CUDA graph per UNet call where nothing in the call needs Python between
+its regions, region by region otherwise, with the reason counted.
+
+The graphs run on tests/conftest.py's StrictGraphStandIn (a capture records the aten ops; a replay
+re-runs them on the captured tensors, not the model's Python), the regions' own bodies uncompiled:
+the graphs are under test, not a compiler."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unet_compiler.compiler.call_graph import CallGraphs
+from unet_compiler.compiler.config import CompileConfig
+from unet_compiler.compiler.graphs import RegionGraphs
+
+
+def _graphed(accel, standin):
+    """``accel``'s graphs (per region and per call) on ``standin``, its regions' own bodies."""
+    from unet_compiler.compiler import regions as R
+    accel.graphs = RegionGraphs(graphs=standin)
+    accel.call_graphs = CallGraphs(accel.root, accel.graphs, accel.stats)
+    accel._install(R.BODIES)
+    return accel
+
+
+def _diffusers(u, standin):
+    from unet_compiler.compiler import compile_unet
+    from unet_compiler.compiler.api import accelerator_of
+    compile_unet(u, "inductor", prepack_conv=False, prepack_linear=False)
+    return _graphed(accelerator_of(u), standin)
+
+
+def _sample(u, seed, b=2):
+    g = torch.Generator().manual_seed(seed)
+    x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
+    with torch.inference_mode():
+        return u(x, torch.full((b,), 500.0 + seed), c).sample
+
+
+def test_a_diffusers_unet_call_is_one_graph(tiny_unet, strict_graph_standin):
+    """The diffusers UNet: captured whole on its 2nd call, replayed from the 3rd (its output rebuilt
+    as diffusers' output class); == eager on fresh inputs and timesteps; no region graph; a replay
+    counts the regions its capture ran; a weight changed in place is read by the next replay, a
+    replaced one drops the graph. (Before: 70 region graphs at SD1.5, ComfyUI's dispatch between
+    them in Python every call.)"""
+    u, ref = tiny_unet(), tiny_unet()
+    fake = strict_graph_standin()
+    accel = _diffusers(u, fake)
+    n = len(accel._shims)
+    for s in range(4):
+        torch.testing.assert_close(_sample(u, s), _sample(ref, s), rtol=1e-5, atol=1e-5)
+        assert len(accel.regions_ran_last) == n
+    c = accel.call_graphs.graphs
+    assert fake.captures == 1 and c.stats["captured"] == 1 and c.stats["replays"] == 3
+    assert accel.graphs.stats["captured"] == 0 and not accel.graphs.skipped
+    assert accel.stats["ran_resblock"] == 4 * sum(r.kind == "resblock" for r in accel.plan.regions)
+    with torch.no_grad():
+        for m in (u, ref):
+            m.conv_in.weight.mul_(1.5)                               # in place: the replay reads it
+    torch.testing.assert_close(_sample(u, 5), _sample(ref, 5), rtol=1e-5, atol=1e-5)
+    assert fake.captures == 1
+    for m in (u, ref):
+        m.conv_out.weight = torch.nn.Parameter(m.conv_out.weight * 0.5, requires_grad=False)   # replaced
+    for s in range(6, 9):
+        torch.testing.assert_close(_sample(u, s), _sample(ref, s), rtol=1e-5, atol=1e-5)
+    assert c.stats["dropped for new weights"] == 1 and fake.captures == 2
+    assert "one graph per UNet call: 2 captured" in accel.text()
+
+
+def test_a_call_that_needs_python_between_regions_runs_region_by_region(tiny_unet, strict_graph_standin):
+    """A forward hook on the model (the call then runs Python between regions): the regions' own
+    graphs serve it, the reason counted in the report; once the hook is gone the call is one graph."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    hook = u.mid_block.register_forward_hook(lambda m, a, out: None)
+    for s in range(3):
+        torch.testing.assert_close(_sample(u, s), _sample(ref, s), rtol=1e-5, atol=1e-5)
+    assert accel.call_graphs.graphs.stats["captured"] == 0
+    assert accel.graphs.stats["captured"] == len(accel._shims)
+    assert "UNet calls through the regions' graphs instead: a forward hook runs inside the call x3" in accel.text()
+    hook.remove()
+    for s in range(3):
+        torch.testing.assert_close(_sample(u, s), _sample(ref, s), rtol=1e-5, atol=1e-5)
+    assert accel.call_graphs.graphs.stats["captured"] == 1
+
+
+def test_a_failed_whole_capture_leaves_the_regions_graphs_on(tiny_unet, strict_graph_standin):
+    """A UNet call whose capture fails (a host sync inside it, which a CUDA graph cannot hold): the
+    whole-call graphs turn off for the model with the reason, every region kind stays compiled, the
+    regions' own graphs serve the calls, and every call == eager."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    u.time_embedding.forward = lambda sample, condition=None, m=u.time_embedding: (
+        type(m).forward(m, sample, condition) * float(sample.abs().max() > -1))   # .item(): a host sync
+    ref.time_embedding.forward = lambda sample, condition=None, m=ref.time_embedding: type(m).forward(m, sample,
+                                                                                                      condition)
+    for s in range(4):
+        torch.testing.assert_close(_sample(u, s), _sample(ref, s), rtol=1e-5, atol=1e-5)
+    c = accel.call_graphs.graphs
+    assert c.off is not None and "not permitted when stream is capturing" in c.off
+    assert not accel.failed and accel.graphs.off is None
+    text = accel.text()
+    assert "one graph per UNet call: off after a failed capture" in text, text
+
+
+@pytest.mark.comfy
+def test_comfyuis_call_is_one_graph_unless_a_patch_runs(make_comfy_model, strict_graph_standin):
+    """ComfyUI's own UNetModel through Compile UNet's patcher: a plain call is one graph; a call with an
+    attention patch runs region by region, the reason counted; every call == ComfyUI's eager."""
+    from unet_compiler.nodes import patcher
+
+    from ..nodes.test_comfy_patcher import _apply, _close
+    base = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(base, CompileConfig(backend="inductor"))
+    accel = _graphed(patcher.accelerator_of(cm), strict_graph_standin())
+    for _ in range(3):
+        got = _apply(cm, "sd15")
+        with accel.bypass():
+            _close(got, _apply(cm, "sd15", load=False))
+    c = accel.call_graphs.graphs
+    assert c.stats["captured"] == 1 and c.stats["replays"] == 2 and accel.graphs.stats["captured"] == 0
+    patched = cm.clone()
+    patched.set_model_attn1_patch(lambda q, k, v, extra_options: (q, k, v))
+    for _ in range(2):
+        got = _apply(patched, "sd15")
+        with accel.bypass():
+            _close(got, _apply(patched, "sd15", load=False))
+    assert accel.call_graphs.skipped["a model patch runs inside the call"] == 2
+    text = accel.text()
+    assert "a model patch runs inside the call x2" in text, text
+
+
+def test_what_in_a_comfyui_call_needs_python_between_regions():
+    """ControlNet's residuals, a patch or replace patch, a diffusion-model wrapper and an attention
+    override each keep the call region by region; empty tables, ComfyUI's sampling entries and a
+    wrapper of another kind do not."""
+    from unet_compiler.compiler.call_graph import call_problem
+    plain = dict(patches={}, patches_replace={}, wrappers={"outer_sample": {"k": [print]}}, sigmas=torch.ones(1),
+                 cond_or_uncond=[0, 1])
+    assert call_problem(dict(control=None, transformer_options=plain)) is None
+    assert call_problem(dict(control={"middle": [torch.zeros(1)]})) == "ControlNet adds its residuals inside the call"
+    assert "patch" in call_problem(dict(transformer_options=dict(plain, patches={"output_block_patch": [print]})))
+    assert "patch" in call_problem(dict(transformer_options=dict(plain, patches_replace={"attn1": {("input", 1): print}})))
+    assert "wrapper" in call_problem(dict(transformer_options=dict(plain, wrappers={"diffusion_model": {"k": [print]}})))
+    assert "override" in call_problem(dict(transformer_options=dict(plain, optimized_attention_override=print)))
