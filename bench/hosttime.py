@@ -158,12 +158,14 @@ def _model(size: str):
     return u, args, kw
 
 
-def _triton(u, graphs: bool):
+def _triton(u, graphs: bool, whole: bool = False):
     """The triton backend on ``u`` (chosen outright: its CUDA check cannot pass on meta), graphs
-    replaying through the no-op stand-in when ``graphs``."""
+    replaying through the no-op stand-in when ``graphs``: region by region, or one graph per UNet
+    call (``whole``)."""
     from ..compiler import api, runtime
     from ..compiler import graphs as G  # noqa: N812
     from ..compiler.backends.triton import TritonBackend
+    from ..compiler.call_graph import CallGraphs
     real = runtime.choose
     runtime.choose = lambda req, dev, off=None, arch="unet": (TritonBackend(), [])
     try:
@@ -171,9 +173,28 @@ def _triton(u, graphs: bool):
     finally:
         runtime.choose = real
     accel = api.accelerator_of(u)
+    accel.call_graphs = None
     if graphs:
         accel.graphs = G.RegionGraphs(graphs=_NoReplay())
+        if whole:
+            accel.call_graphs = CallGraphs(accel.root, accel.graphs, accel.stats)
     return accel
+
+
+def whole_wall_ms(accel, step, iters: int) -> float:
+    """Milliseconds of wall time one step takes, not profiled, with its UNet call replaying one graph:
+    the pack's whole path (the call's checks, the weight-address check, input copies, the output's
+    copy; here meta dispatches, on a GPU launches), no model code."""
+    g = accel.call_graphs.graphs
+    before, eager = g.stats["replays"], accel.stats["region_eager"]
+    best, runs = float("inf"), max(20, iters * 4)
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - t0)
+    if g.stats["replays"] - before != runs or accel.stats["region_eager"] != eager:
+        raise RuntimeError(f"UNet calls ran without their graph while timed: {dict(accel.call_graphs.skipped)}")
+    return best * 1e3
 
 
 def replay_wall_ms(accel, step, iters: int) -> tuple[float, int]:
@@ -229,10 +250,10 @@ def step_rows(size: str, iters: int) -> list[dict]:
         with torch.inference_mode():
             u(*args, **kw)
     rows = []
-    for mode in ("eager", "triton", "triton + graphs replaying"):
+    for mode in ("eager", "triton", "triton + graphs replaying", "triton + one graph per call"):
         counts: Counter = Counter()
         with stubbed_launches(counts):
-            accel = None if mode == "eager" else _triton(u, graphs="graphs" in mode)
+            accel = None if mode == "eager" else _triton(u, graphs="graph" in mode, whole="per call" in mode)
             step()
             step()    # graphs: the second call captures; from the third every region replays
             counts.clear()
@@ -241,9 +262,12 @@ def step_rows(size: str, iters: int) -> list[dict]:
             launches = sum(counts.values())
             ms = min(pack_ms(step) for _ in range(iters))   # the least disturbed of the runs
             regions = len(accel._shims) if accel is not None else 0
-            stats = dict(accel.graphs.stats) if accel is not None and accel.graphs else {}
+            graphs = accel.call_graphs.graphs if "per call" in mode else accel.graphs if accel is not None else None
+            stats = dict(graphs.stats) if graphs is not None else {}
             fell_back = dict(accel.stats).get("region_eager", 0) if accel is not None else 0
             wall_ms, region_calls = replay_wall_ms(accel, step, iters) if "graphs" in mode else (None, None)
+            if "per call" in mode:
+                wall_ms, region_calls = whole_wall_ms(accel, step, iters), 1
         rows.append(dict(size=size, mode=mode, pack_ms=ms, triton_launches=launches, torch_ops=ops.n,
                          regions=regions, graph_replays=stats.get("replays", 0), region_calls_eager=fell_back,
                          replay_wall_ms=wall_ms, region_calls=region_calls))
@@ -384,14 +408,15 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{size + ' 2x' + str(SHAPES[size] * 8) + '², ' + r['mode']:44s} {r['pack_ms']:8.2f} "
                   f"{r['triton_launches']:7d} {r['torch_ops']:6d} {r['regions']:7d} "
-                  + (f"{r['replay_wall_ms']:8.2f} ({r['replay_wall_ms'] * 1e3 / r['region_calls']:.1f} us a region call)"
+                  + (f"{r['replay_wall_ms']:8.2f}" + (f" ({r['replay_wall_ms'] * 1e3 / r['region_calls']:.1f} us a "
+                                                         f"region call)" if r["region_calls"] > 1 else " (one step)")
                      if r["replay_wall_ms"] is not None else f"{'-':>8s}")
                   + (f"  ({r['region_calls_eager']} region calls fell back: not a valid row)"
                      if r["region_calls_eager"] else ""))
     print("pack ms: one CFG step's time in the pack's own functions (cProfile, least of --iters runs); triton: the pack's kernel "
           "launches per step; torch: aten ops that launch work (views excluded); regions: accelerated regions; "
           "wall ms: with graphs replaying, one step's region calls made again through the pack, not profiled "
-          "(least of 20 runs, or 4 x --iters)")
+          "(least of 20 runs, or 4 x --iters); with one graph per call, one whole step, not profiled")
     if o.out:
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -85,8 +85,10 @@ class CallGraphs:
         self.graphs = RegionGraphs(max_shapes=regions.max_shapes, graphs=regions.graphs, measured=regions.measured,
                                    copies=True)
         self.skipped: Counter = Counter()
-        self._watched = cast.watch([m for m in root.modules() if not any(True for _ in m.children())])
-        self._hooks = [(m._forward_hooks, m._forward_pre_hooks) for m in root.modules()]
+        # the leaves ComfyUI can make cast or patch per call: those of classes with its cast flags
+        self._watched = cast.watch([m for m in root.modules() if next(m.children(), None) is None
+                                    and comfy_compat.cast_flags_of(type(m))])
+        self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._counted: dict = {}   # graph key -> (region counts, region ids) its capture counted
         self._wrap: dict = {}      # graph key -> (output class, field names): a diffusers output, rebuilt
 
@@ -97,7 +99,7 @@ class CallGraphs:
         why = call_problem(kwargs)
         if why:
             return why
-        if any(a or b for a, b in self._hooks) or torch.nn.modules.module._global_forward_hooks or \
+        if any(self._hooks) or torch.nn.modules.module._global_forward_hooks or \
                 torch.nn.modules.module._global_forward_pre_hooks:
             return "a forward hook runs inside the call"
         if not cast.idle(self._watched):
@@ -106,10 +108,11 @@ class CallGraphs:
             return "ComfyUI's compiler records the model's allocations"
         return None
 
-    def call(self, forward, root, args: tuple, kwargs: dict, failed: dict, ran_last: set):
+    def call(self, forward, root, args: tuple, kwargs: dict, failed: dict, ran_last: set, shims):
         """``forward(root, *args, **kwargs)``, one graph where it can be (``failed``: the region
         kinds running the model's own code, part of the key; ``ran_last``: the regions that ran
-        compiled code this call, which a replay fills as its capture did)."""
+        compiled code this call, which a replay fills as its capture did; ``shims()``: the regions'
+        shims installed around the forward, which a replay does without)."""
         why = self.problem(kwargs)
         tensors, fixed = [], []
         if why is None and self.graphs.off is None:
@@ -117,7 +120,8 @@ class CallGraphs:
         if why is not None or self.graphs.off is not None:
             if why is not None:
                 self.skipped[why] += 1
-            return forward(root, *args, **kwargs)
+            with shims():
+                return forward(root, *args, **kwargs)
         extra = (tuple(fixed), tuple(sorted(failed)))
         options = {"transformer_options": kwargs["transformer_options"]} if "transformer_options" in kwargs else {}
         ran = []
@@ -128,7 +132,8 @@ class CallGraphs:
             ran_last.clear()
             self.regions.aside = True
             try:
-                out = forward(module, *a, **k, **options)
+                with shims():
+                    out = forward(module, *a, **k, **options)
             finally:
                 self.regions.aside = False
             counted = Counter(self.stats)

@@ -82,8 +82,10 @@ class Accelerator:
         #: ids of the region modules whose accelerated code ran at least once, and in the latest UNet call
         self.regions_ran: set[int] = set()
         self.regions_ran_last: set[int] = set()
-        #: inside a UNet call through the regions (their shims installed)
-        self._through = False
+        #: inside a UNet call through the regions; its forward reached; the regions' shims in
+        self._through = self._root_called = self._shims_in = False
+        #: the regions' shims go in at the start of every call (a call went around the model's forward)
+        self._shims_first = False
         #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
         self.on_fallback = None
         #: the dtype region inputs had at the first accelerated call (the activations' dtype)
@@ -196,7 +198,9 @@ class Accelerator:
         forward = type(module).forward
         if self.call_graphs is None or not self._through:
             return forward(module, *args, **kwargs)
-        return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last)
+        self._root_called = True
+        return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last,
+                                     self._region_shims)
 
     # ---- one region call ----------------------------------------------
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
@@ -356,23 +360,45 @@ class Accelerator:
             # (innermost: the call's compiles are counted before the compile queue's context ends)
             stack.enter_context(self.ledger.call(shape, self.warmed, self.warmed_shapes))
             try:
-                for module, shim in self._shims:
-                    hook = getattr(shim, "hook", "forward")
-                    module.__dict__[hook] = shim
-                    installed.append((module, hook))
                 root = self.root
-                if self.call_graphs is not None and root is not None and "forward" not in root.__dict__:
+                if self.call_graphs is None or self._shims_first:
+                    stack.enter_context(self._region_shims())
+                elif root is not None and "forward" not in root.__dict__:
                     # ComfyUI calls the diffusion model itself (a diffusers UNet's forward is the pack's:
-                    # api._accelerated_forward calls forward() above)
+                    # api._accelerated_forward calls forward() above); the regions' shims go in there,
+                    # unless the call replays one graph
                     root.__dict__["forward"] = lambda *a, **k: self.forward(root, a, k)
                     installed.append((root, "forward"))
-                self._through = True
+                self._through, self._root_called = True, False
                 yield
+                if self.call_graphs is not None and not self._shims_first and not self._root_called:
+                    self._shims_first = True   # called around the UNet's forward: shims up front from now on
+                    self.report.notes.append("a UNet call went around the model's forward (another node's "
+                                             "wrapper): one graph per UNet call is off, the regions run as before")
             finally:
                 self._through = False
                 for module, hook in installed:
                     module.__dict__.pop(hook, None)
                 weights.release_scratch()
+
+    @contextlib.contextmanager
+    def _region_shims(self):
+        """The regions' shims installed for the rest of this UNet call (nested: already in)."""
+        if self._shims_in:
+            yield
+            return
+        installed = []
+        try:
+            for module, shim in self._shims:
+                hook = getattr(shim, "hook", "forward")
+                module.__dict__[hook] = shim
+                installed.append((module, hook))
+            self._shims_in = True
+            yield
+        finally:
+            self._shims_in = False
+            for module, hook in installed:
+                module.__dict__.pop(hook, None)
 
     # ---- warmup and background mode --------------------------------------
     def warmup_mode(self, one_shape: str | None, in_background: bool) -> background.BackgroundMode | None:

@@ -14,7 +14,7 @@ def test_steps_on_meta_count_launches_and_the_packs_time():
     from unet_compiler.bench import hosttime as H  # noqa: N812
     from unet_compiler.compiler import graphs as G  # noqa: N812
     state, autocast = G._autocast_state, torch.is_autocast_enabled
-    eager, plain, graphed = H.step_rows("tiny", 1)
+    eager, plain, graphed, whole = H.step_rows("tiny", 1)
     assert G._autocast_state is state and torch.is_autocast_enabled is autocast   # nothing left patched
     assert eager["triton_launches"] == 0 and eager["torch_ops"] > 0
     assert plain["regions"] > 0 and plain["region_calls_eager"] == 0 and plain["triton_launches"] > 0
@@ -24,6 +24,10 @@ def test_steps_on_meta_count_launches_and_the_packs_time():
     # the replay path timed unprofiled: every region call of a step made again, each one replaying
     assert plain["replay_wall_ms"] is None and graphed["replay_wall_ms"] > 0
     assert graphed["region_calls"] >= graphed["regions"]
+    # one graph per UNet call: no kernel launch, a handful of torch ops (the inputs copied in, the output
+    # copied out), one replay a step, timed unprofiled as a whole step
+    assert whole["triton_launches"] == 0 and whole["graph_replays"] > 0 and whole["region_calls_eager"] == 0
+    assert whole["torch_ops"] < graphed["torch_ops"] and whole["replay_wall_ms"] > 0
 
 
 def test_each_launcher_alone():
