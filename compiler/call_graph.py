@@ -130,7 +130,9 @@ class CallGraphs:
             a, k = _rebuild((args, {n: v for n, v in kwargs.items() if n != "transformer_options"}), iter(flat))
             before, earlier = Counter(self.stats), set(ran_last)
             ran_last.clear()
-            self.regions.aside = True
+            # inside the whole call's first run and capture the regions run as they are; where it runs
+            # its launches instead (not kept, over budget), they use their own graphs
+            self.regions.aside = self.graphs.recording
             try:
                 with shims():
                     out = forward(module, *a, **k, **options)

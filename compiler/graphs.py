@@ -306,8 +306,8 @@ class RegionGraphs:
         #: set while another graph of the model captures or runs a UNet call whole: region calls then
         #: run their code as it is, inside that one graph
         self.aside = False
-        #: set while one of these graphs captures
-        self.capturing = False
+        #: set while one of these graphs captures; while a call's first run or capture is being made
+        self.capturing = self.recording = False
         self.graphs = graphs if graphs is not None else CudaGraphs()
         #: region module -> its graphs; weak keys: a region module that dies (its model dropped, or
         #: the module replaced) takes its graphs and static buffers with it, and a new module that
@@ -418,7 +418,11 @@ class RegionGraphs:
             return impl(module, *args)
         if key not in reg.seen:
             reg.seen.add(key)
-            return self.graphs.first_call(lambda: impl(module, *args), device)
+            self.recording = True
+            try:
+                return self.graphs.first_call(lambda: impl(module, *args), device)
+            finally:
+                self.recording = False
         if len(reg.graphs) >= self.max_shapes:
             self.skipped[f"more than {self.max_shapes} shapes for one region"] += 1
             return impl(module, *args)
@@ -524,6 +528,13 @@ class RegionGraphs:
         return static_in, chained
 
     def _capture(self, reg, key, impl, module, args, device, weights=None):
+        self.recording = True
+        try:
+            return self._capture_now(reg, key, impl, module, args, device, weights)
+        finally:
+            self.recording = False
+
+    def _capture_now(self, reg, key, impl, module, args, device, weights=None):
         self.device = device
         static_in, chained = self._static_inputs(args)
         call_args = [s if s is not None else a for s, a in zip(static_in, args, strict=True)]

@@ -143,3 +143,18 @@ def test_what_in_a_comfyui_call_needs_python_between_regions():
     assert "patch" in call_problem(dict(transformer_options=dict(plain, patches_replace={"attn1": {("input", 1): print}})))
     assert "wrapper" in call_problem(dict(transformer_options=dict(plain, wrappers={"diffusion_model": {"k": [print]}})))
     assert "override" in call_problem(dict(transformer_options=dict(plain, optimized_attention_override=print)))
+
+
+def test_a_call_whose_graph_is_not_kept_uses_the_regions_graphs(tiny_unet, strict_graph_standin):
+    """A UNet call that gets no whole graph after its first run (here: the whole graph's memory budget
+    is spent; likewise a graph backend auto measured no faster) runs its launches through the regions'
+    own graphs, not their bare code; == eager."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    accel.call_graphs.graphs.budget, accel.call_graphs.graphs._budget_known = 1, True
+    for s in range(4):
+        torch.testing.assert_close(_sample(u, s), _sample(ref, s), rtol=1e-5, atol=1e-5)
+    c = accel.call_graphs.graphs
+    assert c.stats["captured"] == 0 and any("budget" in why for why in c.skipped)
+    assert accel.graphs.stats["captured"] == len(accel._shims) and accel.graphs.stats["replays"] > 0
+    assert "UNet calls through the regions' graphs instead: graph memory at its budget" in accel.text()
