@@ -165,13 +165,8 @@ class CallGraphs:
         s = g.stats
         if not (s or self.skipped or g.skipped):
             return []
-        line = (f"  one graph per UNet call: {s['captured']} captured, {s['replays']} replays, "
-                f"{g.bytes / 2**20:.0f} MiB of static buffers")
-        if s["dropped for new weights"]:
-            line += f", {s['dropped for new weights']} dropped when weights were replaced"
-        if s["released"]:
-            line += f", {s['released']} freed ({g.released})"
-        lines = [line]
+        lines = [f"  one graph per UNet call: {s['captured']} captured, {s['replays']} replays, "
+                 f"{g.bytes / 2**20:.0f} MiB of static buffers" + g.history()]
         why = Counter(self.skipped)
         why.update(g.skipped)
         if why:

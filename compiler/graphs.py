@@ -609,6 +609,17 @@ class RegionGraphs:
         self.stats["replays"] += 1
         return entry.served(self.copies)
 
+    def history(self) -> str:
+        """What became of the graphs, for a status line: dropped, kept across prompts, freed."""
+        s, out = self.stats, ""
+        if s["dropped for new weights"]:
+            out += f", {s['dropped for new weights']} dropped when weights were replaced"
+        if s["kept across prompts"]:
+            out += f", kept across {s['kept across prompts']} prompt end(s)"
+        if s["released"]:
+            out += f", {s['released']} freed ({self.released})"
+        return out
+
     def status_lines(self) -> list[str]:
         if self.off is not None:
             return [f"  cuda graphs: off after a failed {self.off}"]
@@ -629,13 +640,7 @@ class RegionGraphs:
         else:
             line = (f"  cuda graphs: {s['captured']} captured for {regions} region(s), {s['replays']} replays, "
                     f"{self.bytes / 2**20:.0f} MiB of static buffers held{pool}{budget}")
-        if s["dropped for new weights"]:
-            line += f", {s['dropped for new weights']} dropped when weights were replaced"
-        if s["kept across prompts"]:
-            line += f", kept across {s['kept across prompts']} prompt end(s)"
-        if s["released"]:
-            line += f", {s['released']} freed ({self.released})"
-        lines = [line]
+        lines = [line + self.history()]
         if self.skipped:
             lines.append("  cuda graphs not used for: " + ", ".join(f"{k} x{n}" for k, n in sorted(self.skipped.items())))
         return lines

@@ -13,6 +13,8 @@ from unet_compiler.compiler.call_graph import CallGraphs
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.graphs import RegionGraphs
 
+from .test_cuda_graphs import _sample
+
 
 def _graphed(accel, standin):
     """``accel``'s graphs (per region and per call) on ``standin``, its regions' own bodies."""
@@ -28,13 +30,6 @@ def _diffusers(u, standin):
     from unet_compiler.compiler.api import accelerator_of
     compile_unet(u, "inductor", prepack_conv=False, prepack_linear=False)
     return _graphed(accelerator_of(u), standin)
-
-
-def _sample(u, seed, b=2):
-    g = torch.Generator().manual_seed(seed)
-    x, c = torch.randn(b, 4, 8, 8, generator=g), torch.randn(b, 77, 32, generator=g)
-    with torch.inference_mode():
-        return u(x, torch.full((b,), 500.0 + seed), c).sample
 
 
 def test_a_diffusers_unet_call_is_one_graph(tiny_unet, strict_graph_standin):
