@@ -22,6 +22,7 @@ from . import cast
 from .compat import comfy as comfy_compat
 from .graphs import RegionGraphs
 
+
 def _flatten(value, path, tensors: list, fixed: list) -> str | None:
     """``value``'s tensors appended to ``tensors`` and its other parts to ``fixed`` (with ``path``);
     why the graph cannot hold it, or None."""
@@ -143,8 +144,7 @@ class CallGraphs:
             self._counted[extra] = (+counted, set(ran_last))
             ran_last.update(earlier)
             if self.graphs.capturing:   # the capture records this call, its replay counts it
-                self.stats.clear()
-                self.stats.update(before)
+                self.stats.subtract(counted)
             ran.append(True)
             if hasattr(out, "to_tuple") and hasattr(out, "keys"):   # diffusers' output dataclass
                 self._wrap[extra] = (type(out), list(out.keys()))

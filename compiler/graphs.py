@@ -1,7 +1,8 @@
 """CUDA graphs of accelerated regions, one per (region, input signature).
 
 Graphs here are per leaf region: ComfyUI's dispatch between regions stays eager Python (a whole
-UNet call captured as one graph is call_graph.py's, on this class with the UNet as its region). Weights are live: each UNet call starts by reading the addresses of
+UNet call captured as one graph is call_graph.py's, on this class with the UNet as its region).
+Weights are live: each UNet call starts by reading the addresses of
 every region's parameters and buffers (``begin_call``), so an in-place update is seen by the next
 replay and a moved or replaced parameter drops the region's graphs; the region calls themselves
 read no weights. A graph copies its result into output buffers allocated outside any capture and

@@ -215,7 +215,7 @@ class Compiled:
 
     def __init__(self, fake: FakeCUDA, fn, launch, args, kwargs):
         names = list(fn.arg_names)
-        given = {**dict(zip(names, args)), **kwargs}
+        given = {**dict(zip(names, args, strict=False)), **kwargs}
         #: pointer parameters (position -> dtype), from the tensors the JIT launch was given
         self.pointers = {i: given[n].dtype for i, n in enumerate(names) if isinstance(given.get(n), torch.Tensor)}
         self.fake, self.fn, self._launch, self.nparams = fake, fn, launch, len(names)
