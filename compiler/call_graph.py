@@ -90,6 +90,9 @@ class CallGraphs:
         self._watched = cast.watch([m for m in root.modules() if next(m.children(), None) is None
                                     and comfy_compat.cast_flags_of(type(m))])
         self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        #: set while warmup times region kinds against each other: calls go region by region, uncounted
+        #: (a trial state captured whole would take a shape's place)
+        self.held_back = False
         self._counted: dict = {}   # graph key -> (region counts, region ids) its capture counted
         self._wrap: dict = {}      # graph key -> (output class, field names): a diffusers output, rebuilt
 
@@ -114,6 +117,9 @@ class CallGraphs:
         kinds running the model's own code, part of the key; ``ran_last``: the regions that ran
         compiled code this call, which a replay fills as its capture did; ``shims()``: the regions'
         shims installed around the forward, which a replay does without)."""
+        if self.held_back:
+            with shims():
+                return forward(root, *args, **kwargs)
         why = self.problem(kwargs)
         tensors, fixed = [], []
         if why is None and self.graphs.off is None:

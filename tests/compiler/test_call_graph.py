@@ -153,3 +153,24 @@ def test_a_call_whose_graph_is_not_kept_uses_the_regions_graphs(tiny_unet, stric
     assert c.stats["captured"] == 0 and any("budget" in why for why in c.skipped)
     assert accel.graphs.stats["captured"] == len(accel._shims) and accel.graphs.stats["replays"] > 0
     assert "UNet calls through the regions' graphs instead: graph memory at its budget" in accel.text()
+
+
+def test_warmups_kind_timing_captures_no_whole_call(tiny_unet, strict_graph_standin, monkeypatch):
+    """Warmup's timing of each region kind on the model's own code (backend auto on CUDA) runs region
+    by region, uncounted: a trial state captured whole would take one of a region's 4 shapes. After
+    it, calls are one graph again."""
+    import importlib
+    from unet_compiler.compiler.shapes import Shape
+    warmup = importlib.import_module("unet_compiler.compiler.warmup")
+    monkeypatch.setattr(warmup, "FASTER_BY", 1.0)   # no kind is closed (its timing is not under test)
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    for s in range(3):
+        _sample(u, s)
+    c = accel.call_graphs
+    assert c.graphs.stats["captured"] == 1
+    warmup.keep_the_faster(accel, lambda shape: _sample(u, 0), Shape(2, 64, 64), reps=2)
+    assert c.graphs.stats["captured"] == 1 and not c.skipped and not c.graphs.skipped and not c.held_back
+    replays = c.graphs.stats["replays"]
+    _sample(u, 1)
+    assert c.graphs.stats["replays"] == replays + 1
