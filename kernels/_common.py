@@ -111,8 +111,9 @@ class Plans(dict):
 
 
 class NotBound(KernelUnsupported):
-    """A launch inside a CUDA graph capture that would have to go through triton's JIT (no compiled
-    kernel for it yet, or pointers the compiled one cannot take): nothing was launched. The caller
+    """A launch inside a CUDA graph capture under cudaMallocAsync that would have to go through
+    triton's JIT (no compiled kernel for it yet, or pointers the compiled one cannot take): nothing
+    was launched. The caller
     runs the torch ops it replaces for this call; later calls are not affected."""
 
 
@@ -123,8 +124,12 @@ _BIND_CHECKED: list = []   # [None] once the check passed, [why] once it failed
 
 
 def _capturing() -> bool:
+    """Whether a CUDA graph capture under the cudaMallocAsync allocator is running, where a JIT
+    launch (its pointer check) refuses the capture's memory and the process aborts. Under the
+    native allocator a capture may hold a JIT launch."""
     try:
-        return torch.cuda.is_current_stream_capturing()
+        return torch.cuda.is_current_stream_capturing() and \
+            torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync"
     except (AssertionError, RuntimeError):   # a torch without CUDA
         return False
 
@@ -139,7 +144,8 @@ class Launch:
     ``cuPointerGetAttribute``, which refuses memory a CUDA graph capture allocated under the
     cudaMallocAsync allocator. A call whose pointers break the 16-byte alignment the compiled kernel
     was specialised for, or made while launch hooks (a profiler's) are registered, goes through the
-    JIT again; inside a capture nothing goes through the JIT (:class:`NotBound`)."""
+    JIT again; inside a capture under cudaMallocAsync nothing goes through the JIT
+    (:class:`NotBound`)."""
 
     __slots__ = ("kernel", "grid", "args", "kw", "compiled", "tail", "aligned", "grid3", "device", "rt")
 

@@ -260,8 +260,10 @@ def kernels_in_captures_problem(f: Facts) -> str | None:
     kernel with integer pointers (``kernels._common.Launch``); where the check of direct launches
     failed, the captures hold the torch ops instead."""
     from ...kernels import _common
-    if f.allocator_backend == "cudaMallocAsync" and not _common.BIND[0]:
-        why = _common._BIND_CHECKED[0] if _common._BIND_CHECKED else "direct launches are off"
+    old = f.triton_version is not None and _mm(f.triton_version) < (3, 4)
+    if f.allocator_backend == "cudaMallocAsync" and (old or not _common.BIND[0]):
+        why = (f"triton {f.triton_version} launches only through its JIT (direct launches need triton 3.4+)"
+               if old else _common._BIND_CHECKED[0] if _common._BIND_CHECKED else "direct launches are off")
         return ("captured regions run torch's ops, the kernels only outside captures: under ComfyUI's "
                 f"cudaMallocAsync allocator Triton cannot take memory a capture allocates, and {why} (start "
                 "ComfyUI with --disable-cuda-malloc to capture the kernels too)")

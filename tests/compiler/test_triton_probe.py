@@ -133,6 +133,10 @@ def test_captures_hold_the_kernels_only_through_direct_launches(monkeypatch):
     why = T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync"))
     assert "--disable-cuda-malloc" in why and "check failed (TypeError: x)" in why
     assert T.kernels_in_captures_problem(facts(allocator_backend="native")) is None
+    monkeypatch.setattr(_common, "BIND", [True])
+    why = T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync", triton_version="3.3.1"))
+    assert "triton 3.3.1 launches only through its JIT" in why and "--disable-cuda-malloc" in why
+    assert T.kernels_in_captures_problem(facts(allocator_backend="cudaMallocAsync", triton_version="3.4.0")) is None
 
 
 @pytest.mark.parametrize("sim", [
