@@ -184,6 +184,11 @@ class Launch:
         given = {**dict(zip(names, (*tensors, *self.args), strict=False)), **self.kw}
         if len(names) < len(tensors) + len(self.args) or any(n not in given for n in names):
             return   # a parameter left to its default: not bound, the JIT keeps launching it
+        try:
+            if torch.cuda.is_current_stream_capturing():
+                return   # bound at a launch outside the capture (the check below synchronizes)
+        except (AssertionError, RuntimeError):
+            pass
         if bound_launch_problem(tensors[0].device) is not None:
             return
         import triton
