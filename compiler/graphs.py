@@ -23,6 +23,7 @@ variant still compiling, and a graph would keep that. The serving rules: docs/in
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import weakref
 from collections import Counter
@@ -272,7 +273,7 @@ class _Graph:
 
 
 class _Region:
-    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept")
+    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept", "_dicts", "_names", "_none")
 
     def __init__(self, module, cast: bool = False):
         # (parameter or buffer dict of its owner module, name) for every parameter/buffer: read live
@@ -282,6 +283,10 @@ class _Region:
         # at the next UNet call, outside the casts (the cast weights are checked per call).
         self.slots = [(m._parameters, n) for m in module.modules() for n in m._parameters] + \
                      [(m._buffers, n) for m in module.modules() for n in m._buffers]
+        # read in C (map) where a tensor is: the slots holding None (a bias=False) apart
+        held = [(d, n) for d, n in self.slots if d.get(n) is not None]
+        self._dicts, self._names = [d for d, _ in held], [n for _, n in held]
+        self._none = [(d, n) for d, n in self.slots if d.get(n) is None]   # (few: read in Python)
         self.ptrs = None if cast else self.weight_ptrs()
         self.graphs: dict = {}   # signature -> _Graph
         self.seen: set = set()
@@ -289,7 +294,19 @@ class _Region:
         self.kept: set = set()   # signatures whose graph measured faster (captured again unmeasured)
 
     def weight_ptrs(self) -> tuple:
-        return tuple([None if (t := d.get(n)) is None else t.data_ptr() for d, n in self.slots])
+        """The address of every parameter and buffer (None where a slot holds none), the slots that held
+        a tensor at the start first: one value for one state of the weights."""
+        try:
+            ptrs = tuple(map(_DATA_PTR, map(operator.getitem, self._dicts, self._names)))
+        except (KeyError, TypeError):   # a slot gone or set to None
+            ptrs = tuple([None if (t := d.get(n)) is None else t.data_ptr() for d, n in zip(self._dicts, self._names)])
+        now = [d.get(n) for d, n in self._none]
+        if now.count(None) == len(now):
+            return ptrs
+        return ptrs + tuple(None if t is None else t.data_ptr() for t in now)
+
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 #: a measured graph is kept when its replay takes at most this share of the launches it replaces

@@ -981,3 +981,25 @@ def test_the_pools_idle_part_is_kept_out_of_comfyuis_free_memory(comfy, tiny_une
         del accel
         gc.collect()
         assert mm.extra_reserved_memory() == base
+
+
+def test_a_regions_weight_addresses_name_one_state_of_its_weights():
+    """``_Region.weight_ptrs`` (read in C for the slots holding a tensor): the same weights give the same
+    value; a replaced or moved parameter, a bias set to None, and a bias that appears where there was
+    none each give another, and that state again gives that value again."""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, bias=False))
+    r = G._Region(m)
+    start = r.weight_ptrs()
+    assert r.ptrs == start == r.weight_ptrs() and len(start) == 3
+    seen = {start}
+    m[0].weight = torch.nn.Parameter(m[0].weight.clone())           # replaced
+    seen.add(r.weight_ptrs())
+    m[0].weight.data = m[0].weight.data.clone()                     # moved (same Parameter)
+    seen.add(r.weight_ptrs())
+    m[0].bias = None                                                # gone
+    seen.add(r.weight_ptrs())
+    assert r.weight_ptrs() == r.weight_ptrs()
+    m[1].bias = torch.nn.Parameter(torch.zeros(4))                  # appeared
+    seen.add(r.weight_ptrs())
+    assert len(seen) == 5 and r.weight_ptrs() == r.weight_ptrs()
