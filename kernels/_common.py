@@ -113,8 +113,8 @@ class Plans(dict):
 class NotBound(KernelUnsupported):
     """A launch inside a CUDA graph capture under cudaMallocAsync that would have to go through
     triton's JIT (no compiled kernel for it yet, or pointers the compiled one cannot take): nothing
-    was launched. The caller
-    runs the torch ops it replaces for this call; later calls are not affected."""
+    was launched. The caller runs the torch ops it replaces for this call; later calls are not
+    affected."""
 
 
 #: whether planned launches may launch their compiled kernel directly (False: every launch goes
