@@ -120,10 +120,9 @@ class CallGraphs:
         if self.held_back:
             with shims():
                 return forward(root, *args, **kwargs)
-        why = self.problem(kwargs)
+        plain = {k: v for k, v in kwargs.items() if k != "transformer_options"}
         tensors, fixed = [], []
-        if why is None and self.graphs.off is None:
-            why = _flatten((args, {k: v for k, v in kwargs.items() if k != "transformer_options"}), (), tensors, fixed)
+        why = self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
         if why is not None or self.graphs.off is not None:
             if why is not None:
                 self.skipped[why] += 1
@@ -134,7 +133,7 @@ class CallGraphs:
         ran = []
 
         def whole(module, *flat):
-            a, k = _rebuild((args, {n: v for n, v in kwargs.items() if n != "transformer_options"}), iter(flat))
+            a, k = _rebuild((args, plain), iter(flat))
             before, earlier = Counter(self.stats), set(ran_last)
             ran_last.clear()
             # inside the whole call's first run and capture the regions run as they are; where it runs
