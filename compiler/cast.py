@@ -38,7 +38,8 @@ _PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout
 _MISSING = object()
 _BUSY: set[int] = set()          # region modules whose leaves show cast weights now (the sampling thread)
 _BUSY_LOCK = threading.Lock()
-#: what the per-call casts did (tests read it): ``copied``, views of reused buffers copied before the region ran
+#: what the per-call casts did (tests read it): ``copied``, views of reused buffers copied before the region
+#: ran; ``stream_stops``, regions whose up-front cast stopped at a streamed weight (run op by op instead)
 STATS: Counter = Counter()
 #: per own-cast leaf: {(dtype, device, weight functions?, bias functions?): None (checked) or the Reason it failed}
 _OWN_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -267,18 +268,19 @@ def compute_of(args) -> tuple[torch.dtype, torch.device] | None:
     return None if t is None else (t.dtype, t.device)
 
 
-def _cast(leaf, dtype, device):
+def _cast(leaf, dtype, device, hold: bool = True):
     """ComfyUI's cast of ``leaf``'s weight and bias, held for the whole region: (weight, bias, offload
     handle or None). On ComfyUI's offload stream where it has one (the handle goes to
     ``uncast_bias_weight`` after the region's work is queued: a Dynamic VRAM slot stays pinned till
     then). A weight handed out as a view of a buffer the next cast reuses (Dynamic VRAM's per-stream
-    cast buffer, newer ComfyUI's offload cast buffers) is copied first: the region reads every leaf
-    at once, after all of them were cast."""
+    cast buffer, newer ComfyUI's offload cast buffers) is copied first (``hold``): the region reads
+    every leaf at once, after all of them were cast."""
     ops = _ops()
     if own_cast(type(leaf)):
         # another pack's own cast (its dequantisation and patches): a plain tensor of the compute dtype
         w, b = leaf.cast_bias_weight(None, dtype=dtype, device=device, bias_dtype=dtype)
-        return _held(leaf, _plain(w), "weight", True), _held(leaf, _plain(b), "bias", True), None
+        w, b = _plain(w), _plain(b)
+        return (_held(leaf, w, "weight", True), _held(leaf, b, "bias", True), None) if hold else (w, b, None)
     if _takes_offloadable(ops.cast_bias_weight):
         w, b, handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
     else:
@@ -287,7 +289,28 @@ def _cast(leaf, dtype, device):
         # a mixed-precision leaf that dequantizes per call gets its QuantizedTensor back from the cast;
         # its forward multiplies by the dequantized weight (newer ComfyUI dequantizes it there)
         w = w.dequantize()
-    return _held(leaf, w, "weight"), _held(leaf, b, "bias"), handle
+    return (_held(leaf, w, "weight"), _held(leaf, b, "bias"), handle) if hold else (w, b, handle)
+
+
+def _streams(leaf, device) -> bool:
+    """Whether ``leaf``'s weights come from memory off the compute ``device`` for its next cast, as
+    they stand: a Dynamic VRAM leaf whose VBAR slot held no room at its last fault (ComfyUI leaves
+    its ``_v_signature`` None then, and after a patch change), or a leaf whose stored weight is on
+    another device (a classic partial load)."""
+    d = leaf.__dict__
+    if "_v" in d:
+        return d.get("_v_signature") is None
+    w = leaf._parameters.get("weight")
+    return w is not None and w.device != device
+
+
+def streams(leaves, args) -> bool:
+    """Whether any of ``leaves`` (a region's, from :func:`plan`) streams its weights this call on
+    ``args`` (:func:`_streams`, read before any cast: a few dict reads a leaf). Such a region is
+    run op by op, each op casting its own weights where it runs (ComfyUI's order, on its offload
+    streams), never all of them up front (:func:`applied`)."""
+    device = compute_of(args)[1]
+    return any(_streams(leaf, device) for leaf in leaves)
 
 
 def _resident(leaf, t, name) -> bool:
@@ -363,14 +386,20 @@ def _restore(saved) -> None:
             d[name] = value
 
 
+#: what :func:`applied` yields when a leaf's cast streamed after all (nothing is shown then)
+STREAMED = "streamed"
+
+
 @contextlib.contextmanager
 def applied(module, leaves, args):
     """Inside: each of ``leaves`` (the region ``module``'s, from :func:`plan`) shows ComfyUI's cast of
     its weights for this call (to the dtype and device of ``args``' first tensor) and takes its plain
     forward; everything is put back after, also on an error. Yields the cast weights' addresses
     (``(data_ptr, dtype)`` each) when every one is resident (:func:`_resident`: what a CUDA graph may
-    read in place, pinned until this block ends), else None. For the thread that runs the model (the
-    compile thread builds a :func:`stand_in` instead)."""
+    read in place, pinned until this block ends), else None; or :data:`STREAMED`, showing nothing,
+    when a leaf's weights streamed after all (evicted since :func:`streams` read them): the caller
+    runs the region op by op, and what was cast is released here. For the thread that runs the
+    model (the compile thread builds a :func:`stand_in` instead)."""
     dtype, device = compute_of(args)
     casts, saved = [], []
     resident = True
@@ -378,12 +407,22 @@ def applied(module, leaves, args):
         _BUSY.add(id(module))
     try:
         for leaf in leaves:
-            w, b, handle = _cast(leaf, dtype, device)
-            resident = resident and _resident(leaf, w, "weight") and _resident(leaf, b, "bias")
+            w, b, handle = _cast(leaf, dtype, device, hold=False)
             casts.append((leaf, w, b, handle))
+            if _streams(leaf, device):
+                STATS["stream_stops"] += 1
+                break
+            w, b = _held(leaf, w, "weight", own_cast(type(leaf))), _held(leaf, b, "bias", own_cast(type(leaf)))
+            casts[-1] = (leaf, w, b, handle)
+            resident = resident and _resident(leaf, w, "weight") and _resident(leaf, b, "bias")
             saved += _show(leaf, w, b)
-        yield (tuple((t.data_ptr(), t.dtype) for _, w, b, _ in casts for t in (w, b) if t is not None)
-               if resident else None)
+        else:
+            yield (tuple((t.data_ptr(), t.dtype) for _, w, b, _ in casts for t in (w, b) if t is not None)
+                   if resident else None)
+            return
+        _restore(saved)
+        saved = []
+        yield STREAMED
     finally:
         _restore(saved)
         with _BUSY_LOCK:
@@ -392,6 +431,19 @@ def applied(module, leaves, args):
         for leaf, w, b, handle in casts:
             if handle is not None:
                 ops.uncast_bias_weight(leaf, w, b, handle)
+
+
+@contextlib.contextmanager
+def for_op(leaf, x):
+    """ComfyUI's cast of ``leaf``'s weights for one op on ``x``, where the op runs (a region run op by
+    op, as the leaf's own forward casts): yields (weight, bias), released (unpinned, its offload
+    stream's buffer free again) after the block, once the op is queued."""
+    w, b, handle = _cast(leaf, x.dtype, x.device, hold=False)
+    try:
+        yield w, b
+    finally:
+        if handle is not None:
+            _ops().uncast_bias_weight(leaf, w, b, handle)
 
 
 def busy(module) -> bool:

@@ -299,7 +299,7 @@ class _Region:
         try:
             ptrs = tuple(map(_DATA_PTR, map(operator.getitem, self._dicts, self._names)))
         except (KeyError, TypeError):   # a slot gone or set to None
-            ptrs = tuple([None if (t := d.get(n)) is None else t.data_ptr() for d, n in zip(self._dicts, self._names)])
+            ptrs = tuple([None if (t := d.get(n)) is None else t.data_ptr() for d, n in zip(self._dicts, self._names, strict=True)])
         now = [d.get(n) for d, n in self._none]
         if now.count(None) == len(now):
             return ptrs

@@ -199,12 +199,15 @@ def accelerator_text(accel) -> str:
                      + (f"; in the latest UNet call {last} of {total} (the others ran the model's own code or a "
                         f"patch's code in their place: the patch lines below)" if last < ran else ""))
     if accel.stats.get("region_cast_compiled"):
+        streamed = accel.stats.get("region_streamed", 0)
         extra.append(f"  weights ComfyUI casts or patches per call (fp8 or other storage dtypes, partial loads, "
                      f"weight functions): {accel.stats['region_cast_compiled']} region call(s) compiled with "
                      f"ComfyUI's cast outside the graph" + (
                          f", {accel.stats['region_cast_resident']} of them with every weight resident (a "
                          f"Dynamic VRAM slot or its own: through CUDA graphs), the rest without"
-                         if accel.graphs is not None else ""))
+                         if accel.graphs is not None else "") + (
+                         f"; {streamed} op by op, their weights streamed (each op's cast where it runs, on "
+                         f"ComfyUI's offload streams)" if streamed else ""))
         own = cast.own_cast_ops(leaf for region in accel.plan.regions for leaf in region.leaves)
         if own:
             extra.append(f"  weights another pack's ops make per call ({', '.join(own)}): dequantized or patched "

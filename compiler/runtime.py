@@ -224,20 +224,33 @@ class Accelerator:
                                      "CUDA graph captures), which it does not replay")
 
     def _run_here(self, kind, impl, module, original, args, eager_kwargs, casts):
+        streamed = False
         try:
             if casts:
-                # ComfyUI's per-call cast outside the graph: a CUDA graph where every cast weight is
-                # resident (a VBAR slot or the leaf's own, pinned until the block ends), read in place
-                with cast.applied(module, casts, args) as resident:
-                    if self.graphs is None:
-                        out = impl(module, *args)
-                    elif resident is None:
-                        self.graphs.skipped["a weight streamed or patched per call (not resident)"] += 1
-                        out = impl(module, *args)
-                    else:
-                        out = self.graphs.run(impl, module, args, weights=resident)
-                        self.stats["region_cast_resident"] += 1
-                self.stats["region_cast_compiled"] += 1
+                streamed = cast.streams(casts, args)
+                if not streamed:
+                    # ComfyUI's per-call cast outside the graph: a CUDA graph where every cast weight is
+                    # resident (a VBAR slot or the leaf's own, pinned until the block ends), read in place
+                    with cast.applied(module, casts, args) as resident:
+                        if resident is cast.STREAMED:   # evicted since: op by op after all (below)
+                            streamed = True
+                        elif self.graphs is None:
+                            out = impl(module, *args)
+                        elif resident is None:
+                            self.graphs.skipped["a weight patched or converted per call (not resident)"] += 1
+                            out = impl(module, *args)
+                        else:
+                            out = self.graphs.run(impl, module, args, weights=resident)
+                            self.stats["region_cast_resident"] += 1
+                if streamed and self.backend.streams_op_by_op:
+                    # weights not resident: each op casts its own where it runs, on ComfyUI's offload
+                    # streams, as the model's own code does (the body calls each conv and linear)
+                    out = impl(module, *args)
+                    self.stats["region_streamed"] += 1
+                    if self.graphs is not None:
+                        self.graphs.skipped["a weight streamed (cast op by op, not resident)"] += 1
+                if not streamed or self.backend.streams_op_by_op:
+                    self.stats["region_cast_compiled"] += 1
             else:
                 out = impl(module, *args) if self.graphs is None else self.graphs.run(impl, module, args)
         except Exception as e:
@@ -251,6 +264,8 @@ class Accelerator:
                 # model's and propagates to ComfyUI untouched (below).
                 _release(e, args)
         else:
+            if streamed and not self.backend.streams_op_by_op:
+                return self._streamed_eager(kind, module, original, args, eager_kwargs)
             self.stats[f"ran_{kind}"] += 1
             self.regions_ran.add(id(module))
             self.regions_ran_last.add(id(module))
@@ -265,6 +280,19 @@ class Accelerator:
         else:
             self._turn_off(kind, error)
         return out
+
+    def _streamed_eager(self, kind, module, original, args, eager_kwargs):
+        """A region call whose weights stream, on a backend whose compiled body reads a region's
+        weights at once (:attr:`Backend.streams_op_by_op` False): the model's own code runs it, each
+        op casting where it runs; counted, the reason kept for the report (``cast_eager``)."""
+        self.stats["region_streamed_eager"] += 1
+        self.stats["region_eager"] += 1
+        self.gate.cast_eager.setdefault(kind, Reason(
+            f"their weights stream (not resident on the GPU), and the {self.backend.name} backend's compiled "
+            f"body reads a region's weights at once where ComfyUI casts each op's as it runs",
+            "choose the triton backend (Select Backend: it runs such regions op by op), or leave the model "
+            "room to stay resident"))
+        return original(module, *args) if eager_kwargs is None else original(module, args[0], **eager_kwargs)
 
     def _out_of_memory(self, kind, args) -> None:
         """A transient out-of-memory (a hires pass, another model loaded): that call ran the model's

@@ -21,8 +21,13 @@ docs/comfyui-versions.md) and comfy-aimdo 0.6.0, and rewritten, not copied:
 - comfy-aimdo's ``model_vbar.vbar_fault``, ``vbar_unpin`` and ``vbar_signature_compare`` are the real
   functions, called on :class:`CpuVBAR` (its ``ModelVBAR`` needs CUDA).
 
+- ``get_offload_stream``'s rotation (the stream at the counter waits for the compute stream, the
+  next is returned), ``sync_stream`` after a cast and ``uncast_bias_weight``'s wait of a filled slot's
+  stream: told to a ``tests/_timeline.Timeline`` with each copy and pin, when one is set.
+
 Left out: pinned host memory, the prefetch queue (no UNet opts in to ``prefetch_dynamic_vbars``),
-stream asynchrony (a CPU runs in order: the double shows which memory is reused, not when).
+the largest weight's second stream rotation, stream asynchrony itself (a CPU runs in order: the
+double shows which memory is reused; the timeline computes when).
 The CPU plays the GPU: the VBAR branch is taken whatever the device (ComfyUI's own CPU branch
 returns copies, and ``ModelPatcherDynamic`` is never made for a CPU load device).
 """
@@ -149,14 +154,28 @@ class DynamicVRAM:
         self.original = (comfy_ops.cast_bias_weight, comfy_ops.uncast_bias_weight)
         self.buffers: dict[int, torch.Tensor] = {}
         self._stream = 0
+        self._streams_made = False
         self.casts: list = []
         self.shared_casts = 0
         self.lock = threading.Lock()
+        #: a ``tests/_timeline.Timeline`` told each copy, stream wait and pin (None: nothing recorded)
+        self.timeline = None
 
-    # -- comfy.model_management: get_offload_stream, get_aimdo_cast_buffer ------------------
+    # -- comfy.model_management: get_offload_stream, sync_stream, get_aimdo_cast_buffer -----
     def offload_stream(self) -> int:
-        self._stream = (self._stream + 1) % self.STREAMS
+        """``get_offload_stream``: the stream at the counter waits for the compute stream ("sync the
+        oldest stream in the queue with the current"), the counter moves on, and the stream it points
+        at is returned; the first call makes the streams and waits on nothing."""
+        if self._streams_made:
+            self._wait(self._stream, "compute")
+            self._stream = (self._stream + 1) % self.STREAMS
+        self._streams_made = True
         return self._stream
+
+    def _wait(self, waiter, on) -> None:
+        """``waiter.wait_stream(on)`` (``on`` None: ``sync_stream``'s no-op)."""
+        if self.timeline is not None and on is not None:
+            self.timeline.wait(waiter, on)
 
     def cast_buffer(self, stream: int, size: int) -> torch.Tensor:
         buf = self.buffers.get(stream)
@@ -165,15 +184,16 @@ class DynamicVRAM:
         return buf
 
     # -- comfy.ops --------------------------------------------------------------------------
-    @staticmethod
-    def _write(tensors, dest: torch.Tensor) -> None:
-        at = 0
-        for t in tensors:
-            if t is None:
-                continue
-            n = _nbytes(t)
-            dest[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
-            at += _aligned(n)
+    def _write(self, tensors, dest: torch.Tensor, stream: int) -> None:
+        """The host-to-device copy of ``tensors`` into ``dest``, issued on offload ``stream``."""
+        with self.timeline.copy(stream, gathered_size(tensors)) if self.timeline else contextlib.nullcontext():
+            at = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                n = _nbytes(t)
+                dest[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                at += _aligned(n)
 
     @staticmethod
     def _read(like, dest: torch.Tensor) -> list:
@@ -194,19 +214,21 @@ class DynamicVRAM:
         stream, offset = None, 0
         for s in leaves:
             signature = vbar.vbar_fault(s._v)
+            if signature is not None and self.timeline is not None:
+                self.timeline.pin(s._v[2])
             resident = vbar.vbar_signature_compare(signature, s.__dict__.get("_v_signature"))
             prefetch = {"signature": signature, "resident": resident}
             if not resident:
                 src = [s.weight, s.bias]
                 size = gathered_size(src)
+                stream = self.offload_stream() if stream is None else stream    # ensure_offload_stream
                 if signature is not None:
                     dest = s._v[0].tensor(s._v)
                 else:
-                    stream = self.offload_stream() if stream is None else stream
                     dest = self.cast_buffer(stream, offset + size)[offset:offset + size]
                     offset += size
                     self.shared_casts += 1
-                self._write(src, dest)
+                self._write(src, dest, stream)
                 prefetch["dest"] = dest
             s._prefetch = prefetch
         return stream
@@ -257,6 +279,8 @@ class DynamicVRAM:
             self.casts.append((threading.get_ident(), s))
         prefetched = "_prefetch" in s.__dict__
         stream = None if prefetched else self.cast_modules([s], device)
+        if not prefetched:
+            self._wait("compute", stream)                  # sync_stream(device, offload_stream)
         weight, bias = self.resolve(s, dtype, bias_dtype, compute_dtype)
         handle = (stream, None, None)
         if not prefetched:
@@ -268,10 +292,15 @@ class DynamicVRAM:
     def uncast_bias_weight(self, s, weight, bias, offload_stream):
         if offload_stream is None:
             return
-        _, weight_a, _ = offload_stream
+        stream, weight_a, _ = offload_stream
         if weight_a is not None and not isinstance(weight_a, torch.Tensor):
+            # a slot (resident or filled this cast): unpinned; its stream, if it copied, waits for the op
             import comfy_aimdo.model_vbar as vbar
             vbar.vbar_unpin(s._v)
+            if self.timeline is not None:
+                self.timeline.unpin(s._v[2])
+            if stream is not None:
+                self._wait(stream, "compute")
             return
         if "_v" not in s.__dict__:
             self.original[1](s, weight, bias, offload_stream)

@@ -70,18 +70,34 @@ class _Record(TorchDispatchMode):
         return out
 
 
+#: called with True at each replay's start and False at its end (tests/_timeline.py: one graph launch)
+REPLAY_HOOKS: list = []
+
+
 def replay(ops) -> None:
     """Re-run recorded ops on the captured tensors, each result written into the tensor the capture
     recorded (graph memory): a view aliases its base, which its own op refreshed; an op that may view
     or copy (reshape, contiguous) is a view only where it shares its input's memory."""
+    for hook in REPLAY_HOOKS:
+        hook(True)
+    try:
+        _replay(ops)
+    finally:
+        for hook in REPLAY_HOOKS:
+            hook(False)
+
+
+def _replay(ops) -> None:
     for func, args, kwargs, recorded in ops:
         fresh = func(*args, **kwargs)
         if not isinstance(recorded, (torch.Tensor, tuple, list)):
             continue
         bases = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        for r, f in zip(_tensors(recorded), _tensors(fresh), strict=True):
-            if r is not f and r.untyped_storage().data_ptr() not in bases:
-                r.copy_(f)
+        # (the write-back is this stand-in's, not a device op: out of sight of a recording mode)
+        with torch.utils._python_dispatch._disable_current_modes():
+            for r, f in zip(_tensors(recorded), _tensors(fresh), strict=True):
+                if r is not f and r.untyped_storage().data_ptr() not in bases:
+                    r.copy_(f)
 
 
 def record(fn, ops: list):

@@ -77,6 +77,11 @@ class Backend:
     #: set by the runtime before ``impls``: whether this model's regions replay CUDA graphs (asked
     #: for and possible here), so what a call costs is device time, not its launches
     graphs_replay = False
+    #: whether its region bodies call each conv and linear as a module (regions.py's bodies, run as
+    #: Python), so a region whose weights stream runs its compiled body op by op, each op casting its
+    #: own weights where it runs; a body compiled as one graph reads them all at once, so such a
+    #: region call runs the model's own code instead
+    streams_op_by_op = False
     #: one line for the menu's tooltip: what it does, where
     summary = ""
     #: whether code is specialised per shape (dynamo graphs, Triton kernel variants), so

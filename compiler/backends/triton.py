@@ -15,6 +15,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from .. import cast
 from .. import regions as R
 from ..compat import comfy as comfy_compat
 from ..compat import triton as triton_compat
@@ -63,10 +64,17 @@ class TritonOps(KernelChoice):
         self.KA, self.KE, self.KG, self.KN = _kernels()
 
     def group_norm_silu(self, norm, x):
+        if comfy_compat.has_cast_weights(norm):
+            # a region run op by op (its weights stream): the norm's cast where it runs, as its own forward's
+            with cast.for_op(norm, x) as (weight, bias):
+                return self._group_norm_silu(norm, x, weight, bias)
+        return self._group_norm_silu(norm, x, norm.weight, norm.bias)
+
+    def _group_norm_silu(self, norm, x, weight, bias):
         def reference():
-            return F.silu(F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps))
+            return F.silu(F.group_norm(x, norm.num_groups, weight, bias, norm.eps))
         return self.pick("groupnorm_silu", (x,),
-                         lambda: self.KN.groupnorm(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu=True),
+                         lambda: self.KN.groupnorm(x, norm.num_groups, weight, bias, norm.eps, silu=True),
                          reference)
 
     def conv_residual(self, conv, h, residual):
@@ -97,6 +105,7 @@ class TritonOps(KernelChoice):
 @register_backend("triton")
 class TritonBackend(Backend):
     auto_rank, auto_devices, uses_cuda_graphs, kernels_leave_captures = 0, ("cuda",), True, True
+    streams_op_by_op = True
     summary = "the pack's fused Triton kernels (CUDA), CUDA graphs optional"
     def __init__(self):
         self.ops: TritonOps | None = None

@@ -19,6 +19,7 @@ import torch
 
 from .. import weights
 from . import example_value, replace_calls
+from ..compat import comfy as comfy_compat
 from ..compat.torch_version import mkldnn_conv_available
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,9 @@ def check(x: torch.Tensor, weight: torch.Tensor, padding) -> bool:
 # ---- eager replacement for an nn.Conv2d outside any compiled region ---------
 
 def conv_module_forward(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
-    if not check(x, conv.weight, conv.padding):
+    """``conv(x)`` on the packed copy of its weight; the conv's own forward where ComfyUI casts or
+    patches its weight this call (it streams: that cast is the weight) or the packed path does not apply."""
+    if comfy_compat.has_cast_weights(conv) or not check(x, conv.weight, conv.padding):
         stats["eager_declined"] += 1
         return type(conv).forward(conv, x)
     stats["eager_fired"] += 1
