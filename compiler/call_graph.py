@@ -1,8 +1,9 @@
 """One CUDA graph per UNet call, where nothing inside the call needs Python between its regions.
 
 A UNet call whose body is the same launches every time (no ComfyUI patch, wrapper, ControlNet or
-attention override in the call, no forward hook on the model, no weight ComfyUI casts per call,
-every input a tensor, None, a flag or a name) is captured whole on its second call at an input
+attention override in the call, no forward hook on the model, every weight ComfyUI casts per call
+resident: a Dynamic VRAM slot, pinned for the call, or the leaf's own, every input a tensor, None,
+a flag or a name) is captured whole on its second call at an input
 signature and replayed from the third: the regions' compiled code and ComfyUI's dispatch between
 them in one graph (as stable-fast does), where per-region graphs leave that dispatch to Python. Any
 other call runs as before, through the per-region graphs, and the report counts why. A replay
@@ -87,8 +88,9 @@ class CallGraphs:
                                    copies=True)
         self.skipped: Counter = Counter()
         # the leaves ComfyUI can make cast or patch per call: those of classes with its cast flags
-        self._watched = cast.watch([m for m in root.modules() if next(m.children(), None) is None
-                                    and comfy_compat.cast_flags_of(type(m))])
+        self._leaves = [m for m in root.modules() if next(m.children(), None) is None
+                        and comfy_compat.cast_flags_of(type(m))]
+        self._watched = cast.watch(self._leaves)
         self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         #: set while warmup times region kinds against each other: calls go region by region, uncounted
         #: (a trial state captured whole would take a shape's place)
@@ -106,8 +108,6 @@ class CallGraphs:
         if any(self._hooks) or torch.nn.modules.module._global_forward_hooks or \
                 torch.nn.modules.module._global_forward_pre_hooks:
             return "a forward hook runs inside the call"
-        if not cast.idle(self._watched):
-            return "ComfyUI casts or patches weights per call (Dynamic VRAM, a partial load, fp8 storage or LoRA)"
         if comfy_compat.compiler_recording() is not None:
             return "ComfyUI's compiler records the model's allocations"
         return None
@@ -123,11 +123,25 @@ class CallGraphs:
         plain = {k: v for k, v in kwargs.items() if k != "transformer_options"}
         tensors, fixed = [], []
         why = self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
+        if why is None and self.graphs.off is None and not cast.idle(self._watched):
+            # ComfyUI casts per call (Dynamic VRAM flags every op): one graph where every cast weight
+            # is resident, its slots pinned for the call, as ComfyUI's own block graphs replay
+            dtype, device = cast.compute_of(tensors) or (None, None)
+            with cast.slots_resident(self._leaves, dtype, device) as resident:
+                if resident is not None:
+                    return self._whole(forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last,
+                                       shims, resident)
+            why = "a weight ComfyUI casts per call is not resident (streamed, converted or patched per call)"
         if why is not None or self.graphs.off is not None:
             if why is not None:
                 self.skipped[why] += 1
             with shims():
                 return forward(root, *args, **kwargs)
+        return self._whole(forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last, shims)
+
+    def _whole(self, forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last, shims, weights=None):
+        """The call through its whole-call graph (``weights``: the resident cast weights' addresses,
+        which the graph is captured with and must find again)."""
         extra = (tuple(fixed), tuple(sorted(failed)))
         options = {"transformer_options": kwargs["transformer_options"]} if "transformer_options" in kwargs else {}
         ran = []
@@ -155,7 +169,7 @@ class CallGraphs:
                 self._wrap[extra] = (type(out), list(out.keys()))
                 return out.to_tuple()
             return out
-        out = self.graphs.run(whole, root, tensors, extra=extra)
+        out = self.graphs.run(whole, root, tensors, weights=weights, extra=extra)
         if not ran and extra in self._counted:   # a replay: the regions' counts as its capture made them
             counted, ids = self._counted[extra]
             self.stats.update(counted)

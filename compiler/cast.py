@@ -37,6 +37,7 @@ from .reasons import Reason
 _PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout_type", None))
 _MISSING = object()
 _BUSY: set[int] = set()          # region modules whose leaves show cast weights now (the sampling thread)
+_ALL = -1                        # in _BUSY: every leaf of the model shows them (a whole call's resident slots)
 _BUSY_LOCK = threading.Lock()
 #: what the per-call casts did (tests read it): ``copied``, views of reused buffers copied before the region
 #: ran; ``stream_stops``, regions whose up-front cast stopped at a streamed weight (run op by op instead)
@@ -433,6 +434,73 @@ def applied(module, leaves, args):
                 ops.uncast_bias_weight(leaf, w, b, handle)
 
 
+def _vbar():
+    """comfy-aimdo's VBAR functions, where the newest ComfyUI imported them (None elsewhere)."""
+    return sys.modules.get("comfy_aimdo.model_vbar")
+
+
+def _resident_now(leaf, dtype, device, vbar, pinned: list):
+    """(weight, bias) ComfyUI's cast would hand ``leaf`` this call without a copy or an op of its
+    own: a Dynamic VRAM slot still resident (faulted in and pinned here, appended to ``pinned``;
+    its views ``_v_weight`` / ``_v_bias``) or the leaf's own weights on ``device``, stored in
+    ``dtype``, with no weight functions; None otherwise."""
+    d = leaf.__dict__
+    if d.get("weight_function") or d.get("bias_function") or why_not(leaf) is not None:
+        return None
+    if "_v" in d:
+        if vbar is None:
+            return None
+        signature = vbar.vbar_fault(d["_v"])
+        if signature is None:
+            return None
+        pinned.append(leaf)
+        if not vbar.vbar_signature_compare(signature, d.get("_v_signature")):
+            return None
+        w, b = d.get("_v_weight"), d.get("_v_bias")
+    else:
+        w, b = leaf._parameters.get("weight"), leaf._parameters.get("bias")
+        if w is not None and w.device != device:
+            return None
+    if any(t is not None and t.dtype != dtype for t in (w, b)):
+        return None
+    return w, b
+
+
+@contextlib.contextmanager
+def slots_resident(leaves, dtype, device):
+    """Inside: each of ``leaves`` (a model's leaves whose weights ComfyUI casts per call) shows as plain
+    parameters what ComfyUI's cast would hand it, when that is resident memory for every one
+    (:func:`_resident_now`: a Dynamic VRAM slot faulted in and pinned until the block ends, as
+    ComfyUI's own cast of a resident slot does, or the leaf's own weights), so a whole UNet call can
+    replay one CUDA graph reading them in place. Yields their addresses (``(data_ptr, dtype)`` each),
+    or None with nothing shown when one is not (no room, refilled, converted or patched per call:
+    that call casts region by region)."""
+    vbar, pinned, saved, shown = _vbar(), [], [], []
+    with _BUSY_LOCK:
+        _BUSY.add(_ALL)
+    try:
+        for leaf in leaves:
+            if not per_call(leaf) or not _has_weights(leaf):
+                continue
+            got = _resident_now(leaf, dtype, device, vbar, pinned)
+            if got is None:
+                break
+            shown.append(got)
+            saved += _show(leaf, *got)
+        else:
+            yield tuple((t.data_ptr(), t.dtype) for w, b in shown for t in (w, b) if t is not None)
+            return
+        _restore(saved)
+        saved = []
+        yield None
+    finally:
+        _restore(saved)
+        with _BUSY_LOCK:
+            _BUSY.discard(_ALL)
+        for leaf in pinned:
+            vbar.vbar_unpin(leaf.__dict__["_v"])
+
+
 @contextlib.contextmanager
 def for_op(leaf, x):
     """ComfyUI's cast of ``leaf``'s weights for one op on ``x``, where the op runs (a region run op by
@@ -448,7 +516,7 @@ def for_op(leaf, x):
 
 def busy(module) -> bool:
     """Whether ``module``'s leaves show per-call cast weights right now (another thread must not run it)."""
-    return id(module) in _BUSY
+    return id(module) in _BUSY or _ALL in _BUSY
 
 
 def needs_cast(module) -> bool:

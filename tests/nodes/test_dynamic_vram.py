@@ -541,3 +541,49 @@ def test_streaming_as_comfyui_streams(make_comfy_model, dynamic_vram, monkeypatc
     assert now.peak_pinned() <= eager.peak_pinned() + largest, (now.peak_pinned(), eager.peak_pinned(), largest)
     if room < 1:
         assert spans["before"][1] > spans["now"][1], spans
+
+
+def test_a_resident_call_is_one_graph(comfy, make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin):
+    """One CUDA graph per UNet call under Dynamic VRAM: once every slot is resident (a load's first call
+    fills them, op by op), a call is captured whole and replayed, each slot faulted in and pinned
+    around the replay (comfy-aimdo's ``vbar_fault`` / ``vbar_unpin``, as ComfyUI's cast of a resident
+    slot does) and read in place. A LoRA strength change refills the slots in place: that call goes
+    region by region, the next replays the same graph. Room taken by another model sends calls
+    region by region, counted, until the slots are back. == ComfyUI's eager every call, no pin left.
+    (Before: every call under Dynamic VRAM went region by region, "ComfyUI casts or patches weights
+    per call".)"""
+    from unet_compiler.compiler.call_graph import CallGraphs
+    fake = strict_graph_standin()
+    cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
+    accel.call_graphs = c = CallGraphs(accel.root, accel.graphs, accel.stats)
+    patches = _lora(comfy, base, 0.05)
+    seen = []
+    for strength, room, calls in ((None, 1.0, 4), (1.0, 1.0, 2), (0.5, 1.0, 2), (0.5, 0.3, 2), (0.5, 1.0, 3)):
+        p = cm.clone()
+        if strength is not None:
+            p.add_patches(patches, strength)
+        p.budget = room
+        for _ in range(calls):
+            before, skipped = Counter(c.graphs.stats), sum(c.skipped.values())
+            _graphed_call(accel, p)
+            after = Counter(c.graphs.stats)
+            after.subtract(before)
+            seen.append("regions" if sum(c.skipped.values()) > skipped else "capture" if after["captured"] else
+                        "replay" if after["replays"] else "whole")
+    print(f"\nper call: {seen}\n{accel.text()}")
+    # a load's first call fills the slots; the next runs whole, the third captures, then replays
+    assert seen[:4] == ["regions", "whole", "capture", "replay"], seen
+    # each strength change: the call that refills the slots goes region by region, the next replays
+    assert seen[4:8] == ["regions", "replay"] * 2, seen
+    # room for 30 %: region by region; room back: refilled, then replays again, never captured again
+    assert seen[8:] == ["regions"] * 3 + ["replay"] * 2, seen
+    assert c.graphs.stats["captured"] == 1 and accel.stats["region_eager"] == 0, accel.text()
+    assert c.skipped["a weight ComfyUI casts per call is not resident (streamed, converted or patched per "
+                     "call)"] == seen.count("regions")
+    assert "one graph per UNet call: 1 captured, 6 replays" in accel.text()
+    # while a whole call shows the slots, every region counts as busy (the priming thread keeps off)
+    from unet_compiler.compiler import cast
+    region = accel.plan.regions[0].module
+    with cast.slots_resident(c._leaves, torch.float32, torch.device("cpu")) as resident:
+        assert resident and cast.busy(region) and p.vbar().pinned() > 0
+    assert not cast.busy(region) and p.vbar().pinned() == 0
