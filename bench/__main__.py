@@ -10,6 +10,8 @@
     targets   every kernel compiled for each GPU target, on a machine without a GPU (a CI lane)
     gpu       the GPU check: one call on a GPU machine (tests, probes, SD1.5 bench, SDXL prompts)
     hosttime  the GPU path's host time per step and per kernel call, on the meta device (any machine)
+    dynamic   the user's default path: ComfyUI's UNet under Dynamic VRAM (the double; comfy-aimdo's VBAR on a
+              GPU), eager vs Compile UNet vs TorchCompileModel per VBAR room (needs a ComfyUI tree)
     beside    background compile beside a Python-bound sampling loop, simulated (any machine)
 
 ``python -m unet_compiler bench ...`` (the root ``__main__.py``) is ``run``; the others keep their names.
@@ -108,6 +110,8 @@ def parser() -> argparse.ArgumentParser:
                    "simulated (beside --help)")
     sub.add_parser("hosttime", add_help=False, help="host time of the GPU path per step and kernel call, on "
                    "the meta device (hosttime --help)")
+    sub.add_parser("dynamic", add_help=False, help="ComfyUI's UNet under Dynamic VRAM: eager vs Compile UNet vs "
+                   "TorchCompileModel per VBAR room (dynamic --help)")
     sub.add_parser("gpu", add_help=False, help="the GPU check, one call on a GPU machine within a time budget "
                    "(gpu --help)")
     return p
@@ -140,6 +144,9 @@ def main(argv=None):
     if argv[:1] == ["hosttime"]:
         from .hosttime import main as hosttime
         return hosttime(argv[1:])
+    if argv[:1] == ["dynamic"]:
+        from .dynamic import main as dynamic
+        return dynamic(argv[1:])
     args = parser().parse_args(argv)
     if args.cmd == "storage":
         from .storage import main as storage

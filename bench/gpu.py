@@ -6,6 +6,10 @@ order, each capped and skipped when too little time is left:
     probe_alloc   CUDA graph capture under the native allocator and cudaMallocAsync (ComfyUI's default):
                   capture memory and the driver, the pack's kernels launched directly and through
                   triton's JIT inside captures, a tiny UNet with graphs both ways
+    dynamic_sd15  the user's default path (``bench dynamic``): ComfyUI's SD1.5 UNet 512x512 batch 2 bf16
+                  under Dynamic VRAM (comfy-aimdo's VBAR on the GPU) and cudaMallocAsync, resident and
+                  at half the room: eager vs Compile UNet's defaults vs TorchCompileModel (demoted)
+    dynamic_sdxl  the same for SDXL 1024x1024
     tests         the GPU tests: kernels + triton backend, and real CUDA graphs + graph memory, at once
     probe_prompt_async  SDXL 1024x1024 batch 2 prompts under cudaMallocAsync, as a stock ComfyUI runs
     probe_prompt  the same under torch's native allocator: steady step, each prompt's first step, host ms,
@@ -53,8 +57,15 @@ def steps() -> list[Step]:
     xdist = ["-n", "4", "--dist", "loadfile"] if _has("xdist") else []
     prompt = _py("-m", "unet_compiler.bench.gpu_probes", "prompt", "--size", "sdxl", "--latent", "128", "--steps", "10",
                  "--prompts", "2")
+    def dynamic(size, lat, iters):   # the user's default path: Dynamic VRAM (comfy-aimdo), cudaMallocAsync
+        return _py("-m", "unet_compiler.bench", "dynamic", "--size", size, "--device", "cuda", "--dtype", "bf16",
+                   "--batch", "2", "--latent", str(lat), "--iters", str(iters), "--rooms", "1,0.5")
+    keep_dynamic = [r"^\|", r"^ComfyUI's", r"status:", r"Error|Traceback"]
+    async_alloc = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
     return [
         Step("probe_alloc", 150, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
+        Step("dynamic_sd15", 160, 90, [dynamic("sd15", 64, 20)], keep_dynamic, async_alloc),
+        Step("dynamic_sdxl", 150, 100, [dynamic("sdxl", 128, 10)], keep_dynamic, async_alloc),
         Step("tests", 190, 60, [
             _py(*tests, "-rfEs", *xdist, "tests/kernels", "tests/compiler/test_triton_backend.py"),
             _py(*tests, "-rfEs", "tests/compiler/test_cuda_graphs.py",
@@ -65,8 +76,7 @@ def steps() -> list[Step]:
                 "tests/compiler/test_precompiled.py::test_precompiled_variants_serve_a_bf16_unet_on_cuda")],
              [r"^(FAILED|ERROR)", r"^SKIPPED.*(cuda|CUDA|GPU|ComfyUI)", r" passed| failed| error",
               r"not precompiled|graph (capture|replay) failed"]),
-        Step("probe_prompt_async", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"],
-             {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}),
+        Step("probe_prompt_async", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"], async_alloc),
         Step("probe_prompt", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"]),
         Step("probe_choice", 45, 20, [_py("-m", "unet_compiler.bench.gpu_probes", "choice")],
              [r"^(groupnorm|geglu|attention|bias_residual)", r"Error"]),

@@ -141,6 +141,53 @@ class CpuVBAR:
         return sum(self.pins.values())
 
 
+class CudaVBAR:
+    """comfy-aimdo's own ``ModelVBAR`` on a CUDA device behind :class:`CpuVBAR`'s interface, for the
+    bench's rows on a GPU (``bench dynamic``): aimdo's native library maps, faults, pins and evicts;
+    ``tensor`` is ``comfy_aimdo.torch.aimdo_to_tensor``; the budget is its watermark limit. What the
+    tests read of :class:`CpuVBAR` (``resident``, ``pins``, ``pinned``) is not there: aimdo keeps it in C."""
+
+    def __init__(self, size: int, budget: int, device: torch.device):
+        import comfy_aimdo.control as control
+        import comfy_aimdo.model_vbar as model_vbar
+        if control.lib is None:
+            control.init()
+        if control.lib is None:
+            raise RuntimeError("comfy-aimdo's native library did not load (a CUDA driver and comfy-aimdo's wheel "
+                               "for this platform are needed)")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        control.init_device(index)
+        self.device = torch.device("cuda", index)
+        self.vbar = model_vbar.ModelVBAR(size, index)
+        self.max_size, self.budget = size, budget
+        self.set_budget(budget)
+
+    def alloc(self, num_bytes: int):
+        _, address, size = self.vbar.alloc(num_bytes)
+        return (self, address, size)
+
+    def fault(self, address: int, size: int):
+        return self.vbar.fault(address, size)
+
+    def unpin(self, address: int, size: int) -> None:
+        self.vbar.unpin(address, size)
+
+    def free_memory(self, size_bytes: float) -> int:
+        return self.vbar.free_memory(int(min(size_bytes, 2**62)))
+
+    def set_budget(self, budget: int) -> None:
+        self.budget = budget
+        self.vbar.set_watermark_limit(max(int(budget), 0))
+
+    def loaded_size(self) -> int:
+        return self.vbar.loaded_size()
+
+    def tensor(self, alloc) -> torch.Tensor:
+        from comfy_aimdo.torch import aimdo_to_tensor
+        _, address, size = alloc
+        return aimdo_to_tensor((self.vbar, address, size), self.device)
+
+
 class DynamicVRAM:
     """The double, installed over ``comfy`` (0.8.0): ``comfy.ops.cast_bias_weight`` /
     ``uncast_bias_weight`` become the newest ones' VBAR branch for leaves with ``_v``; the plain
@@ -330,9 +377,12 @@ def dynamic_patcher_class(comfy):
 
         def vbar(self) -> CpuVBAR:
             vbars = self.model.__dict__.setdefault("dynamic_vbars", {})
-            if "cpu" not in vbars:
-                vbars["cpu"] = CpuVBAR(2 * self.model_size() + (1 << 20), 0)
-            return vbars["cpu"]
+            key = str(self.load_device)
+            if key not in vbars:
+                size = 2 * self.model_size() + (1 << 20)
+                vbars[key] = (CudaVBAR(size, 0, self.load_device) if self.load_device.type == "cuda"
+                              else CpuVBAR(size, 0))
+            return vbars[key]
 
         def _restore_loaded(self) -> None:
             for key in list(self.backup):
@@ -408,6 +458,9 @@ def dynamic_patcher_class(comfy):
             resident ranges no call has pinned), which the module-level count leaves out."""
             import comfy.model_management
             vbar = self.vbar()
+            if not isinstance(vbar, CpuVBAR):         # aimdo's own count on a GPU
+                import comfy_aimdo.model_vbar as model_vbar
+                return comfy.model_management.get_free_memory(device) + model_vbar.vbars_analyze(device)
             return comfy.model_management.get_free_memory(device) + sum(size for address, (size, _) in vbar.resident.items()
                                                     if not vbar.pins[address])
 

@@ -172,6 +172,8 @@ def scan_pack() -> list[Finding]:
 PROCESSES = {
     ("bench/run.py", "_run_row"): "the benchmark runs each row in a fresh python process (`-m unet_compiler.bench "
                                    "run --row`) so its cold compile is cold",
+    ("bench/dynamic.py", "main"): "bench dynamic measures in a fresh python process (`-m unet_compiler.bench "
+                                  "dynamic --here`) with fresh compile caches, so its cold seconds are cold",
     ("bench/beside.py", "main"): "bench beside runs each row in a fresh python process (`-m unet_compiler.bench "
                                  "beside --row`): its compile thread and caches start fresh",
     ("bench/comfy_server.py", "build_checkpoint"): "tests/bench: builds the random-weight test checkpoint with "

@@ -13,11 +13,12 @@ from unet_compiler.bench import gpu as G  # noqa: N812
 
 def test_the_plan_puts_steps_in_priority_order_within_the_budget():
     names = [name for name, _ in G.plan(470)]
-    assert names == ["probe_alloc", "tests", "probe_prompt_async", "probe_prompt", "probe_choice", "bench_sd15",
-                     "bench_sdxl_kernels"]
+    assert names == ["probe_alloc", "dynamic_sd15", "dynamic_sdxl", "tests", "probe_prompt_async", "probe_prompt",
+                     "probe_choice", "bench_sd15", "bench_sdxl_kernels"]
     caps = dict(G.plan(470))
-    assert caps["tests"] == 190 and caps["probe_alloc"] == 150 and sum(caps.values()) <= 470 - 10
-    assert caps["bench_sd15"] == 0 and caps["bench_sdxl_kernels"] == 0           # what the budget leaves out
+    assert caps["probe_alloc"] == 150 and caps["dynamic_sd15"] == 160 and caps["dynamic_sdxl"] == 150
+    assert sum(caps.values()) <= 470 - 10
+    assert caps["tests"] == 0 and caps["bench_sd15"] == 0 and caps["bench_sdxl_kernels"] == 0   # left out
     assert dict(G.plan(240, {"tests", "bench_sd15"})) == {"tests": 190, "bench_sd15": 0}   # too little left
     assert dict(G.plan(250, {"bench_sd15"})) == {"bench_sd15": 200}
 
