@@ -348,27 +348,52 @@ def _takes_offloadable(fn) -> bool:
         return False
 
 
+#: id(cast tensor) -> (a weak reference to it, {(grad asked, inference mode): the Parameter shown for
+#: it}), kept while the tensor lives: a resident slot's view is handed out again every call, and
+#: making its Parameter costs ~5 us, a weak-keyed dictionary's lookup ~3 us
+_SHOWN: dict = {}
+
+
+def _forget(key, ref) -> None:
+    if _SHOWN.get(key, (None,))[0] is ref:
+        del _SHOWN[key]
+
+
 def _param(t, like):
     if t is None:
         return None
     grad = bool(getattr(like, "requires_grad", False)) and t.is_floating_point()
+    key = (grad, torch.is_inference_mode_enabled())
+    entry = _SHOWN.get(id(t))
+    if entry is not None and entry[0]() is t:
+        made = entry[1]
+        if key in made:
+            return made[key]
+    else:
+        made = {}
+        _SHOWN[id(t)] = (weakref.ref(t, functools.partial(_forget, id(t))), made)
     try:
-        return torch.nn.Parameter(t, requires_grad=grad)
+        p = torch.nn.Parameter(t, requires_grad=grad)
     except RuntimeError:   # an inference tensor outside inference mode cannot require grad
-        return torch.nn.Parameter(t, requires_grad=False)
+        p = torch.nn.Parameter(t, requires_grad=False)
+    made[key] = p
+    return p
 
 
 def _show(leaf, weight, bias) -> list:
     """Make ``leaf`` show ``weight``/``bias`` as plain parameters and take its plain forward; returns
     what to put back."""
     saved = []
-    d = leaf.__dict__
+    d, cls = leaf.__dict__, type(leaf)
+    # (flags live in the instance's or its class's dict: read there, not through nn.Module.__getattr__,
+    # whose miss costs more than the rest of this per-leaf, per-call step)
     for name, plain in _PLAIN:
-        if hasattr(leaf, name) and getattr(leaf, name) != plain:
+        value = d[name] if name in d else getattr(cls, name, _MISSING)
+        if value is not _MISSING and value != plain:
             saved.append((d, name, d.get(name, _MISSING)))
             d[name] = plain
     for name in ("weight_function", "bias_function"):
-        if getattr(leaf, name, None):
+        if d[name] if name in d else getattr(cls, name, None):
             saved.append((d, name, d.get(name, _MISSING)))
             d[name] = []
     params = leaf._parameters
