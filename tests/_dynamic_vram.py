@@ -23,7 +23,10 @@ docs/comfyui-versions.md) and comfy-aimdo 0.6.0, and rewritten, not copied:
 
 - ``get_offload_stream``'s rotation (the stream at the counter waits for the compute stream, the
   next is returned), ``sync_stream`` after a cast and ``uncast_bias_weight``'s wait of a filled slot's
-  stream: told to a ``tests/_timeline.Timeline`` with each copy and pin, when one is set.
+  stream: told to a ``tests/_timeline.Timeline`` with each copy and pin, when one is set. With
+  ``late`` copies, a copy lands only when the compute stream waits for its stream (NaN bytes till
+  then): a read that skipped the wait reads garbage, as it may on a GPU; by default copies land
+  when issued, so a buffer reused too early shows the later cast's bytes.
 
 Left out: pinned host memory, the prefetch queue (no UNet opts in to ``prefetch_dynamic_vbars``),
 the largest weight's second stream rotation, stream asynchrony itself (a CPU runs in order: the
@@ -207,6 +210,9 @@ class DynamicVRAM:
         self.lock = threading.Lock()
         #: a ``tests/_timeline.Timeline`` told each copy, stream wait and pin (None: nothing recorded)
         self.timeline = None
+        #: copies land when the compute stream waits for their stream (True), or when issued (False)
+        self.late = False
+        self._pending: dict = {}
 
     # -- comfy.model_management: get_offload_stream, sync_stream, get_aimdo_cast_buffer -----
     def offload_stream(self) -> int:
@@ -220,9 +226,15 @@ class DynamicVRAM:
         return self._stream
 
     def _wait(self, waiter, on) -> None:
-        """``waiter.wait_stream(on)`` (``on`` None: ``sync_stream``'s no-op)."""
-        if self.timeline is not None and on is not None:
+        """``waiter.wait_stream(on)`` (``on`` None: ``sync_stream``'s no-op). With ``late`` copies, the
+        compute stream's wait is where an offload stream's copies land."""
+        if on is None:
+            return
+        if self.timeline is not None:
             self.timeline.wait(waiter, on)
+        if waiter == "compute":
+            for dest, data in self._pending.pop(on, ()):
+                dest.copy_(data)
 
     def cast_buffer(self, stream: int, size: int) -> torch.Tensor:
         buf = self.buffers.get(stream)
@@ -232,15 +244,21 @@ class DynamicVRAM:
 
     # -- comfy.ops --------------------------------------------------------------------------
     def _write(self, tensors, dest: torch.Tensor, stream: int) -> None:
-        """The host-to-device copy of ``tensors`` into ``dest``, issued on offload ``stream``."""
+        """The host-to-device copy of ``tensors`` into ``dest``, issued on offload ``stream``: written now,
+        or with ``late`` copies only when the compute stream waits for ``stream`` (:meth:`_wait`), the
+        bytes there NaN till then, so a use before that wait reads garbage, as it may on a GPU."""
         with self.timeline.copy(stream, gathered_size(tensors)) if self.timeline else contextlib.nullcontext():
+            target = torch.empty_like(dest) if self.late else dest
             at = 0
             for t in tensors:
                 if t is None:
                     continue
                 n = _nbytes(t)
-                dest[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                target[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
                 at += _aligned(n)
+            if self.late:
+                dest.fill_(0xFF)
+                self._pending.setdefault(stream, []).append((dest, target))
 
     @staticmethod
     def _read(like, dest: torch.Tensor) -> list:

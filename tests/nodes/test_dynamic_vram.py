@@ -587,3 +587,31 @@ def test_a_resident_call_is_one_graph(comfy, make_comfy_model, dynamic_vram, mon
     with cast.slots_resident(c._leaves, torch.float32, torch.device("cpu")) as resident:
         assert resident and cast.busy(region) and p.vbar().pinned() > 0
     assert not cast.busy(region) and p.vbar().pinned() == 0
+
+
+def test_copies_land_only_at_the_compute_streams_wait(comfy, make_comfy_model, dynamic_vram, monkeypatch,
+                                                      strict_graph_standin):
+    """Stand-in streams (``dynamic_vram.late``): a weight copied on an offload stream lands only when the
+    compute stream waits for that stream, its bytes NaN until then, as a read that skipped the wait may
+    see on a GPU. ComfyUI's own code is unchanged by it (bit for bit); the pack at room 50 % (regions
+    op by op where their weights stream, resident ones through their graphs, calls whole once every
+    slot is resident) stays == eager over prompts. A deliberately broken ordering (the compute stream
+    never waits: every streamed weight read before it lands) gives NaN, so the check can fail."""
+    from unet_compiler.compiler.call_graph import CallGraphs
+    base = make_comfy_model("sd15")
+    ref = _apply(base, "sd15")
+    fake = strict_graph_standin()
+    cm, dyn, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 0.5)
+    accel.call_graphs = CallGraphs(accel.root, accel.graphs, accel.stats)
+    dynamic_vram.late = True
+    torch.testing.assert_close(_apply(dyn, "sd15"), ref, rtol=0, atol=0)
+    for room in (0.5, 0.5, 0.5, 1.0, 1.0, 1.0, 1.0):
+        p = cm.clone()
+        p.budget = room
+        _graphed_call(accel, p)
+    assert accel.stats["region_streamed"] > 0 and accel.graphs.stats["replays"] > 0, accel.stats
+    assert accel.call_graphs.graphs.stats["replays"] > 0 and accel.stats["region_eager"] == 0
+    p = cm.clone()
+    p.budget = 0.5
+    monkeypatch.setattr(dynamic_vram, "_wait", lambda waiter, on: None)
+    assert not torch.isfinite(_apply(p, "sd15")).all()
