@@ -159,7 +159,8 @@ class CudaVBAR:
             raise RuntimeError("comfy-aimdo's native library did not load (a CUDA driver and comfy-aimdo's wheel "
                                "for this platform are needed)")
         index = device.index if device.index is not None else torch.cuda.current_device()
-        control.init_device(index)
+        if not control.devctxs:      # (ComfyUI's startup does this once; a second call only warns)
+            control.init_device(index)
         self.device = torch.device("cuda", index)
         self.vbar = model_vbar.ModelVBAR(size, index)
         self.max_size, self.budget = size, budget
