@@ -61,17 +61,23 @@ def gathered_size(tensors) -> int:
 
 
 class CpuVBAR:
-    """comfy-aimdo's ``ModelVBAR`` over CPU memory: ``alloc`` hands out ``(vbar, address, size)``;
-    ``fault`` makes a range resident and pins it, returning a signature (the same while the range
-    stayed resident, a new one after it was evicted) or None when ``budget`` bytes are resident
-    (aimdo's policy lives in its native library: the double takes the simplest one its Python
-    side allows, a resident set up to the budget and the rest streamed); ``unpin``;
-    ``free_memory`` / ``set_budget`` evict what is not pinned. An evicted range is
-    overwritten with NaN bytes, so a view kept past its pin reads garbage."""
+    """comfy-aimdo's ``ModelVBAR`` over CPU memory, with aimdo's residency policy (its native library,
+    ``src/model-vbar.c`` @ce3c59e3, at range granularity where aimdo keeps 32 MiB pages): ``alloc``
+    hands out ``(vbar, address, size)``; ``fault`` makes a range resident and pins it, returning a
+    signature (the same while the range stayed resident, a new one after it was evicted and faulted
+    again) or None (VBAR_FAULT_OOM: the op streams). A fault of a range ending above the watermark
+    fails; one that does not fit the room (``budget``: what the card leaves this model) evicts from
+    the top of the VBAR down, lowering the watermark as it goes (pinned ranges stay, above it), and
+    fails if the range is then above it; a deficit that pinned ranges keep takes the watermark to 0.
+    So the lowest ranges stay resident and the rest stream, until ``prioritize`` (a load) puts the
+    watermark back at the top. ``set_budget`` (another model took room) and ``free_memory`` evict
+    from the top the same way; ``unpin`` frees a range left above the watermark. An evicted range
+    is overwritten with NaN bytes, so a view read past its eviction reads garbage."""
 
     def __init__(self, size: int, budget: int):
         self.storage = torch.zeros(size, dtype=torch.uint8)
         self.max_size, self.offset, self.budget = size, 0, budget
+        self.watermark = size
         self.resident: collections.OrderedDict = collections.OrderedDict()   # address -> (size, generation)
         self.pins: collections.Counter = collections.Counter()
         self._gen = itertools.count(1)
@@ -94,20 +100,34 @@ class CpuVBAR:
         self.evictions += 1
         return size
 
-    def _make_room(self) -> None:
-        for address in list(self.resident):
-            if self.used() <= self.budget:
-                return
+    def _lower(self, need: int, free: float | None = None) -> int:
+        """Evict from the top down, the watermark following, until ``need`` more bytes fit the room
+        (or, with ``free``, that many bytes are freed); a deficit left takes the watermark to 0."""
+        freed = 0
+        for address in sorted(self.resident, reverse=True):
+            if (freed >= free) if free is not None else (self.used() + need <= self.budget):
+                return freed
+            self.watermark = min(self.watermark, address)
             if not self.pins[address]:
-                self._evict(address)
+                freed += self._evict(address)
+        if (freed < free) if free is not None else (self.used() + need > self.budget):
+            self.watermark = 0
+        return freed
+
+    def prioritize(self) -> None:
+        """``vbar_prioritize``: the whole range may be faulted again."""
+        self.watermark = self.max_size
 
     def fault(self, address: int, size: int):
         self.faults += 1
+        if address + size > self.watermark:
+            return None
         if address not in self.resident:
             if self.used() + size > self.budget:
-                return None
+                self._lower(size)
+                if address + size > self.watermark or self.used() + size > self.budget:
+                    return None
             self.resident[address] = (size, next(self._gen))
-        self.resident.move_to_end(address)
         self.pins[address] += 1
         sig = (ctypes.c_uint32 * (size // (32 * 1024 ** 2) + 2))()
         sig[0], sig[1] = self.resident[address][1], address & 0xFFFFFFFF
@@ -118,20 +138,16 @@ class CpuVBAR:
             raise RuntimeError("VBAR unpin failed")
         self.pins[address] -= 1
         self.unpins += 1
+        if not self.pins[address] and address >= self.watermark and address in self.resident:
+            self._evict(address)
 
     def free_memory(self, size_bytes: float) -> int:
-        freed = 0
-        for address in list(self.resident):
-            if freed >= size_bytes:
-                break
-            if not self.pins[address]:
-                freed += self._evict(address)
-        return freed
+        return self._lower(0, free=size_bytes)
 
     def set_budget(self, budget: int) -> None:
-        """Another model took (or gave back) room: evict down to ``budget``."""
+        """Another model took (or gave back) room: evict from the top down to ``budget``."""
         self.budget = budget
-        self._make_room()
+        self._lower(0)
 
     def loaded_size(self) -> int:
         return self.used()
@@ -439,6 +455,7 @@ def dynamic_patcher_class(comfy):
                         self.patch_weight_to_device(f"{n}.{key}", device_to)
                         setattr(m, key + "_function", list(self.weight_wrapper_patches.get(f"{n}.{key}", [])))
                     self.model.model_loaded_weight_memory += sum(_nbytes(p) for _, p in own)
+            vbar.prioritize()          # (the model is active again: its whole range may be faulted)
             vbar.set_budget(int(self.budget * slotted))
             self.model.device = device_to
             self.model.current_weight_patches_uuid = self.patches_uuid

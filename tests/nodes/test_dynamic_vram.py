@@ -615,3 +615,39 @@ def test_copies_land_only_at_the_compute_streams_wait(comfy, make_comfy_model, d
     p.budget = 0.5
     monkeypatch.setattr(dynamic_vram, "_wait", lambda waiter, on: None)
     assert not torch.isfinite(_apply(p, "sd15")).all()
+
+
+def test_aimdos_eviction_from_the_top_and_a_pack_that_skips_the_fault(comfy, make_comfy_model, dynamic_vram,
+                                                                        monkeypatch, strict_graph_standin):
+    """The double's VBAR evicts as comfy-aimdo does: room taken by another model evicts from the top of
+    the VBAR down, the watermark following, so the lowest slots stay resident and a fault above the
+    watermark streams until the model is loaded again. After the room shrinks under whole-call graphs,
+    the pack faults every slot before a replay (``cast.slots_resident``): that call goes region by
+    region, == eager. A pack that trusted the slots it saw last call (no fault, no signature check)
+    replays over evicted ranges (NaN in the double) and gives NaN."""
+    from unet_compiler.compiler import cast
+    from unet_compiler.compiler.call_graph import CallGraphs
+    fake = strict_graph_standin()
+    cm, _, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
+    accel.call_graphs = c = CallGraphs(accel.root, accel.graphs, accel.stats)
+    p = cm.clone()
+    for _ in range(4):
+        _graphed_call(accel, p)
+    vbar = p.vbar()
+    assert c.graphs.stats["replays"] >= 1 and vbar.watermark == vbar.max_size
+    top = max(vbar.resident)
+    vbar.set_budget(vbar.used() // 3)                    # another model takes two thirds of the room
+    assert top not in vbar.resident and vbar.watermark <= top and min(vbar.resident) == 0
+    replays = c.graphs.stats["replays"]
+    got = _apply(p, "sd15", load=False)                 # (no load: the watermark stays down)
+    with accel.bypass():
+        _close(got, _apply(p, "sd15", load=False))
+    assert c.graphs.stats["replays"] == replays and accel.stats["region_streamed"] > 0
+    assert vbar.pinned() == 0 and top not in vbar.resident
+    monkeypatch.setattr(cast, "_resident_now",
+                        lambda leaf, dtype, device, vbar, pinned: (leaf.__dict__.get("_v_weight"),
+                                                                   leaf.__dict__.get("_v_bias"))
+                        if "_v" in leaf.__dict__ else (leaf.weight, leaf.bias))
+    out = _apply(p, "sd15", load=False)
+    assert c.graphs.stats["replays"] == replays + 1
+    assert not torch.isfinite(out).all()
