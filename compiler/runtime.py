@@ -99,7 +99,11 @@ class Accelerator:
         if device is None:
             p = next(unet.parameters(), None)
             device = p.device if p is not None else torch.device("cpu")
-        self.model_dtype = next((p.dtype for p in unet.parameters()), torch.float32)
+        # the dtype the model computes in: ComfyUI's UNet says (its weights may be stored in another,
+        # as the newest ComfyUI keeps a checkpoint's fp32 tensors under a bf16 model), else its weights'
+        declared = unet.__dict__.get("dtype")
+        self.model_dtype = declared if isinstance(declared, torch.dtype) else \
+            next((p.dtype for p in unet.parameters()), torch.float32)
         #: "cpu", "cuda", ...: where the model runs (a CPU model's background compile waits for idle time)
         self.device_type = torch.device(device).type
 

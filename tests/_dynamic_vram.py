@@ -60,6 +60,17 @@ def gathered_size(tensors) -> int:
     return sum(_aligned(_nbytes(t)) for t in tensors)
 
 
+def geometries(leaf) -> list:
+    """The weight and bias as their slot holds them (``tensors_to_geometries``): the op's model dtype
+    (``<name>_comfy_model_dtype``, the dtype it was built in) where it has one, else the stored one."""
+    out = []
+    for key in ("weight", "bias"):
+        t = getattr(leaf, key, None)
+        dtype = None if t is None else (leaf.__dict__.get(f"{key}_comfy_model_dtype") or t.dtype)
+        out.append(None if t is None else torch.empty(t.shape, dtype=dtype, device="meta"))
+    return out
+
+
 class CpuVBAR:
     """comfy-aimdo's ``ModelVBAR`` over CPU memory, with aimdo's residency policy (its native library,
     ``src/model-vbar.c`` @ce3c59e3, at range granularity where aimdo keeps 32 MiB pages): ``alloc``
@@ -304,14 +315,18 @@ class DynamicVRAM:
                 src = [s.weight, s.bias]
                 size = gathered_size(src)
                 stream = self.offload_stream() if stream is None else stream    # ensure_offload_stream
-                if signature is not None:
-                    dest = s._v[0].tensor(s._v)
+                # stored in another dtype than the slot's (needs_cast): the stored bytes go to the cast
+                # buffer and resolve converts them into the slot (or, with no room, a new tensor)
+                needs_cast = any(t is not None and t.dtype != g.dtype for t, g in zip(src, geometries(s), strict=True))
+                slot = s._v[0].tensor(s._v) if signature is not None else None
+                if slot is not None and not needs_cast:
+                    dest = slot
                 else:
                     dest = self.cast_buffer(stream, offset + size)[offset:offset + size]
                     offset += size
                     self.shared_casts += 1
                 self._write(src, dest, stream)
-                prefetch["dest"] = dest
+                prefetch.update(dest=dest, cast_dest=slot if needs_cast else None, needs_cast=needs_cast)
             s._prefetch = prefetch
         return stream
 
@@ -322,7 +337,18 @@ class DynamicVRAM:
         if prefetch["resident"]:
             weight, bias = s._v_weight, s._v_bias
         else:
-            weight, bias = self._read([s.weight, s.bias], prefetch["dest"])
+            placed = self._read([s.weight, s.bias], prefetch["dest"])
+            if prefetch["needs_cast"]:        # converted into the slot's dtype: the slot, or a new tensor
+                geoms = geometries(s)
+                dest = prefetch["cast_dest"]
+                if dest is None:
+                    dest = torch.empty(gathered_size(geoms), dtype=torch.uint8)
+                converted = self._read(geoms, dest)
+                for pre, post_cast in zip(placed, converted, strict=True):
+                    if post_cast is not None:
+                        post_cast.copy_(pre)
+                placed = converted
+            weight, bias = placed
             if prefetch["signature"] is not None:
                 s._v_weight, s._v_bias = weight, bias
             s._v_signature = prefetch["signature"]
@@ -406,6 +432,9 @@ def dynamic_patcher_class(comfy):
         budget = 0.5
         small = SMALL
         cached_patcher_init = None
+        #: the dtype slotted ops' weights are stored in on the CPU (None: the model's own); their slots
+        #: hold the model's dtype, converted into at each fill
+        stored = None
 
         def is_dynamic(self):
             return True
@@ -447,8 +476,13 @@ def dynamic_patcher_class(comfy):
                         setattr(m, key + "_lowvram_function",
                                 mp.LowVramPatch(full, self.patches) if full in self.patches else None)
                         setattr(m, key + "_function", list(self.weight_wrapper_patches.get(full, [])))
+                    if self.stored is not None:      # the checkpoint's tensors kept as loaded (the lazy ops)
+                        for key, p in own:
+                            if p.dtype != self.stored:
+                                m.__dict__[f"{key}_comfy_model_dtype"] = p.dtype
+                                m._parameters[key] = torch.nn.Parameter(p.detach().to(self.stored), requires_grad=False)
                     if "_v" not in m.__dict__:
-                        m._v = vbar.alloc(gathered_size([p for _, p in own]))
+                        m._v = vbar.alloc(gathered_size([g for g in geometries(m) if g is not None]))
                     slotted += m._v[2]
                 else:
                     for key, _ in own:
@@ -506,7 +540,8 @@ def dynamic_patcher_class(comfy):
         def clone(self, disable_dynamic=False, model_override=None, force_deepcopy=False):
             if not disable_dynamic:
                 n = super().clone()
-                n.budget, n.small, n.cached_patcher_init = self.budget, self.small, self.cached_patcher_init
+                n.budget, n.small, n.cached_patcher_init, n.stored = (self.budget, self.small,
+                                                                      self.cached_patcher_init, self.stored)
                 return n
             # a plain ModelPatcher over the checkpoint loaded again (cached_patcher_init): another
             # module with the same weights and no dynamic state
@@ -532,14 +567,15 @@ def dynamic_patcher_class(comfy):
     return DynamicPatcher
 
 
-def make_dynamic(comfy, mp, budget: float = 0.5, small: int = SMALL, reload=None):
+def make_dynamic(comfy, mp, budget: float = 0.5, small: int = SMALL, reload=None, stored=None):
     """A dynamic patcher over ``mp``'s model (``mp`` a plain 0.8.0 ``ModelPatcher``): its VBAR holds
     ``budget`` of the slotted bytes; ops of at most ``small`` bytes are loaded instead. ``reload()``
     loads the checkpoint again as a plain ``ModelPatcher`` (``cached_patcher_init``: what
-    ``clone(disable_dynamic=True)`` samples)."""
+    ``clone(disable_dynamic=True)`` samples). ``stored``: the dtype the slotted ops' weights are kept
+    in on the CPU (the checkpoint's: fp32 under a bf16 model), their slots in the model's dtype."""
     cls = dynamic_patcher_class(comfy)
     d = cls(mp.model, mp.load_device, mp.offload_device, mp.model_size())
-    d.budget, d.small, d.cached_patcher_init = budget, small, reload
+    d.budget, d.small, d.cached_patcher_init, d.stored = budget, small, reload, stored
     return d
 
 

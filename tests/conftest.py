@@ -206,7 +206,8 @@ def dynamic_vram(comfy):
     pytest.importorskip("comfy_aimdo.model_vbar", reason="comfy-aimdo not installed (bin/setup installs it)")
     from unet_compiler.tests._dynamic_vram import DynamicVRAM, make_dynamic
     double = DynamicVRAM(comfy.ops)
-    double.patcher = lambda mp, budget=0.5, small=256, reload=None: make_dynamic(comfy, mp, budget, small, reload)
+    double.patcher = lambda mp, budget=0.5, small=256, reload=None, stored=None: make_dynamic(comfy, mp, budget, small,
+                                                                                          reload, stored)
     with double.installed():
         yield double
     comfy.mm.unload_all_models()

@@ -651,3 +651,60 @@ def test_aimdos_eviction_from_the_top_and_a_pack_that_skips_the_fault(comfy, mak
     out = _apply(p, "sd15", load=False)
     assert c.graphs.stats["replays"] == replays + 1
     assert not torch.isfinite(out).all()
+
+
+def _bf16_sd15(comfy):
+    """The tiny SD1.5 built and computing in bf16 (ComfyUI's ``set_inference_dtype(bf16, None)``)."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+
+    from unet_compiler.tests._families import init_random
+    from unet_compiler.tests._patch_compat import TINY
+    spec = TINY["sd15"]
+    cfg = getattr(sm, spec["cls"])(dict(spec["unet"]))
+    cfg.unet_config = dict(spec["unet"])
+    cfg.set_inference_dtype(torch.bfloat16, None)
+    base = cfg.get_model({})
+    init_random(base.diffusion_model, 0)
+    base.eval()
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
+
+
+def test_weights_stored_in_fp32_with_bf16_slots(comfy, dynamic_vram, monkeypatch, strict_graph_standin):
+    """The newest ComfyUI keeps a checkpoint's fp32 tensors on the CPU under a bf16 model; each VBAR
+    slot holds bf16 (``_comfy_model_dtype``), converted into at each fill, so a resident call reads
+    the slot's bf16 views as they are. A bf16 SD1.5 stored in fp32 under the double: ComfyUI's eager
+    == the plain bf16 model bit for bit; the pack (regions op by op while the slots fill, then one
+    graph per call reading the bf16 views in place) == eager, and it takes the model's dtype as
+    bf16, not the stored fp32 (its precision note). (Before: the report took fp32 from the stored
+    weights.)"""
+    from unet_compiler.compiler.backends import inductor
+    from unet_compiler.compiler.call_graph import CallGraphs
+    from unet_compiler.compiler.graphs import RegionGraphs
+    from unet_compiler.compiler.shims import TOLERANCE
+    ref = _apply(_bf16_sd15(comfy), "sd15")
+    dyn = dynamic_vram.patcher(_bf16_sd15(comfy), budget=1.0, stored=torch.float32)
+    torch.testing.assert_close(_apply(dyn, "sd15"), ref, rtol=0, atol=0)
+    slotted = [m for m in dyn.model.diffusion_model.modules() if "_v" in m.__dict__]
+    assert slotted and all(m.weight.dtype == torch.float32 and m._v_weight.dtype == torch.bfloat16 for m in slotted)
+    monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
+    cm, _ = patcher.compile_model(dyn, CompileConfig(backend="inductor", precision="fp32"))
+    accel = patcher.accelerator_of(cm)
+    accel.graphs = RegionGraphs(graphs=strict_graph_standin())
+    accel.backend.streams_op_by_op = True
+    accel.call_graphs = c = CallGraphs(accel.root, accel.graphs, accel.stats)
+    assert accel.model_dtype == torch.bfloat16 and "precision fp32 needs the model loaded in fp32 (it is " \
+        "torch.bfloat16)" in accel.text(), accel.text()
+    p = cm.clone()
+    for _ in range(4):
+        got = _apply(p, "sd15")
+        with accel.bypass():
+            want = _apply(p, "sd15", load=False)
+        # bf16: the pack's compare tolerance for it, and a relative L2 a wrong weight would not meet
+        # (bf16 rounding through the tiny UNet, SDPA against ComfyUI's attention: 1.6e-2 measured)
+        scale = max(1.0, float(want.float().abs().max()))
+        assert float((got.float() - want.float()).abs().max()) <= TOLERANCE[torch.bfloat16] * scale
+        assert _rel(got, want) < 3e-2, _rel(got, want)
+    assert c.graphs.stats["replays"] >= 1 and accel.stats["region_eager"] == 0, accel.text()
+    assert p.vbar().pinned() == 0
