@@ -46,6 +46,24 @@ class Step:
     commands: list       # argv lists run at once (each its own log: <name>.log, <name>.2.log, ...)
     keep: list = field(default_factory=list)   # regexes of log lines the summary keeps
     env: dict = field(default_factory=dict)    # set for this step's commands (e.g. the allocator)
+    needs: tuple = ()    # what its commands import beyond torch and triton (NEEDS): missing, it is skipped
+
+
+#: what a step may need that a GPU image may lack: name -> how to find it (a module, or "tree": a
+#: ComfyUI tree at COMFYUI_PATH); what to carry is in DEVELOPERS.md, "GPU"
+NEEDS = {"diffusers": "diffusers", "pytest": "pytest", "comfy-aimdo": "comfy_aimdo", "ComfyUI tree": "tree"}
+
+
+def missing(needs, env: dict) -> list[str]:
+    """Which of ``needs`` this machine lacks (the ComfyUI tree: ``env``'s COMFYUI_PATH, else ~/comfy/ComfyUI)."""
+    out = []
+    for name in needs:
+        how = NEEDS[name]
+        tree = Path(env.get("COMFYUI_PATH") or Path.home() / "comfy" / "ComfyUI")   # (the tests' own lookup)
+        found = (tree / "main.py").is_file() if how == "tree" else _has(how)
+        if not found:
+            out.append(name)
+    return out
 
 
 def _py(*args) -> list:
@@ -61,11 +79,13 @@ def steps() -> list[Step]:
         return _py("-m", "unet_compiler.bench", "dynamic", "--size", size, "--device", "cuda", "--dtype", "bf16",
                    "--batch", "2", "--latent", str(lat), "--iters", str(iters), "--rooms", "1,0.5")
     keep_dynamic = [r"^\|", r"^ComfyUI's", r"status:", r"Error|Traceback"]
+    comfy_needs = ("ComfyUI tree", "comfy-aimdo")
     async_alloc = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
     return [
-        Step("probe_alloc", 150, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="]),
-        Step("dynamic_sd15", 160, 90, [dynamic("sd15", 64, 20)], keep_dynamic, async_alloc),
-        Step("dynamic_sdxl", 150, 100, [dynamic("sdxl", 128, 10)], keep_dynamic, async_alloc),
+        Step("probe_alloc", 150, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="],
+             needs=("diffusers",)),
+        Step("dynamic_sd15", 160, 90, [dynamic("sd15", 64, 20)], keep_dynamic, async_alloc, comfy_needs),
+        Step("dynamic_sdxl", 150, 100, [dynamic("sdxl", 128, 10)], keep_dynamic, async_alloc, comfy_needs),
         Step("tests", 190, 60, [
             _py(*tests, "-rfEs", *xdist, "tests/kernels", "tests/compiler/test_triton_backend.py"),
             _py(*tests, "-rfEs", "tests/compiler/test_cuda_graphs.py",
@@ -75,9 +95,9 @@ def steps() -> list[Step]:
                 "tests/nodes/test_dit.py::test_blocks_that_return_two_streams_are_captured",
                 "tests/compiler/test_precompiled.py::test_precompiled_variants_serve_a_bf16_unet_on_cuda")],
              [r"^(FAILED|ERROR)", r"^SKIPPED.*(cuda|CUDA|GPU|ComfyUI)", r" passed| failed| error",
-              r"not precompiled|graph (capture|replay) failed"]),
-        Step("probe_prompt_async", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"], async_alloc),
-        Step("probe_prompt", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"]),
+              r"not precompiled|graph (capture|replay) failed"], needs=("pytest", "diffusers")),
+        Step("probe_prompt_async", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"], async_alloc, ("diffusers",)),
+        Step("probe_prompt", 90, 45, [prompt], [r"^PROBE", r"Error|Traceback"], needs=("diffusers",)),
         Step("probe_choice", 45, 20, [_py("-m", "unet_compiler.bench.gpu_probes", "choice")],
              [r"^(groupnorm|geglu|attention|bias_residual)", r"Error"]),
         Step("bench_sd15", 200, 70, [_py("-m", "unet_compiler.bench", "run", "--device", "cuda", "--dtype", "bf16",
@@ -85,11 +105,12 @@ def steps() -> list[Step]:
                                          "--kernels", "--kernels-skip-inductor", "--backend",
                                          "triton,triton+graphs,whole", "--skip-whole", "--out", "{out}/bench")],
              [r"^(path|eager|unet_compiler|whole|machine:|per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)",
-              r"triton kernels (fired|not used)|torch measured faster|cuda graphs|failed|Traceback"]),
+              r"triton kernels (fired|not used)|torch measured faster|cuda graphs|failed|Traceback"],
+             needs=("diffusers",)),
         Step("bench_sdxl_kernels", 60, 20, [_py("-m", "unet_compiler.bench", "kernels", "--device", "cuda", "--dtype",
                                                 "bf16", "--size", "sdxl", "--latent", "128", "--batch", "2", "--iters",
                                                 "10", "--skip-inductor", "--out", "{out}/bench")],
-             [r"^(per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)"]),
+             [r"^(per-kernel|kernel|groupnorm|bias_|layernorm|geglu|attention)"], needs=("diffusers",)),
     ]
 
 
@@ -137,11 +158,16 @@ class Check:
             f.write(line + "\n")
 
     def run(self, step: Step) -> int | None:
-        """The step's commands at once, each killed at the step's cap; None: skipped. Returns the
-        worst exit status (124: a command ran past the cap)."""
+        """The step's commands at once, each killed at the step's cap; None: skipped (too little time
+        left, or something it needs missing here). Returns the worst exit status (124: a command ran
+        past the cap)."""
         c = cap(step.want_s, self.left())
         if c < step.min_s:
             self.say(f"== {step.name}: skipped, {self.left():.0f} s left (needs {step.min_s} s)")
+            return None
+        lacking = missing(step.needs, self.env)
+        if lacking:
+            self.say(f"== {step.name}: skipped, {', '.join(lacking)} missing here (DEVELOPERS.md, \"GPU\": what to carry)")
             return None
         start = self.clock()
         env = {k: v for k, v in self.env.items() if k not in step.env} | step.env
@@ -221,8 +247,12 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"--only: no step {', '.join(sorted(unknown))}; steps: {', '.join(s.name for s in steps())}")
     if o.dry_run:
+        needs = {s.name: s.needs for s in steps()}
         for name, c in plan(o.budget, only):
-            print(f"{name:20s} " + (f"cap {c} s" if c else "skipped (budget)"))
+            lacking = missing(needs[name], dict(os.environ))
+            print(f"{name:20s} " + (f"cap {c} s" if c else "skipped (budget)")
+                  + (f"; needs {', '.join(needs[name])}" if needs[name] else "")
+                  + (f" (missing here: {', '.join(lacking)})" if lacking else ""))
         return 0
     check = Check(Path(o.out).resolve(), o.budget, only)
     check.env_line()

@@ -39,13 +39,18 @@ def test_steps_are_capped_skipped_and_summarised_as_they_end(tmp_path, monkeypat
                   [r"^conf"], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"})
     assert check.run(envd) == 0 and "conf backend:cudaMallocAsync" in (tmp_path / "envd.log").read_text()
     assert "== late: skipped" in (tmp_path / "summary.txt").read_text() and not (tmp_path / "late.log").exists()
+    check.env["COMFYUI_PATH"] = str(tmp_path / "no-comfyui")
+    lacking = G.Step("lacking", 5, 1, [[sys.executable, "-c", "print('never')"]], needs=("ComfyUI tree",))
+    assert check.run(lacking) is None and not (tmp_path / "lacking.log").exists()
+    assert "== lacking: skipped, ComfyUI tree missing here" in (tmp_path / "summary.txt").read_text()
 
 
 def test_the_command_line(capsys):
     from unet_compiler.bench.__main__ import main
     assert main(["gpu", "--dry-run", "--budget", "200", "--only", "tests,bench_sd15"]) == 0
     out = capsys.readouterr().out
-    assert "tests                cap 190 s" in out and "bench_sd15           skipped (budget)" in out
+    assert "tests                cap 190 s; needs pytest, diffusers" in out
+    assert "bench_sd15           skipped (budget); needs diffusers" in out
     with pytest.raises(SystemExit):
         main(["gpu", "--only", "bogus"])
     assert "no step bogus" in capsys.readouterr().err
