@@ -475,7 +475,10 @@ def _resident_now(leaf, dtype, device, vbar, pinned: list):
     if "_v" in d:
         if vbar is None:
             return None
-        signature = vbar.vbar_fault(d["_v"])
+        try:
+            signature = vbar.vbar_fault(d["_v"])
+        except Exception:    # aimdo's VBAR_FAULT_ERROR: ComfyUI's own cast meets it, in its own code
+            return None
         if signature is None:
             return None
         pinned.append(leaf)

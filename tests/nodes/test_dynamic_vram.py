@@ -708,3 +708,29 @@ def test_weights_stored_in_fp32_with_bf16_slots(comfy, dynamic_vram, monkeypatch
         assert _rel(got, want) < 3e-2, _rel(got, want)
     assert c.graphs.stats["replays"] >= 1 and accel.stats["region_eager"] == 0, accel.text()
     assert p.vbar().pinned() == 0
+
+
+def test_a_fault_error_before_a_whole_call_leaves_it_to_comfyuis_cast(comfy, make_comfy_model, dynamic_vram,
+                                                                      monkeypatch, strict_graph_standin):
+    """comfy-aimdo's fault can raise (VBAR_FAULT_ERROR). The pack's own fault before a whole call never
+    lets that out: the call goes region by region, where ComfyUI's cast meets whatever the VBAR does
+    next (here it works again), == eager, no pin left."""
+    import comfy_aimdo.model_vbar as model_vbar
+
+    from unet_compiler.compiler.call_graph import CallGraphs
+    cm, _, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin(), 1.0)
+    accel.call_graphs = c = CallGraphs(accel.root, accel.graphs, accel.stats)
+    p = cm.clone()
+    for _ in range(3):
+        _graphed_call(accel, p)
+    real, failed = model_vbar.vbar_fault, []
+
+    def once(alloc):
+        if not failed:
+            failed.append(alloc)
+            raise RuntimeError("Fault failed: 2")
+        return real(alloc)
+    monkeypatch.setattr(model_vbar, "vbar_fault", once)
+    skipped = sum(c.skipped.values())
+    _graphed_call(accel, p)
+    assert failed and sum(c.skipped.values()) == skipped + 1 and accel.stats["region_eager"] == 0
