@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 
 from .compat import comfy as comfy_compat
-from .reasons import Reason
+from .reasons import Reason, error_summary
 
 #: the leaf attributes that make ComfyUI's forward take its cast path, and the values that don't
 _PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout_type", None))
@@ -210,9 +210,8 @@ def _check_own(leaf, dtype, device) -> Reason | None:
             why = Reason(f"weights made per call by another pack's ops ({name}): its forward is not the plain "
                          f"op on its own cast", "none needed for correctness: its regions run its own code")
     except Exception as e:    # a cast or forward this check cannot call: the leaf's own code runs
-        first = str(e).splitlines()[0][:160] if str(e) else ""
         why = Reason(f"weights made per call by another pack's ops ({name}), whose cast could not be "
-                     f"checked on a probe ({type(e).__name__}: {first})",
+                     f"checked on a probe ({error_summary(e)})",
                      "none needed for correctness: its regions run its own code")
     seen[key] = why
     return why

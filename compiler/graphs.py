@@ -34,6 +34,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .lifecycle import background
 from .compat.comfy import is_interrupt, is_oom, reserve_vram
+from .reasons import error_summary
 
 log = logging.getLogger(__name__)
 
@@ -516,7 +517,7 @@ class RegionGraphs:
             trim(new_pool)
 
     def _turn_off(self, what, e):
-        self.off = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        self.off = f"{what}: {error_summary(e)}"[:300]
         log.warning("UNet Compiler: CUDA graph %s failed (%s); graphs are off for this model and regions run "
                     "without them", what, self.off, exc_info=True)
         self.regions.clear()

@@ -14,6 +14,7 @@ from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import is_interrupt, latent_scale, latent_time_scale
 from ..compiler.runtime import Accelerator
 from ..compiler.shapes import check_context_tokens, label_of, parse_shapes
+from ..compiler.reasons import error_summary
 from ..compiler.warmup import warmup_runs
 from . import feedback, warmup
 from .warmup import fn_name
@@ -188,9 +189,8 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
         except Exception as e:
             if is_interrupt(e):
                 raise
-            first = str(e).splitlines()[0] if str(e) else ""
-            fb.problem = (f"warmup stopped: this model could not be called outside sampling ({type(e).__name__}: "
-                          f"{first})"[:400] + "; it compiles on its first KSampler step instead")
+            fb.problem = (f"warmup stopped: this model could not be called outside sampling ({error_summary(e)})"[:400]
+                          + "; it compiles on its first KSampler step instead")
             log.warning("UNet Compiler: %s", fb.problem, exc_info=True)
             accel.report.notes.append(fb.problem)
     return accel.text() + f"\n  status: {fb.done['text']}"

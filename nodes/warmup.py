@@ -131,9 +131,8 @@ class SamplingCall:
         except Exception as e:
             if is_interrupt(e) or not self.patches:
                 raise
-            first = str(e).splitlines()[0] if str(e) else ""
             self.dropped = (f"warmup ran without the model's patches ({', '.join(self.patches)}): outside "
-                            f"sampling they raised {type(e).__name__}: {first}"[:400]
+                            f"sampling they raised {error_summary(e)}"[:400]
                             + ". Sampling applies them as usual; patched regions run eager then.")
             log.warning("UNet Compiler: %s", self.dropped, exc_info=True)
             self.patched = False
