@@ -65,7 +65,8 @@ def stubbed_launches(counts: Counter, jit: Counter | None = None):
     tensors and planning for sm_90, autocast queries answered "off" for meta; restored on exit."""
     jit = Counter() if jit is None else jit
     from ..compiler import graphs as G  # noqa: N812
-    from ..kernels import _common, attention, epilogue, geglu, groupnorm, layernorm, qkv
+    from ..kernels import _common, attention, epilogue, geglu, groupnorm
+    from .spare_kernels import layernorm, qkv
     mods = (attention, epilogue, geglu, groupnorm, layernorm, qkv)
     real_check, real_autocast, real_state = _common.check_tensor, torch.is_autocast_enabled, G._autocast_state
 

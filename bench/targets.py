@@ -43,6 +43,7 @@ SMEM_PER_SM = {80: 167936, 86: 102400, 89: 102400, 90: 233472, 120: 102400}
 WARPS_PER_SM = {80: 64, 86: 48, 89: 48, 90: 64, 120: 48}
 BLOCKS_PER_SM = {80: 32, 86: 16, 89: 24, 90: 32, 120: 32}
 FAMILIES = ("attention", "groupnorm", "layernorm", "geglu", "epilogue", "qkv")
+SPARE = ("layernorm", "qkv")    # bench/spare_kernels: kernels no backend uses
 DTYPES = ("fp16", "bf16", "fp32")
 MEM = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*?)\.[bfsu](\d+)\s")
 CP_ASYNC = re.compile(r"\bcp\.async\.\w+\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(0x[0-9a-f]+|\d+)")
@@ -194,7 +195,9 @@ def run_target(cap: int, dtypes: list[str], only: list[str]) -> int:
         return None   # nothing launched: a planned launch has no compiled kernel to launch directly
 
     JITFunction.run = compile_only
-    mods = {f: importlib.import_module(f"{__package__.rpartition('.')[0]}.kernels.{f}") for f in FAMILIES}
+    root = __package__.rpartition('.')[0]
+    mods = {f: importlib.import_module(f"{__package__}.spare_kernels.{f}" if f in SPARE else f"{root}.kernels.{f}")
+            for f in FAMILIES}
     arch = f"sm_{cap}a" if cap >= 90 else f"sm_{cap}"
     print(f"== {arch} ({CAPS[cap]}), {limit} B shared memory per block, triton "
           f"{triton.__version__}, torch {torch.__version__}")

@@ -34,10 +34,15 @@ from unet_compiler.kernels import _common  # noqa: E402
 from unet_compiler.kernels._common import KernelUnsupported  # noqa: E402,F401 - the tests' import
 
 
+#: kernels no backend uses, kept beside the bench (bench/spare_kernels), out of the wheel
+SPARE = ("layernorm", "qkv")
+
+
 def load(name: str):
     """Import a kernel module; re-import it if an earlier import (before
     TRITON_INTERPRET was set) built compiled kernels that cannot run on CPU."""
-    mod = importlib.import_module(f"unet_compiler.kernels.{name}")
+    package = "unet_compiler.bench.spare_kernels" if name in SPARE else "unet_compiler.kernels"
+    mod = importlib.import_module(f"{package}.{name}")
     if not CUDA and not any(_common.is_interpreted(v) for v in vars(mod).values()):
         mod = importlib.reload(mod)
     return mod

@@ -1,4 +1,4 @@
-"""kernels/layernorm.py against F.layer_norm.
+"""bench/spare_kernels/layernorm.py (no backend uses it; the bench does) against F.layer_norm.
 
 See tests/kernels/_helpers.py for the device, dtypes and tolerances."""
 from __future__ import annotations

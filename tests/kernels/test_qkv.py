@@ -1,4 +1,4 @@
-"""kernels/qkv.py (q/k/v projections in one launch) against F.linear.
+"""bench/spare_kernels/qkv.py (no backend uses it; the bench does: q/k/v projections in one launch) against F.linear.
 
 See tests/kernels/_helpers.py for the device, dtypes and tolerances."""
 from __future__ import annotations

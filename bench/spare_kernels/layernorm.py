@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KernelUnsupported, cdiv, check_row_block, check_tensor, next_pow2
+from ...kernels._common import KernelUnsupported, cdiv, check_row_block, check_tensor, next_pow2
 
 MAX_D = 16384  # a row must fit in one program's registers
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (KernelUnsupported, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
+from ...kernels._common import (KernelUnsupported, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
                       launch_first_fitting, matmul_precision)
 
 
