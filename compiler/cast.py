@@ -348,8 +348,8 @@ def _takes_offloadable(fn) -> bool:
 
 
 #: id(cast tensor) -> (a weak reference to it, {(grad asked, inference mode): the Parameter shown for
-#: it}), kept while the tensor lives: a resident slot's view is handed out again every call, and
-#: making its Parameter costs ~5 us, a weak-keyed dictionary's lookup ~3 us
+#: it}), kept while the tensor lives: a resident slot's view is handed out again every call, so its
+#: Parameter is made once (docs/bench.md, host time of the casts)
 _SHOWN: dict = {}
 
 

@@ -54,11 +54,10 @@ class CompileConfig:
         changes are honoured.
     prepack_linear:
         On CPU, linear layers inside compiled regions use MKL weights packed
-        once. Off by default: with torch 2.13 compiled SD1.5 steps took the
-        same time with it as without (2x64x64: 0.25 s, 2x256x256: 1.39 s per
-        UNet step on a 2-core x86 CPU, 2026-11-24), while the packed copy
-        costs 1 GiB of memory and ~2 s at every start. On: the same live-weight
-        cache key as prepack_conv; one extra copy of those weights.
+        once. Off by default: with torch 2.13 it measured no faster than the
+        plain linear (docs/internals.md, prepack_linear), while the packed copy
+        costs memory and start time. On: the same live-weight cache key as
+        prepack_conv; one extra copy of those weights.
     cuda_graphs:
         On CUDA (triton and inductor backends): each accelerated region is
         captured as a CUDA graph on its second call at a shape and replayed
