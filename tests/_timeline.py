@@ -72,19 +72,8 @@ class Timeline:
     def __init__(self):
         self.events: list = []
         self.copying = False
-        self.counter = 0          # model_management's stream_counters[device]
-        self.started = False      # its STREAMS[device]: the first call makes them, waiting on nothing
 
     # -- what the double reports ----------------------------------------------------------
-    def offload_stream(self) -> int:
-        """``get_offload_stream``: the stream at the counter waits for the compute stream, the counter
-        moves on, the stream it points at now is returned (2 streams: used in turn)."""
-        if self.started:
-            self.events.append(("wait", self.counter, COMPUTE))
-            self.counter = (self.counter + 1) % 2
-        self.started = True
-        return self.counter
-
     @contextlib.contextmanager
     def copy(self, stream: int, nbytes: int):
         self.events.append(("copy", stream, nbytes))
