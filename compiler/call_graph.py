@@ -123,7 +123,7 @@ class CallGraphs:
         plain = {k: v for k, v in kwargs.items() if k != "transformer_options"}
         tensors, fixed = [], []
         why = self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
-        if why is None and self.graphs.off is None and not cast.idle(self._watched):
+        if why is None and self.graphs.off is None and not cast.none_per_call(self._watched):
             # ComfyUI casts per call (Dynamic VRAM flags every op): one graph where every cast weight
             # is resident, its slots pinned for the call, as ComfyUI's own block graphs replay
             dtype, device = cast.compute_of(tensors) or (None, None)

@@ -218,12 +218,12 @@ def _check_own(leaf, dtype, device) -> Reason | None:
 
 
 def watch(leaves) -> tuple:
-    """What :func:`idle` reads per call for ``leaves``: each leaf, its class and the cast flags that
+    """What :func:`none_per_call` reads per call for ``leaves``: each leaf, its class and the cast flags that
     class defines (the flags' values, the leaf's class and its instance attributes are read live)."""
     return tuple((leaf, type(leaf), comfy_compat.cast_flags_of(type(leaf))) for leaf in leaves)
 
 
-def idle(watched) -> bool:
+def none_per_call(watched) -> bool:
     """True when no watched leaf's weights are made per call now (no cast flag, weight or bias
     function, dequantizing or quantized leaf) and each leaf keeps the class it was watched with:
     :func:`plan` would find nothing to cast. A few dict reads a leaf, for every call of a region;

@@ -70,7 +70,7 @@ class Gate:
         functions, GGUF's dequantisation), or None when the region must run the model's own code
         for them: counted, with the reason kept per kind for the report. ``watched``:
         ``cast.watch(leaves)``, the per-call check that finds none (most calls) without planning."""
-        if cast.idle(watched):
+        if cast.none_per_call(watched):
             return ()
         todo, why = cast.plan(leaves, args)
         if todo and self.cast_refused:

@@ -269,7 +269,7 @@ def test_the_per_call_check_reads_comfyuis_flags_where_its_patcher_sets_them(com
 
 
 def test_the_regions_quick_check_finds_what_the_planner_would(comfy, make_comfy_model):
-    """``cast.idle`` (each region call's first check, over the leaves ``cast.watch`` took at compile
+    """``cast.none_per_call`` (each region call's first check, over the leaves ``cast.watch`` took at compile
     time) is True only where ``cast.plan`` finds nothing to cast, and reads every flag live: a
     partial load's flag, a LoRA weight function, a bias function, a class flag changed later, a
     dequantizing or quantized leaf (its instance attributes), all set after the watch."""
@@ -277,7 +277,7 @@ def test_the_regions_quick_check_finds_what_the_planner_would(comfy, make_comfy_
     plain, stock, cast_op = torch.nn.Linear(2, 2), ops.disable_weight_init.Linear(2, 2), ops.manual_cast.Linear(2, 2)
 
     def agree(*leaves):
-        idle = cast.idle(cast.watch(leaves))
+        idle = cast.none_per_call(cast.watch(leaves))
         todo, why = cast.plan(leaves)
         assert not (idle and (todo or why)), (leaves, todo, why)
         assert idle == (not any(cast.per_call(m) or cast.quantized(m) for m in leaves))
@@ -287,30 +287,30 @@ def test_the_regions_quick_check_finds_what_the_planner_would(comfy, make_comfy_
     for name, value in (("comfy_cast_weights", True), ("weight_function", [lambda w: w]),
                         ("bias_function", [lambda b: b]), ("_full_precision_mm", True)):
         setattr(stock, name, value)
-        assert not cast.idle(watched) and not agree(stock), name
+        assert not cast.none_per_call(watched) and not agree(stock), name
         setattr(stock, name, type(value)())             # what ComfyUI's unpatch leaves: False / []
-        assert cast.idle(watched) and agree(stock), name
+        assert cast.none_per_call(watched) and agree(stock), name
     stock.layout_type = "TensorCoreFP8Layout"          # a mixed-precision leaf (quantized matmul)
-    assert not cast.idle(watched) and not agree(stock)
+    assert not cast.none_per_call(watched) and not agree(stock)
     del stock.layout_type
 
     class Flagged(torch.nn.Linear):
         comfy_cast_weights = False
     f = Flagged(2, 2)
     watched = cast.watch([f])
-    assert cast.idle(watched)
+    assert cast.none_per_call(watched)
     Flagged.comfy_cast_weights = True                    # read live, not remembered per class
-    assert not cast.idle(watched) and not agree(f)
+    assert not cast.none_per_call(watched) and not agree(f)
     Flagged.comfy_cast_weights = False
     # another pack swaps a leaf's class for its own per-call op (what a GGUF-style loader may do)
     fresh = ops.disable_weight_init.Linear(2, 2)
     own = type("Linear", (type(fresh),), {"__module__": "other_pack.ops", "comfy_cast_weights": True})
     watched = cast.watch([plain, fresh])
     fresh.__class__ = own
-    assert not cast.idle(watched) and not agree(fresh)
+    assert not cast.none_per_call(watched) and not agree(fresh)
     # a whole model's regions: every region's quick check agrees with the planner, fp8 storage or not
     for dtype in (torch.float32, torch.float8_e4m3fn):
         mp = make_comfy_model("sd15", weight_dtype=dtype)
         from unet_compiler.compiler import plan as P    # noqa: N812
         for region in P.build_plan(mp.model.diffusion_model).regions:
-            assert cast.idle(cast.watch(region.leaves)) == (cast.plan(region.leaves) == ((), None)), region.path
+            assert cast.none_per_call(cast.watch(region.leaves)) == (cast.plan(region.leaves) == ((), None)), region.path
