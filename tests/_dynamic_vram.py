@@ -52,12 +52,27 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
+def _quantized(t) -> bool:
+    return type(t).__name__ == "QuantizedTensor"
+
+
+def _parts(t) -> list:
+    """The tensors ``t``'s slot holds: a QuantizedTensor's inner ones (its raw bytes: data and scales,
+    ``__tensor_flatten__``), else ``t``."""
+    if t is None:
+        return []
+    if _quantized(t):
+        names, _ = t.__tensor_flatten__()
+        return [getattr(t, n) for n in names]
+    return [t]
+
+
 def _nbytes(t) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    return sum(p.numel() * p.element_size() for p in _parts(t))
 
 
 def gathered_size(tensors) -> int:
-    return sum(_aligned(_nbytes(t)) for t in tensors)
+    return sum(_aligned(p.numel() * p.element_size()) for t in tensors for p in _parts(t))
 
 
 def geometries(leaf) -> list:
@@ -66,8 +81,11 @@ def geometries(leaf) -> list:
     out = []
     for key in ("weight", "bias"):
         t = getattr(leaf, key, None)
-        dtype = None if t is None else (leaf.__dict__.get(f"{key}_comfy_model_dtype") or t.dtype)
-        out.append(None if t is None else torch.empty(t.shape, dtype=dtype, device="meta"))
+        if t is None or _quantized(t):         # (a QuantizedTensor is paged as it is)
+            out.append(t)
+            continue
+        dtype = leaf.__dict__.get(f"{key}_comfy_model_dtype") or t.dtype
+        out.append(torch.empty(t.shape, dtype=dtype, device="meta"))
     return out
 
 
@@ -278,11 +296,9 @@ class DynamicVRAM:
         with self.timeline.copy(stream, gathered_size(tensors)) if self.timeline else contextlib.nullcontext():
             target = torch.empty_like(dest) if self.late else dest
             at = 0
-            for t in tensors:
-                if t is None:
-                    continue
-                n = _nbytes(t)
-                target[at:at + n].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            for part in (p for t in tensors for p in _parts(t)):
+                n = part.numel() * part.element_size()
+                target[at:at + n].copy_(part.detach().contiguous().reshape(-1).view(torch.uint8))
                 at += _aligned(n)
             if self.late:
                 dest.fill_(0xFF)
@@ -290,14 +306,23 @@ class DynamicVRAM:
 
     @staticmethod
     def _read(like, dest: torch.Tensor) -> list:
+        """Views of ``dest`` shaped as ``like`` (``interpret_gathered_like``): a QuantizedTensor is
+        rebuilt over views of its inner tensors (``__tensor_unflatten__``)."""
         out, at = [], 0
         for t in like:
             if t is None:
                 out.append(None)
                 continue
-            n = _nbytes(t)
-            out.append(dest[at:at + n].view(t.dtype).view(t.shape))
-            at += _aligned(n)
+            views = []
+            for part in _parts(t):
+                n = part.numel() * part.element_size()
+                views.append(dest[at:at + n].view(part.dtype).view(part.shape))
+                at += _aligned(n)
+            if _quantized(t):
+                names, ctx = t.__tensor_flatten__()
+                out.append(type(t).__tensor_unflatten__(dict(zip(names, views, strict=True)), ctx, t.shape, t.stride()))
+            else:
+                out.append(views[0])
         return out
 
     def cast_modules(self, leaves, device):
@@ -468,9 +493,8 @@ def dynamic_patcher_class(comfy):
                 if dirty or not hasattr(m, "_v_signature"):
                     m._v_signature = None
                 own = [(k, p) for k, p in (("weight", m.weight), ("bias", getattr(m, "bias", None))) if p is not None]
-                # (ComfyUI pages quantized weights too, by their geometry; the double keeps them loaded)
-                paged = all(type(p).__name__ != "QuantizedTensor" for _, p in own)
-                if paged and sum(_nbytes(p) for _, p in own) > self.small:
+                # (quantized weights are paged too, as their raw bytes)
+                if sum(_nbytes(p) for _, p in own) > self.small:
                     for key, _ in own:
                         full = f"{n}.{key}"
                         setattr(m, key + "_lowvram_function",
@@ -708,7 +732,10 @@ def newest_mixed_precision(leaf) -> None:
     """Give a 0.8.0 mixed-precision Linear the newest ComfyUI's forward rule (comfy/ops.py 0271a469,
     ``_use_quantized``): the quantized matmul unless the leaf dequantizes (``_full_precision_mm``),
     is forced to cast or has weight functions; ``comfy_cast_weights``, which Dynamic VRAM sets on
-    every op, is not read. The input is quantized to the layout as ComfyUI's does."""
+    every op, is not read. The input is quantized to the layout as ComfyUI's does, and the weights
+    come through ``cast_bias_weight`` (a paged QuantizedTensor from its VBAR slot), as the newest
+    forward takes them on every path."""
+    import comfy.ops
     from comfy.quant_ops import QuantizedTensor
 
     def forward(self, input, *args, **kwargs):
@@ -720,7 +747,11 @@ def newest_mixed_precision(leaf) -> None:
         shape = input.shape
         q = QuantizedTensor.from_float(input.reshape(-1, shape[-1]), self.layout_type,
                                        scale=getattr(self, "input_scale", None))
-        return self._forward(q, self.weight, self.bias).reshape(*shape[:-1], self.weight.shape[0])
+        weight, bias, handle = comfy.ops.cast_bias_weight(self, input, offloadable=True)
+        try:
+            return self._forward(q, weight, bias).reshape(*shape[:-1], weight.shape[0])
+        finally:
+            comfy.ops.uncast_bias_weight(self, weight, bias, handle)
     forward.__module__ = "comfy.ops"       # ComfyUI's own forward, as the pack sees it
     cls = type(leaf)
     leaf.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,

@@ -259,7 +259,8 @@ def test_quantized_leaves_keep_comfys_quantized_matmul(comfy, make_comfy_model, 
     """A mixed-precision (scaled fp8) SD1.5 whose fp8 linears multiply quantized, as on an fp8 GPU
     with the newest forward rule (``comfy_cast_weights`` not read): under Dynamic VRAM every op is
     flagged, yet those regions keep ComfyUI's quantized matmul (they run the model's own code, and
-    the report counts them with the reason); the others compile; compiled == eager."""
+    the report counts them with the reason); the others compile; compiled == eager. The quantized
+    weights are paged as their raw bytes, resident or streamed."""
     from unet_compiler.tests._dynamic_vram import newest_mixed_precision
     from unet_compiler.compiler import cast
     from .test_cast_weights import _mixed_precision_sd15
@@ -283,6 +284,15 @@ def test_quantized_leaves_keep_comfys_quantized_matmul(comfy, make_comfy_model, 
     assert all("quantized matmul" in why for why in accel.cast_eager.values())
     assert accel.stats["region_eager_cast"] > 0 and accel.stats["ran_resblock"] > 0 and not accel.failed
     assert "quantized matmul" in accel.text() and "status: inductor: compiled" in text, text
+    # their weights are paged as raw bytes: each quantized op's slot hands out a QuantizedTensor
+    paged = [leaf for leaf in leaves if "_v" in leaf.__dict__]
+    assert paged and all(type(leaf._v_weight).__name__ == "QuantizedTensor" for leaf in paged)
+    # and with no room they stream through the shared buffers, == ComfyUI's own result then
+    p = cm.clone()
+    p.budget = 0.0
+    got = _apply(p, "sd15")
+    with accel.bypass():
+        assert _rel(got, _apply(p, "sd15", load=False)) < 5e-2
 
 
 def test_the_compile_thread_never_casts_or_pins(make_comfy_model, dynamic_vram):
