@@ -268,19 +268,17 @@ def compute_of(args) -> tuple[torch.dtype, torch.device] | None:
     return None if t is None else (t.dtype, t.device)
 
 
-def _cast(leaf, dtype, device, hold: bool = True):
-    """ComfyUI's cast of ``leaf``'s weight and bias, held for the whole region: (weight, bias, offload
-    handle or None). On ComfyUI's offload stream where it has one (the handle goes to
-    ``uncast_bias_weight`` after the region's work is queued: a Dynamic VRAM slot stays pinned till
-    then). A weight handed out as a view of a buffer the next cast reuses (Dynamic VRAM's per-stream
-    cast buffer, newer ComfyUI's offload cast buffers) is copied first (``hold``): the region reads
-    every leaf at once, after all of them were cast."""
+def _cast(leaf, dtype, device):
+    """ComfyUI's cast of ``leaf``'s weight and bias: (weight, bias, offload handle or None). On
+    ComfyUI's offload stream where it has one (the handle goes to ``uncast_bias_weight`` once the
+    work reading them is queued: a Dynamic VRAM slot stays pinned till then). A weight may be a
+    view of a buffer the next cast reuses (Dynamic VRAM's per-stream cast buffer, newer ComfyUI's
+    offload cast buffers): read it before another cast, or hold it (:func:`_held`)."""
     ops = _ops()
     if own_cast(type(leaf)):
         # another pack's own cast (its dequantisation and patches): a plain tensor of the compute dtype
         w, b = leaf.cast_bias_weight(None, dtype=dtype, device=device, bias_dtype=dtype)
-        w, b = _plain(w), _plain(b)
-        return (_held(leaf, w, "weight", True), _held(leaf, b, "bias", True), None) if hold else (w, b, None)
+        return _plain(w), _plain(b), None
     if _takes_offloadable(ops.cast_bias_weight):
         w, b, handle = ops.cast_bias_weight(leaf, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True)
     else:
@@ -289,7 +287,7 @@ def _cast(leaf, dtype, device, hold: bool = True):
         # a mixed-precision leaf that dequantizes per call gets its QuantizedTensor back from the cast;
         # its forward multiplies by the dequantized weight (newer ComfyUI dequantizes it there)
         w = w.dequantize()
-    return (_held(leaf, w, "weight"), _held(leaf, b, "bias"), handle) if hold else (w, b, handle)
+    return w, b, handle
 
 
 def _streams(leaf, device) -> bool:
@@ -432,12 +430,15 @@ def applied(module, leaves, args):
         _BUSY.add(id(module))
     try:
         for leaf in leaves:
-            w, b, handle = _cast(leaf, dtype, device, hold=False)
+            w, b, handle = _cast(leaf, dtype, device)
             casts.append((leaf, w, b, handle))
             if _streams(leaf, device):
                 STATS["stream_stops"] += 1
                 break
-            w, b = _held(leaf, w, "weight", own_cast(type(leaf))), _held(leaf, b, "bias", own_cast(type(leaf)))
+            # the region reads every leaf at once, after all of them were cast: views of reused buffers
+            # are held (another pack's own cast hands out a new tensor each call, often a reshape of one)
+            fresh = own_cast(type(leaf))
+            w, b = _held(leaf, w, "weight", fresh), _held(leaf, b, "bias", fresh)
             casts[-1] = (leaf, w, b, handle)
             resident = resident and _resident(leaf, w, "weight") and _resident(leaf, b, "bias")
             saved += _show(leaf, w, b)
@@ -533,7 +534,7 @@ def for_op(leaf, x):
     """ComfyUI's cast of ``leaf``'s weights for one op on ``x``, where the op runs (a region run op by
     op, as the leaf's own forward casts): yields (weight, bias), released (unpinned, its offload
     stream's buffer free again) after the block, once the op is queued."""
-    w, b, handle = _cast(leaf, x.dtype, x.device, hold=False)
+    w, b, handle = _cast(leaf, x.dtype, x.device)
     try:
         yield w, b
     finally:
