@@ -70,17 +70,18 @@ TINY = {
 }
 
 
-def build_tiny(kind="sd15", seed=0, device="cpu", weight_dtype=None):
+def build_tiny(kind="sd15", seed=0, device="cpu", weight_dtype=None, manual_cast=torch.float32):
     """A random-weight tiny SD1.5/SDXL-shaped BaseModel from ComfyUI's own classes, in a real
     ModelPatcher that loads on ``device`` and offloads to the CPU. ``weight_dtype``: a storage
-    dtype (fp8, fp16, ...) ComfyUI casts to fp32 per call (its manual_cast ops)."""
+    dtype (fp8, fp16, ...) ComfyUI casts to ``manual_cast`` per call (its manual_cast ops; None:
+    the model computes in ``weight_dtype`` itself)."""
     import comfy.model_patcher
     import comfy.supported_models as sm
     spec = TINY[kind]
     cfg = getattr(sm, spec["cls"])(dict(spec["unet"]))
     cfg.unet_config = dict(spec["unet"])
     if weight_dtype is not None:
-        cfg.set_inference_dtype(weight_dtype, torch.float32)
+        cfg.set_inference_dtype(weight_dtype, manual_cast)
     base = cfg.get_model({})
     init_random(base.diffusion_model, seed)
     base.eval()

@@ -663,24 +663,6 @@ def test_aimdos_eviction_from_the_top_and_a_pack_that_skips_the_fault(comfy, mak
     assert not torch.isfinite(out).all()
 
 
-def _bf16_sd15(comfy):
-    """The tiny SD1.5 built and computing in bf16 (ComfyUI's ``set_inference_dtype(bf16, None)``)."""
-    import comfy.model_patcher
-    import comfy.supported_models as sm
-
-    from unet_compiler.tests._families import init_random
-    from unet_compiler.tests._patch_compat import TINY
-    spec = TINY["sd15"]
-    cfg = getattr(sm, spec["cls"])(dict(spec["unet"]))
-    cfg.unet_config = dict(spec["unet"])
-    cfg.set_inference_dtype(torch.bfloat16, None)
-    base = cfg.get_model({})
-    init_random(base.diffusion_model, 0)
-    base.eval()
-    cpu = torch.device("cpu")
-    return comfy.model_patcher.ModelPatcher(base, load_device=cpu, offload_device=cpu)
-
-
 def test_weights_stored_in_fp32_with_bf16_slots(comfy, dynamic_vram, monkeypatch, strict_graph_standin):
     """The newest ComfyUI keeps a checkpoint's fp32 tensors on the CPU under a bf16 model; each VBAR
     slot holds bf16 (``_comfy_model_dtype``), converted into at each fill, so a resident call reads
@@ -693,8 +675,12 @@ def test_weights_stored_in_fp32_with_bf16_slots(comfy, dynamic_vram, monkeypatch
     from unet_compiler.compiler.call_graph import CallGraphs
     from unet_compiler.compiler.graphs import RegionGraphs
     from unet_compiler.compiler.shims import TOLERANCE
-    ref = _apply(_bf16_sd15(comfy), "sd15")
-    dyn = dynamic_vram.patcher(_bf16_sd15(comfy), budget=1.0, stored=torch.float32)
+    from unet_compiler.tests._patch_compat import build_tiny
+
+    def bf16_sd15():   # built and computing in bf16 (ComfyUI's set_inference_dtype(bf16, None))
+        return build_tiny("sd15", weight_dtype=torch.bfloat16, manual_cast=None)
+    ref = _apply(bf16_sd15(), "sd15")
+    dyn = dynamic_vram.patcher(bf16_sd15(), budget=1.0, stored=torch.float32)
     torch.testing.assert_close(_apply(dyn, "sd15"), ref, rtol=0, atol=0)
     slotted = [m for m in dyn.model.diffusion_model.modules() if "_v" in m.__dict__]
     assert slotted and all(m.weight.dtype == torch.float32 and m._v_weight.dtype == torch.bfloat16 for m in slotted)
