@@ -108,7 +108,7 @@ class CallGraphs:
         if any(self._hooks) or torch.nn.modules.module._global_forward_hooks or \
                 torch.nn.modules.module._global_forward_pre_hooks:
             return "a forward hook runs inside the call"
-        if comfy_compat.compiler_recording() is not None:
+        if comfy_compat.compiler_records():
             return "ComfyUI's compiler records the model's allocations"
         return None
 

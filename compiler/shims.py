@@ -13,6 +13,7 @@ import torch
 
 from . import cast
 from . import plan as P
+from .compat import comfy as comfy_compat
 from .reasons import Reason
 
 #: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
@@ -81,9 +82,15 @@ class Gate:
         self.cast_eager.setdefault(kind, why)
         return None
 
-    def eager(self) -> None:
-        """Count one region call sent to the model's own code."""
+    def eager(self, original, module, *args, **kwargs):
+        """One region call sent to the model's own code: counted, and paused where ComfyUI's compiler
+        records, as the compiled calls are: the pattern it replays is the same whichever runs."""
         self.stats["region_eager"] += 1
+        recording = comfy_compat.compiler_recording()
+        if recording is None:
+            return original(module, *args, **kwargs)
+        with recording:
+            return original(module, *args, **kwargs)
 
     def why_eager(self, region) -> Reason | None:
         """Why ``region``'s next call would run the model's own code as its loaded weights stand
@@ -209,9 +216,8 @@ def make_shim(region, impl, run, gate: Gate):
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
                     or (casts := gate.casts(kind, leaves, watched, (x,))) is None):
-                gate.eager()
-                return original(module, x, context=context, value=value, mask=mask,
-                                transformer_options=transformer_options)
+                return gate.eager(original, module, x, context=context, value=value, mask=mask,
+                                  transformer_options=transformer_options)
             return run()(kind, impl, module, original, (x, context, value),
                          dict(context=context, value=value, mask=mask, transformer_options=transformer_options), casts)
         return shim
@@ -220,8 +226,7 @@ def make_shim(region, impl, run, gate: Gate):
     if kind == P.ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
             if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
-                gate.eager()
-                return original(module, hidden_states, encoder_hidden_states, attention_mask, **kw)
+                return gate.eager(original, module, hidden_states, encoder_hidden_states, attention_mask, **kw)
             return run()(kind, impl, module, original, (hidden_states, encoder_hidden_states),
                              dict(encoder_hidden_states=encoder_hidden_states))
         return shim
@@ -231,8 +236,7 @@ def make_shim(region, impl, run, gate: Gate):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
         if kwargs or kind in failed or (casts := gate.casts(kind, leaves, watched, args)) is None:
-            gate.eager()
-            return original(module, *args, **kwargs)
+            return gate.eager(original, module, *args, **kwargs)
         return run()(kind, impl, module, original, args, None, casts)
     return shim
 
@@ -263,8 +267,7 @@ def _dit_shim(module, kind, original, leaves, watched, impl, run, gate):
                     or "optimized_attention_override" in opts):
                 inputs = None
         if inputs is None or (casts := gate.casts(kind, leaves, watched, inputs)) is None:
-            gate.eager()
-            return original(module, *args, **kwargs)
+            return gate.eager(original, module, *args, **kwargs)
         rest = {k: v for k, v in bound.items() if k != first}      # the own forward's call, less its first input
         # contiguous copies of strided views (Wan's first block gets its tokens transposed, a patch may
         # hand a slice): their strides would be guards, another stride another variant to compile

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, is_interrupt, is_video, latent_frames,
-                                     latent_scale)
+from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, forget_compiler_recording,
+                                     is_interrupt, is_video, latent_frames, latent_scale)
 from ..compiler.inserted import frame_count
 from ..compiler.reasons import error_summary
 from ..compiler.shapes import check_frames, check_memory, context_dim, first_level_channels, memory_name, unet_inputs
@@ -120,8 +120,14 @@ class SamplingCall:
         self.videos, self.frames = None, None
 
     def __call__(self, shape):
-        with self.videos.videos_of(self.frames) if self.videos is not None else contextlib.nullcontext():
-            return self._patched_or_not(shape)
+        # each call records afresh where ComfyUI's compiler records the model (other shapes, compares
+        # against the model's own code: no pattern for a replay to follow), as after a node
+        forget_compiler_recording()
+        try:
+            with self.videos.videos_of(self.frames) if self.videos is not None else contextlib.nullcontext():
+                return self._patched_or_not(shape)
+        finally:
+            forget_compiler_recording()
 
     def _patched_or_not(self, shape):
         if not self.patched:

@@ -48,6 +48,11 @@ SMALL = 16 * 1024      # ModelPatcherDynamic.load: ops of at most this many byte
 ALIGN = 512            # ModelVBAR.alloc's alignment, and the gathered weight/bias layout's here
 
 
+#: ``offload``: this thread runs offload-stream work now (``cast_modules``' faults and copies), which
+#: ComfyUI's recorder (tests/_comfy_compiler.py), recording the compute stream's allocations, skips
+STREAM = threading.local()
+
+
 def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
@@ -328,6 +333,13 @@ class DynamicVRAM:
     def cast_modules(self, leaves, device):
         """``cast_modules_with_vbar``: fault each leaf's slot; copy what is not resident into its
         slot, or into one stream's cast buffer from offset 0 when the fault found no room."""
+        STREAM.offload = True
+        try:
+            return self._cast_modules(leaves, device)
+        finally:
+            STREAM.offload = False
+
+    def _cast_modules(self, leaves, device):
         import comfy_aimdo.model_vbar as vbar
         stream, offset = None, 0
         for s in leaves:
@@ -601,131 +613,6 @@ def make_dynamic(comfy, mp, budget: float = 0.5, small: int = SMALL, reload=None
     d = cls(mp.model, mp.load_device, mp.offload_device, mp.model_size())
     d.budget, d.small, d.cached_patcher_init, d.stored = budget, small, reload, stored
     return d
-
-
-class Recording:
-    """comfy-aimdo's ``MallocGraph`` as ComfyUI drives it (``push``/``pop``/``pause``/``resume``/
-    ``abort``, ``_comfy_active``), its native side modelled by what it is known to refuse: while it
-    records (active, not paused) a compile or a torch.compile'd graph's run allocates what the
-    recorded pattern does not hold, a graph break; the ``pop`` that closes the scope reports it,
-    and under ``--assert-graph-breaks`` fails with comfy-aimdo's "aimdo memory compile error"
-    (``MallocGraph._call``). What the native library does beyond that is not in its Python files."""
-
-    def __init__(self, assert_graph_breaks: bool):
-        self.assert_graph_breaks = assert_graph_breaks
-        self._comfy_active = False
-        self.paused = 0
-        self.breaks: list[str] = []
-        self._open: list[str] = []
-
-    def saw(self, what: str) -> None:
-        if self._comfy_active and not self.paused:
-            self._open.append(what)
-
-    def push(self, name=None):
-        pass
-
-    def pause(self, sync=False):
-        self.paused += 1
-
-    def resume(self, sync=False):
-        self.paused -= 1
-
-    def pop(self):
-        broken, self._open = self._open, []
-        self.breaks += broken
-        if broken and self.assert_graph_breaks:
-            raise RuntimeError(f"aimdo memory compile error ({broken[0]})")
-        return bool(broken)
-
-    def abort(self):
-        self._open = []
-
-
-class ComfyCompiler:
-    """ComfyUI's own compiler (``comfy/model_prefetch.py`` @03fb330a: ``MALLOC_GRAPHS`` per thread,
-    ``malloc_graph_scope``, ``pause_malloc_graph``) as a ``comfy.model_prefetch`` module over this
-    ComfyUI, which has none, recording through :class:`Recording`. ``scope()`` is what a model that
-    opts in wraps its blocks in. It sees dynamo's compile starts (dynamo's start callback) and each
-    run of an inductor-compiled graph (``CompiledFxGraph.__call__``)."""
-
-    def __init__(self, assert_graph_breaks: bool = True):
-        import types
-        self.assert_graph_breaks = assert_graph_breaks
-        self.module = mod = types.ModuleType("comfy.model_prefetch")
-        mod.MALLOC_GRAPHS = {}
-        mod.malloc_graph_enabled = lambda device: True
-        mod.pause_malloc_graph = self._pause
-        mod.malloc_graph_scope = self.scope
-        self.recordings: list[Recording] = []
-
-    def _current(self):
-        return self.module.MALLOC_GRAPHS.get(threading.get_ident())
-
-    @contextlib.contextmanager
-    def _pause(self, sync=False):
-        graph = self._current()
-        active = graph is not None and graph._comfy_active
-        if active:
-            graph.pause(sync)
-        try:
-            yield
-        finally:
-            if active:
-                graph.resume(sync)
-
-    @contextlib.contextmanager
-    def scope(self, device=None):
-        graph = self._current()
-        if graph is None:
-            graph = self.module.MALLOC_GRAPHS[threading.get_ident()] = Recording(self.assert_graph_breaks)
-            self.recordings.append(graph)
-        else:
-            graph.push()
-        graph._comfy_active = True
-        try:
-            yield graph
-        except BaseException:
-            self.module.MALLOC_GRAPHS.pop(threading.get_ident(), None)
-            graph._comfy_active = False
-            graph.abort()
-            raise
-        graph._comfy_active = False
-        graph.pop()
-
-    def _saw(self, what):
-        graph = self._current()
-        if graph is not None:
-            graph.saw(what)
-
-    @contextlib.contextmanager
-    def installed(self):
-        import sys
-        import comfy
-        import torch._dynamo.callback as dynamo_callback
-        from torch._inductor.output_code import CompiledFxGraph
-        run = CompiledFxGraph.__call__
-
-        def compiled_run(graph, *args, **kwargs):
-            self._saw("a torch.compile'd graph ran")
-            return run(graph, *args, **kwargs)
-
-        def compile_start(args):
-            self._saw("a compile")
-        sys.modules["comfy.model_prefetch"] = comfy.model_prefetch = self.module
-        CompiledFxGraph.__call__ = compiled_run
-        dynamo_callback.callback_handler.register_start_callback(compile_start)
-        try:
-            yield self
-        finally:
-            with contextlib.suppress(ValueError):       # (torch._dynamo.reset() clears the callbacks)
-                dynamo_callback.callback_handler.remove_start_callback(compile_start)
-            CompiledFxGraph.__call__ = run
-            sys.modules.pop("comfy.model_prefetch", None)
-            del comfy.model_prefetch
-
-    def breaks(self) -> list[str]:
-        return [b for r in self.recordings for b in r.breaks]
 
 
 def newest_mixed_precision(leaf) -> None:

@@ -241,6 +241,34 @@ def _paused(graph):
         graph.resume()
 
 
+def _compiler_graphs():
+    mod = sys.modules.get("comfy.model_prefetch")
+    graphs = getattr(mod, "MALLOC_GRAPHS", None) if mod is not None else None
+    return mod, graphs if isinstance(graphs, dict) else None
+
+
+def compiler_records() -> bool:
+    """Whether ComfyUI's compiler keeps a recording on this thread (active or between two forwards of
+    a model that opts in): its allocations are replayed at recorded addresses, which a CUDA graph
+    captured around the model's forward would hold and replay behind its back."""
+    _, graphs = _compiler_graphs()
+    return graphs is not None and threading.get_ident() in graphs
+
+
+def forget_compiler_recording() -> bool:
+    """Drop this thread's recording of ComfyUI's compiler (its own ``cleanup_malloc_graph``, which
+    ComfyUI runs between nodes), so the next forward records afresh. Warmup Shapes calls this around
+    each of its calls: other shapes and compares against the model's own code are no pattern a
+    replay could follow (each would be a graph break, fatal under ``--assert-graph-breaks``). True
+    when there was one."""
+    mod, graphs = _compiler_graphs()
+    cleanup = getattr(mod, "cleanup_malloc_graph", None)
+    if graphs is None or threading.get_ident() not in graphs or cleanup is None:
+        return False
+    cleanup()
+    return True
+
+
 #: bytes each holder (a key: its id) asked a loaded ComfyUI to keep free beside its models
 _RESERVED: dict[int, int] = {}
 _RESERVED_LOCK = threading.Lock()
