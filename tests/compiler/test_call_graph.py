@@ -125,6 +125,38 @@ def test_comfyuis_call_is_one_graph_unless_a_patch_runs(make_comfy_model, strict
     assert "a model patch runs inside the call x2" in text, text
 
 
+@pytest.mark.comfy
+def test_no_call_graph_while_comfyuis_compiler_keeps_a_recording(make_comfy_model, strict_graph_standin):
+    """A model ComfyUI's compiler records (its forward in ``malloc_graph_scope``): between two
+    forwards the recording is kept, not active; a graph captured around the forward would hold
+    addresses the recorder hands out again, so every call runs region by region, the reason counted;
+    == eager."""
+    from unet_compiler.nodes import patcher
+    from unet_compiler.tests._comfy_compiler import ComfyCompiler
+
+    from ..nodes.test_comfy_patcher import _apply, _close
+    base = make_comfy_model("sd15")
+    unet = base.model.diffusion_model
+    cls = type(unet)
+    with ComfyCompiler(assert_graph_breaks=True).installed() as compiler:
+        def forward(self, *args, **kwargs):
+            with compiler.scope():
+                return cls.forward(self, *args, **kwargs)
+        unet.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                     "__qualname__": cls.__qualname__})
+        cm, _ = patcher.compile_model(base, CompileConfig(backend="inductor"))
+        accel = _graphed(patcher.accelerator_of(cm), strict_graph_standin())
+        got = [_apply(cm, "sd15") for _ in range(3)]         # one node (a KSampler's steps) ...
+        compiler.cleanup()
+        with accel.bypass():                                    # ... and another
+            want = _apply(cm, "sd15", load=False)
+        for g in got:
+            _close(g, want)
+        assert not compiler.breaks()
+    assert accel.call_graphs.graphs.stats["captured"] == 0
+    assert accel.call_graphs.skipped["ComfyUI's compiler records the model's allocations"] >= 2, accel.text()
+
+
 def test_what_in_a_comfyui_call_needs_python_between_regions():
     """ControlNet's residuals, a patch or replace patch, a diffusion-model wrapper and an attention
     override each keep the call region by region; empty tables, ComfyUI's sampling entries and a
