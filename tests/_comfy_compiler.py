@@ -100,6 +100,8 @@ class MallocGraph:
         self.paused = False
         self.breaks: list[str] = []
         self.allocations = self.replayed = 0
+        #: graph replays under way (their ops allocate nothing on a GPU)
+        self.replaying = 0
         self._scopes: list = []
         self._active = False
         self._thread = threading.get_ident()
@@ -143,7 +145,8 @@ class MallocGraph:
 
     def allocated(self, nbytes: int) -> None:
         from ._dynamic_vram import STREAM
-        if self.failed is not None or self.paused or not self.stack or getattr(STREAM, "offload", False):
+        if self.failed is not None or self.paused or self.replaying or not self.stack \
+                or getattr(STREAM, "offload", False):
             return
         state = self.stack[-1]
         if not state.recording:
@@ -383,11 +386,17 @@ class ComfyCompiler:
             if signature is not None:
                 module.__dict__.pop("_comfy_graph", None)
                 cuda_graph = torch.cuda.CUDAGraph()
+                stream = self.module.GRAPH_CAPTURE_STREAMS.setdefault(device, torch.cuda.Stream())
                 graph.pause(sync=True)
-                with graph.use_stream(None), torch.cuda.graph(cuda_graph, capture_error_mode="thread_local"):
-                    graph.resume()
-                    core()
-                    graph.pause()
+                # (torch.cuda.graph's capture on the capture stream, less its cache emptying)
+                with graph.use_stream(stream), torch.cuda.stream(stream):
+                    cuda_graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        graph.resume()
+                        core()
+                        graph.pause()
+                    finally:
+                        cuda_graph.capture_end()
                 graph.resume(sync=True)
                 cuda_graph.replay()
                 module.__dict__["_comfy_graph"] = {"graph": cuda_graph, "signature": signature}
@@ -413,14 +422,24 @@ class ComfyCompiler:
     @contextlib.contextmanager
     def installed(self):
         import comfy
+
+        from . import _fake_cuda
         sys.modules["comfy.model_prefetch"] = comfy.model_prefetch = self.module
+        _fake_cuda.REPLAY_HOOKS.append(self._replaying)
         try:
             yield self
         finally:
+            _fake_cuda.REPLAY_HOOKS.remove(self._replaying)
             for graph in list(self.module.MALLOC_GRAPHS.values()):
                 graph._comfy_active = False
             sys.modules.pop("comfy.model_prefetch", None)
             del comfy.model_prefetch
+
+    def _replaying(self, starts: bool) -> None:
+        """A graph replay (tests/_fake_cuda.py re-runs its ops): a GPU's allocates nothing."""
+        graph = self._current()
+        if graph is not None:
+            graph.replaying += 1 if starts else -1
 
     def breaks(self) -> list[str]:
         return [b for r in self.recordings for b in r.breaks]

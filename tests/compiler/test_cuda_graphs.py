@@ -889,6 +889,101 @@ def test_the_fake_allocator_aborts_where_the_h100_did(tiny_unet, monkeypatch):
         assert accel.backend.ops.in_captures and not accel.backend.ops.declined
 
 
+class _BlockGraph:
+    """A block called as ComfyUI's graph-capturing callers call theirs (the LLM decoders and audio
+    decoders of ``comfy/model_prefetch.py``'s users): its inputs copied into buffers of its own,
+    then ``prefetch_queue_pop(queue, device, block, core=..., enable_graph=True,
+    malloc_scope=...)``, whose ``core`` runs the block on them; the outputs are the last ``core``'s
+    (a replay rewrites them in place)."""
+
+    def __init__(self, block, queue, scope):
+        self.__dict__.update(block=block, queue=queue, scope=scope)
+
+    def __getattr__(self, name):
+        return getattr(self.block, name)
+
+    def __call__(self, *args, **kwargs):
+        import comfy
+        from torch.utils._pytree import tree_flatten, tree_unflatten
+        leaves, spec = tree_flatten((args, kwargs))
+        held = self.block.__dict__.get("_test_inputs")
+        if held is None or held[0] != spec:         # (allocated once, unrecorded: the callers' buffers)
+            with comfy.model_prefetch.pause_malloc_graph():
+                held = self.block.__dict__["_test_inputs"] = (
+                    spec, [t.clone() if isinstance(t, torch.Tensor) else t for t in leaves])
+        for mine, given in zip(held[1], leaves, strict=True):
+            if isinstance(mine, torch.Tensor):
+                mine.copy_(given)
+        a, k = tree_unflatten(held[1], spec)
+        block = self.block
+
+        def core():
+            block.__dict__["_test_out"] = block(*a, **k)
+        comfy.model_prefetch.prefetch_queue_pop(self.queue, None, block, core=core, enable_graph=True,
+                                                malloc_scope=self.scope)
+        return block.__dict__["_test_out"]
+
+
+def _captured_blocks(blocks, scope):
+    """``blocks`` (a ModuleList) iterated as such a caller's loop: a prefetch queue, each block
+    through :class:`_BlockGraph`, the queue's last pop after it."""
+    import comfy
+
+    class Captured(torch.nn.ModuleList):
+        def __iter__(self):
+            mp = comfy.model_prefetch
+            queue = mp.make_prefetch_queue(list(super().__iter__()), None, {"prefetch_dynamic_vbars": True})
+            for block in super().__iter__():
+                yield _BlockGraph(block, queue, scope)
+            mp.prefetch_queue_pop(queue, None, None, malloc_scope=scope)
+    blocks.__class__ = Captured
+
+
+@pytest.mark.comfy
+@pytest.mark.skipif(CUDA, reason="the fake CUDA runs the kernels under the Triton interpreter (a machine "
+                    "without a GPU)")
+def test_comfyuis_block_graphs_hold_the_packs_kernels(comfy, tiny_unet, monkeypatch):
+    """ComfyUI's own block CUDA graphs (tests/_comfy_compiler.py's ``prefetch_queue_pop``: a warmed
+    block captured whole, then replayed while its slots stay resident) around the triton backend's
+    regions, under cudaMallocAsync and ``--assert-graph-breaks``: the pack's kernels are launched
+    inside ComfyUI's captures (direct launches, integer pointers: nothing aborts) and replayed by
+    them; the pack captures no graph of its own inside another; no graph break; == eager."""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    from unet_compiler.tests._comfy_compiler import ComfyCompiler
+    from unet_compiler.tests._fake_cuda import fake_cuda
+    u = tiny_unet(**ONE_LEVEL)
+    refs = [_sample(u, s) for s in range(4)]
+    with fake_cuda(monkeypatch, allocator="cudaMallocAsync") as cuda, \
+            ComfyCompiler(assert_graph_breaks=True, block_graphs=True).installed() as compiler:
+        accel = _triton_on_fake_cuda(u, monkeypatch, cuda_graphs=True)
+        monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: "another capture is in progress"
+                            if torch.cuda.is_current_stream_capturing() else None)
+        _captured_blocks(u.down_blocks, "down")
+        _captured_blocks(u.up_blocks, "up")
+        forward = u.__dict__["forward"]
+
+        def recorded(*a, **k):
+            with compiler.scope():
+                return forward(*a, **k)
+        u.__dict__["forward"] = recorded
+        outs = [_sample(u, s) for s in range(4)]
+        assert cuda.aborted is None, cuda.aborted
+        assert not compiler.breaks() and compiler.module.MALLOC_GRAPH_BREAKS == 0, compiler.breaks()
+        # each block: a warm call, a capture (replayed at once, as ComfyUI does), two replays; the
+        # pack's kernels inside the captures, launched again by each replay
+        assert compiler.captures == 2 and compiler.block_replays == 4, (compiler.captures, compiler.block_replays)
+        assert cuda.log["kernel_captured"] > 0 and cuda.log["kernel_replayed"] == 3 * cuda.log["kernel_captured"]
+        # the pack's own graphs: only the mid block's regions (no block graph of ComfyUI's around them)
+        mid = set(u.mid_block.modules())
+        assert 0 < accel.graphs.stats["captured"] <= sum(r.module in mid for r in accel.plan.regions), \
+            (dict(accel.graphs.stats), dict(accel.graphs.skipped))
+        assert accel.graphs.skipped["another capture is in progress"] > 0, dict(accel.graphs.skipped)
+        assert accel.call_graphs.graphs.stats["captured"] == 0
+        assert accel.backend.ops.in_captures and not accel.backend.ops.declined, dict(accel.backend.ops.declined)
+    for out, ref in zip(outs, refs, strict=True):
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_the_graph_pool_counts_against_the_budget(tiny_unet, monkeypatch):
     """What the captures allocate (static outputs and every temporary a replay writes, in the private
     pool: the fake's memory_reserved grows by it) is held memory: counted in the report and against
