@@ -102,6 +102,8 @@ class MallocGraph:
         self.allocations = self.replayed = 0
         #: graph replays under way (their ops allocate nothing on a GPU)
         self.replaying = 0
+        #: blocks whose CUDA graphs were captured under this recording (``_comfy_cuda_graph_modules``)
+        self.cuda_graph_modules: list = []
         self._scopes: list = []
         self._active = False
         self._thread = threading.get_ident()
@@ -314,10 +316,15 @@ class ComfyCompiler:
             self._counted(broken)
 
     def cleanup_malloc_graph(self):
+        """This thread's recording goes, and the block graphs captured under it."""
         graph = self.module.MALLOC_GRAPHS.pop(threading.get_ident(), None)
-        if graph is not None and graph._comfy_active:
+        if graph is None:
+            return
+        if graph._comfy_active:
             graph._comfy_active = False
             graph.abort()
+        for module in graph.cuda_graph_modules:
+            module.__dict__.pop("_comfy_graph", None)
 
     @contextlib.contextmanager
     def scope(self, device=None):
@@ -330,7 +337,8 @@ class ComfyCompiler:
         self.end()
 
     def cleanup(self):
-        """``cleanup_prefetch_queues`` (a prompt's end): the recording and the warmed blocks go."""
+        """``cleanup_prefetch_queues`` (between nodes): the recording, its block graphs and the warmed
+        blocks go."""
         self.cleanup_malloc_graph()
         self.module.PREFETCH_QUEUES = []
         self.warmed.clear()
@@ -400,6 +408,7 @@ class ComfyCompiler:
                 graph.resume(sync=True)
                 cuda_graph.replay()
                 module.__dict__["_comfy_graph"] = {"graph": cuda_graph, "signature": signature}
+                graph.cuda_graph_modules.append(module)
                 self.captures += 1
                 return
         core()

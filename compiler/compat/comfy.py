@@ -139,8 +139,20 @@ def is_comfy_model(module) -> bool:
     return "comfy" in sys.modules and type(module).__module__.startswith("comfy.ldm.")
 
 
+#: ComfyUI diffusion models left to ComfyUI by design (their module's prefix): the name and why
+LEFT_TO_COMFYUI = {
+    "comfy.ldm.qwen_image21.": (
+        "Qwen-Image 2.1", "its blocks already run comfy-kitchen's fused kernels (adaln, rms_rope, the SwiGLU "
+        "folded into the down projection's input) and opt into ComfyUI's own compiler (a prefetch queue per "
+        "block, its allocations recorded); the pack has no body for them, so they run as ComfyUI runs them"),
+}
+
+
 def not_a_unet_reason(module) -> str:
     t = type(module)
+    for prefix, (name, why) in LEFT_TO_COMFYUI.items():
+        if t.__module__.startswith(prefix):
+            return f"running eager: {name} ({t.__module__}.{t.__name__}): {why}"
     return (f"running eager: {t.__module__}.{t.__name__} is neither ComfyUI's openaimodel.UNetModel (the SD1.x / "
             f"SD2.x / SDXL / SVD family UNet whose ResBlocks, attention and feed-forwards the compiler "
             f"accelerates) nor a diffusion transformer with blocks it has a body for (Flux's double and single "

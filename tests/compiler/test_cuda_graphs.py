@@ -947,8 +947,10 @@ def test_comfyuis_block_graphs_hold_the_packs_kernels(comfy, tiny_unet, monkeypa
     block captured whole, then replayed while its slots stay resident) around the triton backend's
     regions, under cudaMallocAsync and ``--assert-graph-breaks``: the pack's kernels are launched
     inside ComfyUI's captures (direct launches, integer pointers: nothing aborts) and replayed by
-    them; the pack captures no graph of its own inside another; no graph break; == eager."""
+    them; the pack captures no graph of its own inside another; no graph break; == eager. The same
+    kernels launched through triton's JIT there are caught, as the H100 run met it."""
     from unet_compiler.compiler import graphs as G  # noqa: N812
+    from unet_compiler.kernels import _common
     from unet_compiler.tests._comfy_compiler import ComfyCompiler
     from unet_compiler.tests._fake_cuda import fake_cuda
     u = tiny_unet(**ONE_LEVEL)
@@ -980,6 +982,14 @@ def test_comfyuis_block_graphs_hold_the_packs_kernels(comfy, tiny_unet, monkeypa
         assert accel.graphs.skipped["another capture is in progress"] > 0, dict(accel.graphs.skipped)
         assert accel.call_graphs.graphs.stats["captured"] == 0
         assert accel.backend.ops.in_captures and not accel.backend.ops.declined, dict(accel.backend.ops.declined)
+        # the double's detection: a next node whose kernels go through triton's JIT (tensor arguments)
+        # meets triton's pointer refusal inside ComfyUI's capture, and the abort is recorded
+        compiler.cleanup()
+        monkeypatch.setattr(_common, "BIND", [False])
+        monkeypatch.setattr(_common, "_capturing", lambda: False)
+        for s in range(2):                           # a warm call, then the captures
+            _sample(u, s)
+        assert cuda.aborted is not None and "capture-allocated memory" in cuda.aborted, cuda.aborted
     for out, ref in zip(outs, refs, strict=True):
         torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

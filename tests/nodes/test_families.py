@@ -289,3 +289,15 @@ def test_warmup_shapes_calls_every_family_as_the_sampler_does(comfy):
     finally:
         torch.set_num_threads(n)
     assert not stopped, stopped
+
+
+def test_qwen_image_21_is_left_to_comfyui_with_its_reason(comfy):
+    """A model of ``comfy.ldm.qwen_image21`` (the newest ComfyUI's; a stand-in of its class here:
+    ComfyUI 0.8.0 has none) plans as one the pack leaves to ComfyUI, the reason naming the model
+    and why, not the generic "neither a UNet nor a DiT" line."""
+    from unet_compiler.compiler.plan import build_plan
+    cls = type("QwenImage21Transformer2DModel", (torch.nn.Module,), {"__module__": "comfy.ldm.qwen_image21.model"})
+    plan = build_plan(cls())
+    why = plan.not_a_unet or ""
+    assert why.startswith("running eager: Qwen-Image 2.1 (comfy.ldm.qwen_image21.model.QwenImage21Transformer2DModel)")
+    assert "comfy-kitchen" in why and "ComfyUI's own compiler" in why and "neither" not in why, why
