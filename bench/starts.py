@@ -53,7 +53,8 @@ ONE_SHAPE, RANGE = "Compile UNet, one shape", "Compile UNet, range"
 OFF = ", background off"     # the row with Warmup Shapes' background off (the others: every input at its default)
 #: the images the session table times (wall time from the first prompt's start to each)
 SESSION_IMAGES = (1, 5, 20)
-DONE = re.compile(r"background compile: done in ([\d.]+) s, (\d+) region variant\(s\) \((\d+) graph\(s\)\)")
+DONE = re.compile(r"background compile: done in ([\d.]+) s, (\d+) region variant\(s\) \((\d+) graph\(s\)\)"
+                  r"(?:, (\d+) loaded from the compile cache)?")
 RESTART_RANGE = "restart of the range row"
 EAGER_AGAIN = "eager, again"
 
@@ -168,12 +169,14 @@ def run_row(name: str, root: Path, ckpt: Path, model: str, args, env: dict, shap
             row.report = first_report
             row.graphs, row.from_cache = graphs_of(first_report)
         if done is not None:   # the warmup's (from the compile cache, at a restart) and the thread's
-            row.graphs = (row.graphs or 0) + int(done.group(3))
-            row.from_cache = row.from_cache or 0
+            loaded = int(done.group(4) or 0)    # (a CPU restart's: loaded by the thread once idle)
+            row.graphs = (row.graphs or 0) + int(done.group(3)) + loaded
+            row.from_cache = (row.from_cache or 0) + loaded
             later = sum(int(n) for n in re.findall(r"(\d+) graph\(s\) compiled after warmup in the background",
                                                    server.log_tail(2_000_000)))
-            row.note = (f"first image with the model's own code while it compiled; compiled code from "
-                        f"{after:.0f} s after the first prompt began ({float(done.group(1)):.0f} s of compiling)"
+            doing = "loaded from the compile cache" if loaded and not int(done.group(3)) else "compiled"
+            row.note = (f"first image with the model's own code while its code {doing}; compiled code from "
+                        f"{after:.0f} s after the first prompt began ({float(done.group(1)):.0f} s of that)"
                         + (f"; {later} graph(s) compiled later in the background" if later else ""))
     finally:
         server.stop()

@@ -221,7 +221,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                     on_shape(i, shape, 0.0)
                 continue
             new0 = (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
-                    owner.eager_calls if owner is not None else 0)
+                    owner.eager_calls - owner.deferred if owner is not None else 0)
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
@@ -230,13 +230,14 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                 mode.primes.append(shape.label)
             elif accel.cache is not None and ran_compiled:
                 accel.cache.record_probe(shape.label)
-            # a restart: the first shape ran on code all from the entry, which an earlier warmup ran
-            # the other listed shapes into: they are not run (each is a forward and a repack of the
-            # conv weights for its size; a range's largest shape was most of its restart)
+            # a restart: the first shape ran on code all from the entry (or, a CPU model in background
+            # mode, left it to load once nothing samples), which an earlier warmup ran the other listed
+            # shapes into: they are not run (each is a forward and a repack of the conv weights for its
+            # size; a range's largest shape was most of its restart)
             served_from_entry = (i == 0 and accel.graphs is None and len(shapes) > 1
                                  and all(s.label in primed for s in shapes[1:])
                                  and new0 == (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
-                                              owner.eager_calls if owner is not None else 0))
+                                              owner.eager_calls - owner.deferred if owner is not None else 0))
             if served_from_entry:
                 rep.notes.append(f"shape(s) {', '.join(s.label for s in shapes[1:])} not run: the compile cache "
                                  f"entry holds their code (an earlier warmup ran them into it); the first step at "

@@ -117,9 +117,11 @@ class Owner:
 
     def __init__(self):
         self.variants = 0          # variants the thread compiled for it
+        self.loaded = 0            # variants the thread loaded from the compile cache for it
         self.graphs = 0            # dynamo graphs they were (torch's unique_graphs)
         self.seconds = 0.0         # the thread's time on them
         self.eager_calls = 0       # region calls that ran the body's own code while theirs compiled
+        self.deferred = 0          # of them, calls whose code was in the compile cache, left to load
         self.failures: list[str] = []
         self.primed = 0            # CUDA variants the thread called once (their kernels loaded and tuned)
         self.paused = 0.0          # seconds the thread paused after its jobs to leave sampling the GIL
@@ -370,9 +372,11 @@ class Background:
                 # its leaves show ComfyUI's per-call cast only inside the sampling thread's call: this
                 # thread traces a copy that shows it (the variant serves the real module then)
                 module, others = cast.stand_in(module, args), []
+            loading = variants.VARIANTS.waiting(key)
             serving = next((fn for fn in variants.VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
-            if serving is not None:      # an earlier job's (dynamic) variant serves it: prime its modules
+            if serving is not None:      # an earlier job's (dynamic) variant, or the compile cache's: prime its modules
                 first_calls(serving, [module, *others], args)
+                owner.loaded += loading and getattr(serving, "from_cache", False)
                 return
             g0 = int(counters["stats"]["unique_graphs"])
             fn = pre._aot(key, module, args, dynamic, first_call=True, others=others)
@@ -560,9 +564,10 @@ class BackgroundMode:
         if owner.paused >= 0.5:
             primed += (f"; it paused {owner.paused:.0f} s between variants to leave sampling "
                        f"{1 - BESIDE_SHARE:.0%} of Python's time")
+        loaded = f", {owner.loaded} loaded from the compile cache" if owner.loaded else ""
         return (f"background compile: done in {self.done:.1f} s, {owner.variants} region variant(s) "
-                f"({owner.graphs} graph(s){primed}); {owner.eager_calls} region call(s) ran the model's own code "
-                f"meanwhile{failed}")
+                f"({owner.graphs} graph(s){primed}){loaded}; {owner.eager_calls} region call(s) ran the model's "
+                f"own code meanwhile{failed}")
 
 
 def problem(accel) -> str | None:

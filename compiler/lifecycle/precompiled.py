@@ -43,6 +43,10 @@ def _canonical(args: tuple) -> tuple:
     return tuple(out) if changed else args
 
 
+def _device_type(args: tuple) -> str:
+    return next((a.device.type for a in args if isinstance(a, torch.Tensor)), "cpu")
+
+
 class Precompiled:
     """One region body as precompiled variants (see the module docstring); ``fallback`` is the
     same body under plain torch.compile, for regions this cannot serve."""
@@ -70,6 +74,14 @@ class Precompiled:
                 # function called while the thread traces raises: FX's tracing flag is process-wide)
                 return self.uncompiled(module, *args)
             return self.fallback(module, *args)
+        owner = background.current_owner()
+        if (owner is not None or background.BACKGROUND.active) and variants.VARIANTS.waiting(key) and \
+                background.waits_for_idle(_device_type(args)):
+            # a CPU model's code from the compile cache loads once nothing samples, as its compile would:
+            # a restart's first image runs the body's own code (packed convs: near compiled speed on CPU)
+            if owner is not None:
+                owner.deferred += 1
+            return self._queued(key, module, args, struct[1], owner)
         found = variants.VARIANTS.candidates(key)
         for fn in found:
             if fn.guard_check(module, *args):
@@ -80,18 +92,20 @@ class Precompiled:
             f_locals = found[-1].prepare_f_locals(module, *args)
             variants.VARIANTS.failures.extend(variants.failed_parts(found[-1], f_locals)
                                               or ["no precompiled variant matched"])
-        owner = background.current_owner()
         if owner is not None or background.BACKGROUND.active:
             # the daemon thread compiles it (never two compiling threads); this call runs the body's
             # own code meanwhile
-            background.BACKGROUND.add(self, key, module, args, struct[1], owner)
-            if owner is not None:
-                owner.eager_calls += 1
-            return self.uncompiled(module, *args)
+            return self._queued(key, module, args, struct[1], owner)
         # dynamic shapes on: symbolic from the start; off: static always; one warmup shape (None):
         # static first, then symbolic once a key misses (torch's automatic-dynamic rule)
         dynamic = self.dynamic if self.dynamic is not None else bool(found)
         return self._compile(key, module, args, dynamic=dynamic)
+
+    def _queued(self, key, module, args, struct_inputs, owner):
+        background.BACKGROUND.add(self, key, module, args, struct_inputs, owner)
+        if owner is not None:
+            owner.eager_calls += 1
+        return self.uncompiled(module, *args)
 
     def uncompiled(self, module, *args):
         """The body's own code, for a call no variant serves yet: on CPU with the options' prepacked

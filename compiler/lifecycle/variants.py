@@ -158,6 +158,11 @@ class Variants:
                 self.blobs[key][digest] = blob
                 self.pending[key].append((digest, blob))
 
+    def waiting(self, key: str) -> bool:
+        """Whether ``key`` has variants from the compile cache not loaded yet (or loading now)."""
+        with self.lock:
+            return bool(self.pending.get(key)) or key in self.loading
+
     def candidates(self, key: str) -> list:
         with self.lock:
             while key in self.loading:       # the preload thread has it in hand: wait, never a miss

@@ -21,7 +21,10 @@ def test_workflow_places_the_compiler_between_checkpoint_and_sampler():
     bg = starts.workflow("m.safetensors", "pack", 64, 1, 4, seed=1, shapes="2x64x64", background=False)
     assert bg["12"]["inputs"]["background"] is False
     done = "UNet Compiler: background compile: done in 42.7 s, 27 region variant(s) (27 graph(s)); 355 region"
-    assert starts.DONE.search(done).groups() == ("42.7", "27", "27")
+    assert starts.DONE.search(done).groups() == ("42.7", "27", "27", None)
+    loaded = ("UNet Compiler: background compile: done in 4.9 s, 0 region variant(s) (0 graph(s)), 27 loaded from "
+              "the compile cache; 355 region")
+    assert starts.DONE.search(loaded).groups() == ("4.9", "0", "0", "27")
     assert pack["5"]["inputs"]["model"] == ["12", 0] and pack["5"]["inputs"]["seed"] == 7
     assert pack["4"]["inputs"] == {"width": 96, "height": 96, "batch_size": 2}
     # only the seed differs between a row's two prompts: ComfyUI reruns KSampler (and what follows) alone

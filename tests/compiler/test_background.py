@@ -437,10 +437,13 @@ def test_a_background_warmup_names_its_shapes_in_the_entry_once_all_compiled(tin
     assert sorted(meta["primed"]) == sorted(probes + ["2x64x64", "2x96x96"]), meta["primed"]
 
 
-def test_a_background_restart_counts_what_it_took_from_the_compile_cache(tiny_unet, fresh, monkeypatch, tmp_path):
-    """A restart in background mode (the node's default) takes every variant from the compile cache
-    while the recording runs: its report counts them as graphs from the cache, as a foreground
-    restart's does (before: "graphs compiled: 0", as if nothing had been loaded)."""
+def test_a_background_restart_loads_the_compile_cache_when_idle_and_counts_it(tiny_unet, fresh, monkeypatch,
+                                                                              tmp_path):
+    """A CPU restart in background mode (the node's default): the recording and the calls until the
+    process is idle run the model's own code (packed convs), as a cold start's do, and the compile
+    thread then loads every variant from the compile cache (compiling none): the report says how
+    many, and the next call runs them, counted as graphs from the cache (before: the recording
+    waited for every variant to load, ahead of the first image)."""
     from unet_compiler.compiler import cache as C
     monkeypatch.setenv(C.DIR_ENV, str(tmp_path / "cache"))
     monkeypatch.delenv(C.MODE_ENV, raising=False)
@@ -454,10 +457,22 @@ def test_a_background_restart_counts_what_it_took_from_the_compile_cache(tiny_un
     monkeypatch.setattr(V, "VARIANTS", V.Variants())
     again = tiny_unet(seed=3)
     api.compile_unet(again, "inductor")
+    fresh.gate.clear()
     text = api.warmup(again, "2x64x64", background=True)
     accel = api.accelerator_of(again)
-    assert accel.stats["graphs_from_cache"] == accel.stats["graphs_compiled"] == compiled, text
-    assert f"graphs compiled: 0; loaded from the compile cache: {compiled}" in text, text
+    assert accel.stats["graphs_compiled"] == 0 and accel.background.owner.deferred > 0, text
+    args = _inputs()
+    _check(again, args)                          # before the thread ran: the model's own code, == eager
+    assert accel.stats["graphs_from_cache"] == 0
+    traced = _traced()
+    fresh.gate.set()
+    assert api.wait_for_background(300) and not fresh.failures
+    assert _traced() == traced, "nothing compiled: every variant came from the compile cache"
+    owner = accel.background.owner
+    assert owner.variants == 0 and owner.loaded > 0, accel.text()
+    assert f"{owner.loaded} loaded from the compile cache" in accel.text(), accel.text()
+    _check(again, args)
+    assert accel.stats["graphs_from_cache"] == accel.stats["graphs_compiled"] == compiled, accel.text()
 
 
 def test_activity_is_idle_after_a_quiet_second_and_only_cpu_jobs_wait_for_it(monkeypatch):

@@ -565,3 +565,36 @@ def test_two_processes_saving_one_entry_lose_nothing(folder):
     _, found = C.unpack_entry(data)
     assert {k: len(v) for k, v in found.items()} == {"key-a": 12, "key-b": 12}
     assert len(list(folder.glob("*.bin"))) == 1 and not list(folder.glob("*.lock")), list(folder.iterdir())
+
+
+def test_a_background_restart_of_a_range_runs_only_its_first_shape(tiny_unet, folder, monkeypatch):
+    """The same restart with Warmup Shapes' default (background) on a CPU: the first listed shape
+    runs the model's own code, its code left to load from the entry once nothing samples, and the
+    other listed shapes are not run either; once loaded, shapes inside the box compile nothing."""
+    from unet_compiler.compiler import api
+    from unet_compiler.compiler.lifecycle import background
+    from torch._dynamo.utils import counters
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(background, "QUIET_SECONDS", 0.2)
+    box = "2x64x64, 2x128x128"
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=True)
+    api.warmup(first, box)
+
+    monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
+    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    second = tiny_unet(seed=4)
+    api.compile_unet(second, "inductor", dynamic_shapes=True)
+    traced = int(counters["stats"]["unique_graphs"])
+    text = api.warmup(second, box, background=True)
+    accel = api.accelerator_of(second)
+    assert [label for label, _, _ in accel.report.warmup] == \
+        ["2x64x64 (recorded for the background compile)",
+         "2x128x128 (not run: its code is in the compile cache entry)"], accel.report.warmup
+    assert accel.background.owner.deferred > 0 and accel.stats["graphs_compiled"] == 0, text
+    assert api.wait_for_background(300)
+    assert accel.background.owner.loaded > 0 and accel.background.owner.variants == 0, accel.text()
+    with torch.inference_mode():
+        second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
+        second(torch.randn(2, 4, 16, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
+    assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: every variant from the entry"
