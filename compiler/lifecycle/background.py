@@ -376,7 +376,7 @@ class Background:
             serving = next((fn for fn in variants.VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
             if serving is not None:      # an earlier job's (dynamic) variant, or the compile cache's: prime its modules
                 first_calls(serving, [module, *others], args)
-                owner.loaded += loading and getattr(serving, "from_cache", False)
+                owner.loaded += loading if getattr(serving, "from_cache", False) else 0
                 return
             g0 = int(counters["stats"]["unique_graphs"])
             fn = pre._aot(key, module, args, dynamic, first_call=True, others=others)

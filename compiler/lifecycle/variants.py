@@ -158,10 +158,11 @@ class Variants:
                 self.blobs[key][digest] = blob
                 self.pending[key].append((digest, blob))
 
-    def waiting(self, key: str) -> bool:
-        """Whether ``key`` has variants from the compile cache not loaded yet (or loading now)."""
+    def waiting(self, key: str) -> int:
+        """How many of ``key``'s variants from the compile cache are not loaded yet (a key loading now:
+        at least 1)."""
         with self.lock:
-            return bool(self.pending.get(key)) or key in self.loading
+            return len(self.pending.get(key, ())) or int(key in self.loading)
 
     def candidates(self, key: str) -> list:
         with self.lock:
