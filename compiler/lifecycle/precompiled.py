@@ -75,8 +75,8 @@ class Precompiled:
                 return self.uncompiled(module, *args)
             return self.fallback(module, *args)
         owner = background.current_owner()
-        if (owner is not None or background.BACKGROUND.active) and variants.VARIANTS.waiting(key) and \
-                background.waits_for_idle(_device_type(args)):
+        if (owner is not None or background.BACKGROUND.active) and background.waits_for_idle(_device_type(args)) \
+                and variants.VARIANTS.waiting(key):
             # a CPU model's code from the compile cache loads once nothing samples, as its compile would:
             # a restart's first image runs the body's own code (packed convs: near compiled speed on CPU)
             if owner is not None:
