@@ -214,14 +214,17 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             elif accel.cache is not None and accel.ran_compiled_last():   # (no compiled code ran: none to keep)
                 accel.cache.record_probe(probe.label)
         owner = mode.owner if background else None
+
+        def missed():     # (graphs compiled anew, calls queued for the thread that their code had to compile)
+            return (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
+                    owner.eager_calls - owner.deferred if owner is not None else 0)
         for i, shape in enumerate(shapes):
             if i and served_from_entry:
                 rep.warmup.append((f"{shape.label} (not run: its code is in the compile cache entry)", 0.0, 0))
                 if on_shape is not None:
                     on_shape(i, shape, 0.0)
                 continue
-            new0 = (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
-                    owner.eager_calls - owner.deferred if owner is not None else 0)
+            new0 = missed()
             out, secs = timed(shape, shape.label + recorded)
             if accel.graphs is not None:  # a region is captured on its second call at a shape
                 out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
@@ -235,9 +238,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             # shapes into: they are not run (each is a forward and a repack of the conv weights for its
             # size; a range's largest shape was most of its restart)
             served_from_entry = (i == 0 and accel.graphs is None and len(shapes) > 1
-                                 and all(s.label in primed for s in shapes[1:])
-                                 and new0 == (accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"],
-                                              owner.eager_calls - owner.deferred if owner is not None else 0))
+                                 and all(s.label in primed for s in shapes[1:]) and new0 == missed())
             if served_from_entry:
                 rep.notes.append(f"shape(s) {', '.join(s.label for s in shapes[1:])} not run: the compile cache "
                                  f"entry holds their code (an earlier warmup ran them into it); the first step at "

@@ -224,20 +224,27 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError)
 
 
-def compiler_recording():
-    """A context pausing ComfyUI's own compiler for this thread (since August 2026: comfy-aimdo records
-    a block's allocations and replays them; a Triton kernel, a torch.compile'd graph or a compile
-    inside the recording changes the pattern: a "graph break", an error under
-    ``--assert-graph-breaks``), or None when this ComfyUI has none or it is not recording now. Probed
-    by name: ``comfy.model_prefetch.pause_malloc_graph`` with its per-thread ``MALLOC_GRAPHS``, or an
-    older build's ``ACTIVE_MALLOC_GRAPHS`` whose graph pauses itself."""
+def _compiler_graphs():
+    """(``comfy.model_prefetch`` or None, its per-thread recordings or None): ``MALLOC_GRAPHS``, or an
+    older build's ``ACTIVE_MALLOC_GRAPHS``."""
     mod = sys.modules.get("comfy.model_prefetch")
     if mod is None:
-        return None
+        return None, None
     graphs = getattr(mod, "MALLOC_GRAPHS", None)
     if not isinstance(graphs, dict):
         graphs = getattr(mod, "ACTIVE_MALLOC_GRAPHS", None)
-    graph = graphs.get(threading.get_ident()) if isinstance(graphs, dict) else None
+    return mod, graphs if isinstance(graphs, dict) else None
+
+
+def compiler_recording():
+    """A context pausing ComfyUI's own compiler for this thread (since August 2026: comfy-aimdo records
+    a block's allocations and replays them; an allocation the replay does not expect, as a block
+    switching between compiled code and the model's own makes, is a "graph break", an error under
+    ``--assert-graph-breaks``), or None when this ComfyUI has none or it is not recording now. Probed
+    by name (:func:`_compiler_graphs`): ``pause_malloc_graph``, or an older build's graph, which
+    pauses itself."""
+    mod, graphs = _compiler_graphs()
+    graph = graphs.get(threading.get_ident()) if graphs is not None else None
     if graph is None or not getattr(graph, "_comfy_active", True):
         return None
     pause = getattr(mod, "pause_malloc_graph", None)
@@ -251,12 +258,6 @@ def _paused(graph):
         yield
     finally:
         graph.resume()
-
-
-def _compiler_graphs():
-    mod = sys.modules.get("comfy.model_prefetch")
-    graphs = getattr(mod, "MALLOC_GRAPHS", None) if mod is not None else None
-    return mod, graphs if isinstance(graphs, dict) else None
 
 
 def compiler_records() -> bool:
