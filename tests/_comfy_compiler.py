@@ -275,6 +275,20 @@ class ComfyCompiler:
         #: blocks captured and replayed as CUDA graphs (ComfyUI's own, by ``prefetch_queue_pop``)
         self.captures = self.block_replays = 0
 
+    @staticmethod
+    def opt_in(module, method: str = "forward") -> None:
+        """``module``'s ``method`` run inside ``malloc_graph_scope``, as a model that opts into ComfyUI's
+        compiler writes its forward (its class swapped for a subclass of the same names)."""
+        import comfy
+        cls = type(module)
+        own = getattr(cls, method)
+
+        def scoped(self, *args, **kwargs):
+            with comfy.model_prefetch.malloc_graph_scope(None):
+                return own(self, *args, **kwargs)
+        module.__class__ = type(cls.__name__, (cls,), {method: scoped, "__module__": cls.__module__,
+                                                       "__qualname__": cls.__qualname__})
+
     def _current(self):
         return self.module.MALLOC_GRAPHS.get(threading.get_ident())
 

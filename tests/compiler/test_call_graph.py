@@ -136,14 +136,8 @@ def test_no_call_graph_while_comfyuis_compiler_keeps_a_recording(make_comfy_mode
 
     from ..nodes.test_comfy_patcher import _apply, _close
     base = make_comfy_model("sd15")
-    unet = base.model.diffusion_model
-    cls = type(unet)
     with ComfyCompiler(assert_graph_breaks=True).installed() as compiler:
-        def forward(self, *args, **kwargs):
-            with compiler.scope():
-                return cls.forward(self, *args, **kwargs)
-        unet.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                                     "__qualname__": cls.__qualname__})
+        ComfyCompiler.opt_in(base.model.diffusion_model)
         cm, _ = patcher.compile_model(base, CompileConfig(backend="inductor"))
         accel = _graphed(patcher.accelerator_of(cm), strict_graph_standin())
         got = [_apply(cm, "sd15") for _ in range(3)]         # one node (a KSampler's steps) ...

@@ -29,16 +29,11 @@ def _opt_in(dm) -> None:
                 yield block
             comfy.model_prefetch.prefetch_queue_pop(None, None, None, malloc_scope=self._scope)
 
+    from unet_compiler.tests._comfy_compiler import ComfyCompiler
     for name in ("double_blocks", "single_blocks"):
         blocks = getattr(dm, name)
         blocks.__class__, blocks._scope = Scoped, name
-    cls = type(dm)
-
-    def forward_orig(self, *args, **kwargs):
-        with comfy.model_prefetch.malloc_graph_scope(None):
-            return cls.forward_orig(self, *args, **kwargs)
-    dm.__class__ = type(cls.__name__, (cls,), {"forward_orig": forward_orig, "__module__": cls.__module__,
-                                               "__qualname__": cls.__qualname__})
+    ComfyCompiler.opt_in(dm, "forward_orig")
 
 
 def _node(compiler, *calls):
