@@ -28,6 +28,10 @@ docs/comfyui-versions.md) and comfy-aimdo 0.6.0, and rewritten, not copied:
   then): a read that skipped the wait reads garbage, as it may on a GPU; by default copies land
   when issued, so a buffer reused too early shows the later cast's bytes.
 
+- comfy-aimdo's allocation hook (``src/pyt-cu-alloc.c``): with a :class:`Card` attached, each
+  allocation first evicts the VBAR ranges it lacks room for, and runs out of memory when pinned
+  ranges and live allocations leave none.
+
 Left out: pinned host memory, the prefetch queue (no UNet opts in to ``prefetch_dynamic_vbars``),
 the largest weight's second stream rotation, stream asynchrony itself (a CPU runs in order: the
 double shows which memory is reused; the timeline computes when).
@@ -41,8 +45,10 @@ import contextlib
 import ctypes
 import itertools
 import threading
+import weakref
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 SMALL = 16 * 1024      # ModelPatcherDynamic.load: ops of at most this many bytes are loaded, not given a slot
 ALIGN = 512            # ModelVBAR.alloc's alignment, and the gathered weight/bias layout's here
@@ -116,6 +122,8 @@ class CpuVBAR:
         self.pins: collections.Counter = collections.Counter()
         self._gen = itertools.count(1)
         self.faults = self.unpins = self.evictions = 0
+        #: the device's memory shared with allocations (:class:`Card`), when one is attached
+        self.card = None
 
     def alloc(self, num_bytes: int):
         self.offset = _aligned(self.offset)
@@ -128,6 +136,13 @@ class CpuVBAR:
     def used(self) -> int:
         return sum(size for size, _ in self.resident.values())
 
+    def room(self) -> int:
+        """What this VBAR may hold now: its budget, less what the card's allocations and other VBARs
+        take (aimdo's ``budget_deficit``) where a :class:`Card` is attached."""
+        if self.card is None:
+            return self.budget
+        return min(self.budget, self.card.size - self.card.held() - sum(v.used() for v in self.card.vbars if v is not self))
+
     def _evict(self, address: int) -> int:
         size, _ = self.resident.pop(address)
         self.storage[address:address + size].fill_(0xFF)
@@ -139,12 +154,12 @@ class CpuVBAR:
         (or, with ``free``, that many bytes are freed); a deficit left takes the watermark to 0."""
         freed = 0
         for address in sorted(self.resident, reverse=True):
-            if (freed >= free) if free is not None else (self.used() + need <= self.budget):
+            if (freed >= free) if free is not None else (self.used() + need <= self.room()):
                 return freed
             self.watermark = min(self.watermark, address)
             if not self.pins[address]:
                 freed += self._evict(address)
-        if (freed < free) if free is not None else (self.used() + need > self.budget):
+        if (freed < free) if free is not None else (self.used() + need > self.room()):
             self.watermark = 0
         return freed
 
@@ -157,9 +172,9 @@ class CpuVBAR:
         if address + size > self.watermark:
             return None
         if address not in self.resident:
-            if self.used() + size > self.budget:
+            if self.used() + size > self.room():
                 self._lower(size)
-                if address + size > self.watermark or self.used() + size > self.budget:
+                if address + size > self.watermark or self.used() + size > self.room():
                     return None
             self.resident[address] = (size, next(self._gen))
         self.pins[address] += 1
@@ -192,6 +207,113 @@ class CpuVBAR:
 
     def pinned(self) -> int:
         return sum(self.pins.values())
+
+
+class Card:
+    """The device's memory as comfy-aimdo shares it between its VBARs and torch's allocations (its
+    allocator hook, ``aimdo_cuda_malloc_async`` in ``src/pyt-cu-alloc.c``): ``size`` bytes hold the
+    attached VBARs' resident ranges and every live allocation. While :meth:`counting`, each storage
+    an aten op returns that none of its inputs owns is an allocation on the device: it first evicts
+    what it lacks from the VBARs (``vbars_free(budget_deficit(size))``: from the top of each, the
+    watermark following, pinned ranges staying), and raises ``torch.OutOfMemoryError`` when pinned
+    ranges and live allocations leave no room; its bytes come back when the storage is freed. A VBAR
+    fault finds room only beside the live allocations (:meth:`CpuVBAR.room`). CUDA graphs
+    (``tests/_fake_cuda.py``'s captures): what a capture allocates comes from one pool every capture
+    shares, held from then on and as large as the largest capture's allocations (``pool``; the outputs
+    earlier graphs keep in it are not counted); a replay allocates nothing."""
+
+    def __init__(self, size: int):
+        self.size, self.live, self.peak, self.pool = size, 0, 0, 0
+        self.vbars: list = []
+        self.evicted = self.ooms = 0
+        self._replaying = 0
+        self._capture: int | None = None      # bytes the running capture allocated
+
+    def attach(self, vbar: CpuVBAR) -> Card:
+        vbar.card = self
+        if vbar not in self.vbars:
+            self.vbars.append(vbar)
+        return self
+
+    def held(self) -> int:
+        """Bytes the allocations hold now: live storages and the graphs' pool."""
+        return self.live + max(self.pool, self._capture or 0)
+
+    def allocate(self, nbytes: int) -> bool:
+        """Room for ``nbytes`` made (VBAR ranges evicted) or OutOfMemoryError; whether the storage
+        is the caller's to give back when freed (False: a replay's, or a capture's, in the pool)."""
+        if self._replaying:
+            return False
+        pool = max(self.pool, self._capture or 0)
+        grow = nbytes if self._capture is None else max(0, self._capture + nbytes - pool)
+        deficit = sum(v.used() for v in self.vbars) + self.held() + grow - self.size
+        for vbar in self.vbars:
+            if deficit <= 0:
+                break
+            freed = vbar.free_memory(deficit)
+            self.evicted += freed
+            deficit -= freed
+        if deficit > 0:
+            self.ooms += 1
+            raise torch.OutOfMemoryError(
+                f"CUDA out of memory. Tried to allocate {nbytes} bytes (the double's card: {self.size} bytes, "
+                f"{self.held()} allocated, {sum(v.used() for v in self.vbars)} of weights resident and pinned)")
+        if self._capture is not None:
+            self._capture += nbytes
+        else:
+            self.live += nbytes
+        self.peak = max(self.peak, self.held())
+        return self._capture is None
+
+    def free(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def _replay(self, starts: bool) -> None:
+        self._replaying += 1 if starts else -1
+
+    def _captures(self, starts: bool) -> None:
+        if starts:
+            self._capture = 0
+        else:
+            self.pool, self._capture = max(self.pool, self._capture or 0), None
+
+    @contextlib.contextmanager
+    def counting(self):
+        """This thread's allocations count on the card inside (the storages allocated here are
+        given back when freed, inside or after)."""
+        from . import _fake_cuda
+        _fake_cuda.REPLAY_HOOKS.append(self._replay)
+        _fake_cuda.CAPTURE_HOOKS.append(self._captures)
+        try:
+            with _CardAllocations(self):
+                yield self
+        finally:
+            _fake_cuda.REPLAY_HOOKS.remove(self._replay)
+            _fake_cuda.CAPTURE_HOOKS.remove(self._captures)
+
+
+class _CardAllocations(TorchDispatchMode):
+    def __init__(self, card: Card):
+        super().__init__()
+        self.card = card
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        owned = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(a, torch.Tensor)}
+        for t in outs:
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() in owned or getattr(storage, "_card_counted", False):
+                continue
+            owned.add(storage.data_ptr())
+            nbytes = storage.nbytes()
+            storage._card_counted = True
+            if self.card.allocate(nbytes):
+                weakref.finalize(storage, self.card.free, nbytes)
+        return out
 
 
 class CudaVBAR:

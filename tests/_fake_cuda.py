@@ -72,6 +72,13 @@ class _Record(TorchDispatchMode):
 
 #: called with True at each replay's start and False at its end (tests/_timeline.py: one graph launch)
 REPLAY_HOOKS: list = []
+#: called with True at each capture's start and False at its end (tests/_dynamic_vram.Card: its pool)
+CAPTURE_HOOKS: list = []
+
+
+def _captures(starts: bool) -> None:
+    for hook in CAPTURE_HOOKS:
+        hook(starts)
 
 
 def replay(ops) -> None:
@@ -103,8 +110,12 @@ def _replay(ops) -> None:
 def record(fn, ops: list):
     """``fn()`` with every aten op it runs appended to ``ops`` (CaptureError on a host sync or a
     random op); returns its result."""
-    with _Record(ops):
-        return fn()
+    _captures(True)
+    try:
+        with _Record(ops):
+            return fn()
+    finally:
+        _captures(False)
 
 
 class FakeCUDA:
@@ -137,6 +148,7 @@ class FakeCUDA:
 
             def capture_begin(self, pool=None, capture_error_mode="global"):
                 fake.log["capture_begin"] += 1
+                _captures(True)
                 fake.capturing = True
                 self.pool = pool
                 fake.capture_allocated.clear()
@@ -150,6 +162,7 @@ class FakeCUDA:
                 fake.captured |= fake.capture_allocated
                 self._mode.__exit__(None, None, None)
                 fake.capturing, fake.recording = False, None
+                _captures(False)
 
             def replay(self):
                 fake.log["replay"] += 1

@@ -732,3 +732,91 @@ def test_a_fault_error_before_a_whole_call_leaves_it_to_comfyuis_cast(comfy, mak
     skipped = sum(c.skipped.values())
     _graphed_call(accel, p)
     assert failed and sum(c.skipped.values()) == skipped + 1 and accel.stats["region_eager"] == 0
+
+
+
+def _counted_call(accel, p, card) -> torch.Tensor:
+    """One compiled call of ``p`` with its allocations on ``card``, == ComfyUI's eager on the same card."""
+    with card.counting():
+        got = _apply(p, "sd15", load=True)
+        with accel.bypass():
+            want = _apply(p, "sd15", load=False)
+    _close(got, want)
+    assert p.vbar().pinned() == 0
+    return got
+
+
+def _on_card(cm, base, accel):
+    """(card, slotted bytes, ComfyUI's eager call's peak on the card) with ``base``'s VBAR attached,
+    every slot faulted in."""
+    from unet_compiler.tests._dynamic_vram import Card
+    p = cm.clone()
+    _apply(p, "sd15")
+    card = Card(1 << 40).attach(p.vbar())
+    with card.counting(), accel.bypass():
+        _apply(p, "sd15", load=True)
+    slotted = sum(m._v[2] for m in base.model.modules() if "_v" in m.__dict__)
+    return card, slotted, card.peak
+
+
+def test_allocations_take_the_weights_room(comfy, make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin):
+    """The card shared as comfy-aimdo shares it (``tests/_dynamic_vram.Card``): each allocation first
+    evicts the VBAR ranges it lacks room for. SD1.5 with region graphs, its slots all resident, on a
+    card that holds the weights and ComfyUI's eager activations only by evicting some: two prompts of
+    two calls, compiled == eager on the same card, the regions found evicted stream op by op, no pin
+    left, nothing runs out of memory. (The graphs' static buffers and pool hold memory aimdo cannot
+    evict, so the pack leaves fewer weights resident than ComfyUI alone: printed.)"""
+    fake = strict_graph_standin()
+    cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
+    card, slotted, activations = _on_card(cm, base, accel)
+    card.size = slotted + activations * 3 // 4
+    card.peak = 0
+    for _ in range(2):
+        p = cm.clone()
+        for _ in range(2):
+            _counted_call(accel, p, card)
+    assert card.evicted > 0 and card.ooms == 0, (card.evicted, card.ooms)
+    assert accel.stats["region_streamed"] > 0 and accel.stats["region_eager"] == 0, accel.stats
+    print(f"\ncard {card.size} bytes ({slotted} slotted, eager's activations {activations}): evicted "
+          f"{card.evicted} bytes, held {card.held()} after (graph pool {card.pool}), peak {card.peak}, "
+          f"replays {accel.graphs.stats['replays']}, regions streamed {accel.stats['region_streamed']}")
+
+
+def test_accelerated_code_out_of_memory_runs_the_models_own(comfy, make_comfy_model, dynamic_vram, monkeypatch):
+    """Compiled region bodies that need more memory than the card has (a scratch as large as the
+    card): each region call runs out of memory in the accelerated code and runs the model's own code
+    instead, == ComfyUI's eager on the same card, no pin left; the regions stay accelerated, counted
+    per call and said once per kind in the report. A card too small for the model's own code: that
+    out of memory reaches ComfyUI as its own error (``torch.OutOfMemoryError``, which its executor
+    handles), nothing of the pack's chained, the regions still on."""
+    from unet_compiler.compiler.backends import inductor
+    card = None
+
+    def hungry(body, *a, **k):
+        def run(*args, **kwargs):
+            if card is not None:
+                torch.empty(card.size, dtype=torch.uint8)  # a workspace the card cannot hold
+            return body(*args, **kwargs)
+        return run
+    monkeypatch.setattr(inductor, "region_body", hungry)
+    base = dynamic_vram.patcher(make_comfy_model("sd15"), budget=1.0)
+    cm, _ = patcher.compile_model(base, CFG)
+    accel = patcher.accelerator_of(cm)
+    accel.backend.streams_op_by_op = True
+    card, slotted, activations = _on_card(cm, base, accel)
+    card.size = slotted + 2 * activations
+    kinds = dict(accel.report.regions)
+    for _ in range(2):
+        _counted_call(accel, cm.clone(), card)
+    # (this CPU's projection regions run oneDNN's prepacked conv, not a region body: no workspace)
+    bodies = {kind: n for kind, n in kinds.items() if kind != "projection"}
+    assert accel.stats["oom_calls_eager"] == card.ooms == 2 * sum(bodies.values()) > 0, (accel.stats, card.ooms)
+    assert not accel.gate.failed and dict(accel.report.regions) == kinds, accel.text()
+    text = accel.text()
+    assert all(text.count(f"out of memory in {kind} accelerated code") == 1 for kind in bodies), text
+
+    card.size = slotted // 4                              # not even the model's own code fits
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory") as e, card.counting():
+        _apply(cm.clone(), "sd15", load=True)
+    assert e.value.__cause__ is None and e.value.__context__ is None, e.value
+    assert base.vbar().pinned() == 0 and not accel.gate.failed, accel.text()
