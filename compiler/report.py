@@ -220,4 +220,22 @@ def accelerator_text(accel) -> str:
     extra += [f"  patch {name} (in {n} UNet call(s))" for name, n in sorted(accel.patches_seen.items())]
     extra += [f"  recompile: {e['text']}" for e in accel.recompiles.events[-5:]]
     extra += [f"  {accel.background.line()}"] if accel.background is not None else []
+    extra += devices_lines(accel)
     return accel.report.text(accel.stats) + ("\n" + "\n".join(extra) if extra else "")
+
+
+def device_summary(accel) -> str:
+    """One device's copy in a word: its regions that ran compiled code, what fell back, recompiles."""
+    ran, total = accel.ran_compiled()
+    failed = f", {len(accel.failed)} kind(s) on the model's own code" if accel.failed else ""
+    return (f"{accel.device_name}: compiled {ran}/{total}, {accel.stats.get('calls', 0)} call(s){failed}, "
+            f"{accel.stats.get('recompiles_after_warmup', 0)} recompile(s) after warmup")
+
+
+def devices_lines(accel) -> list[str]:
+    """Where ComfyUI samples copies of the model on other devices: each device's copy, this one first."""
+    others = accel.copies.accelerators() if accel.copies is not None else []
+    if not others:
+        return []
+    return ["  devices (ComfyUI's multi-GPU copies, each accelerated on its own device): "
+            + "; ".join(device_summary(a) for a in [accel, *others])]

@@ -106,6 +106,11 @@ class Accelerator:
             next((p.dtype for p in unet.parameters()), torch.float32)
         #: "cpu", "cuda", ...: where the model runs (a CPU model's background compile waits for idle time)
         self.device_type = torch.device(device).type
+        #: the device this copy of the model runs on ("cuda:1"), as a report names it
+        self.device_name = str(device)
+        #: the accelerators of this model's copies on other devices (ComfyUI's multi-GPU Work Units:
+        #: ``nodes.patcher.DeviceCopies``), each reported beside this one; None: one device
+        self.copies = None
 
         rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
                                    model=type(unet).__name__,

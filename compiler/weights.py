@@ -15,16 +15,16 @@ from typing import Callable, Iterable
 
 import torch
 
-_epoch: object = None
+#: the weight epoch of the UNet call running on this thread (each GPU's copy samples on its own thread)
+_calls = threading.local()
 
 
 def set_epoch(epoch) -> None:
-    global _epoch
-    _epoch = epoch
+    _calls.epoch = epoch
 
 
 def epoch():
-    return _epoch
+    return getattr(_calls, "epoch", None)
 
 
 def version(t: torch.Tensor):
@@ -62,7 +62,7 @@ class DerivedCache:
 
     def derived(self, owner, sig: tuple, make: Callable[[], object]):
         key = id(owner)
-        sig = sig + (_epoch,)
+        sig = sig + (epoch(),)
         hit = self._cache.get(key)
         if hit is not None and hit[0] == sig:
             self.stats["cache_hits"] += 1
@@ -85,7 +85,7 @@ class DerivedCache:
         """The copy derived from ``w`` as it is now, whatever else it was keyed on (None: none)."""
         hit = self._cache.get(id(w))
         sig = signature(w)
-        if hit is None or hit[0][:len(sig)] != sig or hit[0][-1] != _epoch:
+        if hit is None or hit[0][:len(sig)] != sig or hit[0][-1] != epoch():
             return None
         return hit[1]
 

@@ -7,8 +7,12 @@ in ``finally`` (runtime.Accelerator.active).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
+
+import torch
 
 from ..compiler.config import CompileConfig
 from ..compiler.compat.comfy import is_interrupt, latent_scale, latent_time_scale
@@ -24,11 +28,124 @@ log = logging.getLogger(__name__)
 KEY = "unet_compiler"
 
 
-def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
+class DeviceCopies:
+    """The accelerators of the copies of a compiled model that ComfyUI's multi-GPU Work Units sample
+    on other devices (each a deep copy of the diffusion model with its own load device), one per
+    copy, found by the module it serves. Each is built with the compiled model's settings on its
+    copy's device when ComfyUI makes or matches the copy (``ON_DEEPCLONE_MULTIGPU`` /
+    ``ON_MATCH_MULTIGPU_CLONES``, on the prompt thread), or at the copy's first call where those
+    callbacks did not run; under a lock, once per module. Compiles run one at a time (dynamo's own
+    lock); each copy keeps its own CUDA graphs, stats and report."""
+
+    def __init__(self, main: Accelerator):
+        self._main = weakref.ref(main)
+        #: copy module -> weakref to its accelerator, which the module holds (``_Held``): a copy
+        #: ComfyUI drops goes with its accelerator, nothing here keeping either
+        self._by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+        self._turns = threading.Condition()
+        self._sharing, self._alone = 0, False
+        #: (accelerator id, shape label) calls that completed: later ones compile nothing
+        self._done: set = set()
+        main.copies = self
+
+    def adopt(self, patcher) -> Accelerator | None:
+        """The accelerator of ``patcher``'s diffusion model: the compiled model's own, or its copy's
+        (built now if new); None when the compiled model is gone or the patcher has no model."""
+        main = self._main()
+        unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        if main is None or unet is None:
+            return None
+        if unet is main.root:
+            return main
+        with self._lock:
+            ref = self._by_module.get(unet)
+            accel = ref() if ref is not None else None
+            if accel is None:
+                # (not warmed: its first call at each shape compiles, or reuses the compiled model's
+                # code where dynamo's guards pass, and runs alone: ``turn``)
+                accel = Accelerator(unet, main.config, device=patcher.load_device)
+                unet.__dict__[_HELD] = _Held(accel)
+                self._by_module[unet] = weakref.ref(accel)
+                log.info("UNet Compiler: accelerating the copy of the model on %s (ComfyUI's multi-GPU)",
+                         patcher.load_device)
+        return accel
+
+    def of(self, unet) -> Accelerator | None:
+        with self._lock:
+            ref = self._by_module.get(unet) if unet is not None else None
+        return ref() if ref is not None else None
+
+    @contextlib.contextmanager
+    def turn(self, accel: Accelerator, shape: str):
+        """Where copies sample on several threads: a device's first call at a shape (which may
+        compile) runs alone, the others together. torch's FX tracing flag is process-wide, so a
+        compiled call on one thread while another compiles would fail ("using FX to symbolically
+        trace a dynamo-optimized function")."""
+        key = (id(accel), shape)
+        alone = key not in self._done
+        with self._turns:
+            while self._alone or (alone and self._sharing):
+                self._turns.wait()
+            if alone:
+                self._alone = True
+            else:
+                self._sharing += 1
+        try:
+            yield
+            if alone:
+                self._done.add(key)
+        finally:
+            with self._turns:
+                if alone:
+                    self._alone = False
+                else:
+                    self._sharing -= 1
+                self._turns.notify_all()
+
+    def find(self, patcher) -> Accelerator | None:
+        """The accelerator already serving ``patcher``'s diffusion model (the compiled model's or a
+        copy's), else None."""
+        main = self._main()
+        unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        if main is None or unet is None:
+            return None
+        return main if unet is main.root else self.of(unet)
+
+    def accelerators(self) -> list[Accelerator]:
+        with self._lock:
+            refs = list(self._by_module.values())
+        return [a for a in (r() for r in refs) if a is not None]
+
+
+_HELD = "_unet_compiler_copy"
+
+
+class _Held:
+    """A copy's accelerator, held by the copy's module (gone with it); a deep copy of the module
+    (another node's) gets none."""
+
+    def __init__(self, accel: Accelerator):
+        self.accel = accel
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def _multigpu_copy(base):
+    """The patcher sampling ``base`` (a BaseModel) when it is one of ComfyUI's multi-GPU copies."""
+    patcher = getattr(base, "current_patcher", None)
+    return patcher if getattr(patcher, "is_multigpu_base_clone", False) else None
+
+
+def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCopies):
     def unet_compiler_apply_model(executor, *args, **kwargs):
         base = executor.class_obj
         model = getattr(base, "diffusion_model", None)
-        if model is not accel.root:
+        here = accel if model is accel.root else copies.of(model)
+        if here is None and model is not None and _multigpu_copy(base) is not None:
+            here = copies.adopt(_multigpu_copy(base))      # a copy made where the callbacks did not run
+        if here is None:
             # another node swapped the diffusion model, or ComfyUI samples another copy of it: as given
             accel.stats["eager_calls"] += 1
             accel.stats["calls_not_ours"] += 1
@@ -40,12 +157,21 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list):
         # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
         to = args[5] if len(args) > 5 else kwargs.get("transformer_options") or {}
         for name in patch_effects(to):
-            accel.patches_seen[name] += 1
+            here.patches_seen[name] += 1
         epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0])
         x = args[0] if args else kwargs.get("x")
-        with accel.active(weight_epoch=epoch, shape=label_of(x, latent_scale(base), latent_time_scale(base))):
-            return executor(*args, **kwargs)
+        shape = label_of(x, latent_scale(base), latent_time_scale(base))
+        # a call under plain no_grad (a multi-GPU pool thread does not inherit the prompt's inference
+        # mode) runs as warmup compiled for: in inference mode, its outputs handed back as normal tensors
+        plain = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        with copies.turn(here, shape) if copies.accelerators() else contextlib.nullcontext(), \
+                torch.inference_mode() if plain else contextlib.nullcontext(), \
+                here.active(weight_epoch=epoch, shape=shape):
+            out = executor(*args, **kwargs)
+        return torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out) \
+            if plain else out
     unet_compiler_apply_model.accelerator = accel
+    unet_compiler_apply_model.copies = copies
     return unet_compiler_apply_model
 
 
@@ -111,35 +237,52 @@ def compile_model(model, config: CompileConfig | None, node_id=None):
         # scheduled LoRA hooks rewrite weights in place between steps
         hooks_epoch[0] += 1
 
+    copies = DeviceCopies(accel)
     m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
-    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _apply_model_wrapper(accel, hooks_epoch))
-    for event, callback in ((CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), *_graph_release(accel)):
+    m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _apply_model_wrapper(accel, hooks_epoch, copies))
+    for event, callback in ((CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), *_graph_release(copies),
+                            *_copy_callbacks(CallbacksMP, copies)):
         m.remove_callbacks_with_key(event, KEY)
         m.add_callback_with_key(event, KEY, callback)
+    for copy in _existing_copies(m):                       # MultiGPU Work Units placed before Compile UNet
+        copies.adopt(copy)
     facts = feedback.compiled(accel, node_id)
     return m, accel.text() + f"\n  status: {facts['text']}"
 
 
-def _graph_release(accel) -> list:
+def _graph_release(copies: DeviceCopies) -> list:
     """ComfyUI's callbacks that free the regions' CUDA graph buffers, which its memory accounting
     does not see: when it unloads the model (ON_DETACH with its weights unpatched to the offload
     device; every load_models_gpu also detaches a loaded model with ``unpatch_all=False`` and loads
     it again, weights in place: that keeps the graphs) and, when a prompt's sampling ends
     (ON_CLEANUP, before the VAE decode), only if the card is short of room: otherwise the next
-    prompt of this model replays them instead of capturing again. The accelerator is held weakly."""
+    prompt of this model replays them instead of capturing again. Each acts on the accelerator of
+    the patcher it is called with (a multi-GPU copy's patcher carries the same callbacks)."""
     from comfy.patcher_extension import CallbacksMP
-    ref = weakref.ref(accel)
 
     def on_detach(patcher, unpatch_all=True):
-        a = ref()
+        a = copies.find(patcher)
         if a is not None and unpatch_all:
             a.release_graphs("ComfyUI unloaded the model")
 
     def on_cleanup(patcher):
-        a = ref()
+        a = copies.find(patcher)
         if a is not None:
             a.idle_graphs("freed at the end of a prompt")
     return [(CallbacksMP.ON_DETACH, on_detach), (CallbacksMP.ON_CLEANUP, on_cleanup)]
+
+
+def _copy_callbacks(callbacks_mp, copies: DeviceCopies) -> list:
+    """The newest ComfyUI's callbacks for a multi-GPU copy made or matched (none on an older one)."""
+    def on_copy(main, copy):
+        copies.adopt(copy)
+    return [(getattr(callbacks_mp, name), on_copy) for name in ("ON_DEEPCLONE_MULTIGPU", "ON_MATCH_MULTIGPU_CLONES")
+            if hasattr(callbacks_mp, name)]
+
+
+def _existing_copies(patcher) -> list:
+    get = getattr(patcher, "get_additional_models_with_key", None)
+    return list(get("multigpu")) if get is not None else []
 
 
 def accelerator_of(model) -> Accelerator | None:

@@ -24,6 +24,9 @@ FULL = frozenset({
     "tests/nodes/test_dynamic_vram.py::test_unets_over_prompts_with_lora_and_resident_set_changes[sd15]",
     "tests/nodes/test_dynamic_vram.py::test_flux_over_prompts_with_lora_and_resident_set_changes",
     "tests/nodes/test_comfy_compiler.py::test_a_recorded_dit_runs_with_no_graph_break",
+    # two devices' copies of the tiny SD1.5 compiled (about 25 s each order)
+    "tests/nodes/test_multigpu.py::test_every_devices_copy_runs_its_own_compiled_regions[compile_then_multigpu]",
+    "tests/nodes/test_multigpu.py::test_every_devices_copy_runs_its_own_compiled_regions[multigpu_then_compile]",
     "tests/compiler/test_cuda_graphs.py::test_the_fake_allocator_aborts_where_the_h100_did",
     "tests/nodes/test_patch_nodes.py::test_hook_keyframes_reapply_weights_during_sampling",
     "tests/compiler/test_lifetime.py::test_a_dropped_unet_is_freed_with_its_prepacked_weights[inductor]",
