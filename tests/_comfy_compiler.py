@@ -42,7 +42,6 @@ import threading
 import types
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class CompileError(RuntimeError):
@@ -64,25 +63,6 @@ class _State:
 
     def __init__(self, cursor: _Event, recording: bool):
         self.cursor, self.recording, self.broken = cursor, recording, False
-
-
-class _Allocations(TorchDispatchMode):
-    """Each storage an op returns that none of its inputs owns: one allocation of its bytes."""
-
-    def __init__(self, graph: MallocGraph):
-        super().__init__()
-        self.graph = graph
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        owned = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
-                 if isinstance(a, torch.Tensor)}
-        for t in outs:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in owned:
-                owned.add(t.untyped_storage().data_ptr())
-                self.graph.allocated(t.untyped_storage().nbytes())
-        return out
 
 
 class MallocGraph:
@@ -107,7 +87,8 @@ class MallocGraph:
         self._scopes: list = []
         self._active = False
         self._thread = threading.get_ident()
-        self._mode = _Allocations(self)
+        from ._dynamic_vram import Allocations
+        self._mode = Allocations(lambda storage: self.allocated(storage.nbytes()))
         self._mode_on = False
 
     # ---- what ComfyUI sets and reads -----------------------------------------

@@ -268,6 +268,14 @@ class Card:
     def free(self, nbytes: int) -> None:
         self.live -= nbytes
 
+    def _allocated(self, storage) -> None:
+        if getattr(storage, "_card_counted", False):      # (counted when an earlier op made it)
+            return
+        storage._card_counted = True
+        nbytes = storage.nbytes()
+        if self.allocate(nbytes):
+            weakref.finalize(storage, self.free, nbytes)
+
     def _replay(self, starts: bool) -> None:
         self._replaying += 1 if starts else -1
 
@@ -285,17 +293,20 @@ class Card:
         _fake_cuda.REPLAY_HOOKS.append(self._replay)
         _fake_cuda.CAPTURE_HOOKS.append(self._captures)
         try:
-            with _CardAllocations(self):
+            with Allocations(self._allocated):
                 yield self
         finally:
             _fake_cuda.REPLAY_HOOKS.remove(self._replay)
             _fake_cuda.CAPTURE_HOOKS.remove(self._captures)
 
 
-class _CardAllocations(TorchDispatchMode):
-    def __init__(self, card: Card):
+class Allocations(TorchDispatchMode):
+    """Calls ``on_alloc(storage)`` for each storage an op returns that none of its inputs owns (a
+    view shares its base's): what the op allocated on the device."""
+
+    def __init__(self, on_alloc):
         super().__init__()
-        self.card = card
+        self.on_alloc = on_alloc
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -303,16 +314,9 @@ class _CardAllocations(TorchDispatchMode):
         owned = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
                  if isinstance(a, torch.Tensor)}
         for t in outs:
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-                continue
-            storage = t.untyped_storage()
-            if storage.data_ptr() in owned or getattr(storage, "_card_counted", False):
-                continue
-            owned.add(storage.data_ptr())
-            nbytes = storage.nbytes()
-            storage._card_counted = True
-            if self.card.allocate(nbytes):
-                weakref.finalize(storage, self.card.free, nbytes)
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in owned:
+                owned.add(t.untyped_storage().data_ptr())
+                self.on_alloc(t.untyped_storage())
         return out
 
 
