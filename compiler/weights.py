@@ -15,16 +15,19 @@ from typing import Callable, Iterable
 
 import torch
 
-#: the weight epoch of the UNet call running on this thread (each GPU's copy samples on its own thread)
+#: the weight epoch of the UNet call running on this thread (each GPU's copy samples on its own
+#: thread); a thread that runs no UNet call (the background compile) reads the latest set anywhere
 _calls = threading.local()
+_latest: object = None
 
 
 def set_epoch(epoch) -> None:
-    _calls.epoch = epoch
+    global _latest
+    _calls.epoch = _latest = epoch
 
 
 def epoch():
-    return getattr(_calls, "epoch", None)
+    return getattr(_calls, "epoch", _latest)
 
 
 def version(t: torch.Tensor):
