@@ -52,8 +52,7 @@ class DeviceCopies:
     def adopt(self, patcher) -> Accelerator | None:
         """The accelerator of ``patcher``'s diffusion model: the compiled model's own, or its copy's
         (built now if new); None when the compiled model is gone or the patcher has no model."""
-        main = self._main()
-        unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        main, unet = self._main(), _unet_of(patcher)
         if main is None or unet is None:
             return None
         if unet is main.root:
@@ -106,11 +105,14 @@ class DeviceCopies:
     def find(self, patcher) -> Accelerator | None:
         """The accelerator already serving ``patcher``'s diffusion model (the compiled model's or a
         copy's), else None."""
-        main = self._main()
-        unet = getattr(getattr(patcher, "model", None), "diffusion_model", None)
+        main, unet = self._main(), _unet_of(patcher)
         if main is None or unet is None:
             return None
         return main if unet is main.root else self.of(unet)
+
+    def several(self) -> bool:
+        """Whether any copy on another device has an accelerator (several threads may sample)."""
+        return len(self._by_module) > 0
 
     def accelerators(self) -> list[Accelerator]:
         with self._lock:
@@ -119,6 +121,10 @@ class DeviceCopies:
 
 
 _HELD = "_unet_compiler_copy"
+
+
+def _unet_of(patcher):
+    return getattr(getattr(patcher, "model", None), "diffusion_model", None)
 
 
 class _Held:
@@ -143,8 +149,10 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
         base = executor.class_obj
         model = getattr(base, "diffusion_model", None)
         here = accel if model is accel.root else copies.of(model)
-        if here is None and model is not None and _multigpu_copy(base) is not None:
-            here = copies.adopt(_multigpu_copy(base))      # a copy made where the callbacks did not run
+        if here is None and model is not None:
+            copy = _multigpu_copy(base)
+            if copy is not None:
+                here = copies.adopt(copy)                  # a copy made where the callbacks did not run
         if here is None:
             # another node swapped the diffusion model, or ComfyUI samples another copy of it: as given
             accel.stats["eager_calls"] += 1
@@ -164,7 +172,7 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
         # a call under plain no_grad (a multi-GPU pool thread does not inherit the prompt's inference
         # mode) runs as warmup compiled for: in inference mode, its outputs handed back as normal tensors
         plain = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        with copies.turn(here, shape) if copies.accelerators() else contextlib.nullcontext(), \
+        with copies.turn(here, shape) if copies.several() else contextlib.nullcontext(), \
                 torch.inference_mode() if plain else contextlib.nullcontext(), \
                 here.active(weight_epoch=epoch, shape=shape):
             out = executor(*args, **kwargs)

@@ -22,7 +22,7 @@ Each behaviour is read from the newest ComfyUI's files and rewritten, not copied
   prompt thread; then the pool shut down and ``cleanup()`` on the main patcher and every copy.
 
 The devices are CPU devices with distinct indices (``cpu:0``, ``cpu:1``: distinct keys, the same
-memory); ``current_device()`` is the thread's device as ``set_torch_device`` left it.
+memory); ``set_torch_device`` records the thread's device.
 Left out: load balancing by relative speed, hooks and ControlNet copies per device, the
 ``model_function_wrapper`` path, Dynamic VRAM per device.
 """
@@ -40,10 +40,6 @@ ON_DEEPCLONE = "on_deepclone_multigpu"
 ON_MATCH = "on_match_multigpu_clones"
 
 _CURRENT = threading.local()
-
-
-def current_device() -> torch.device | None:
-    return getattr(_CURRENT, "device", None)
 
 
 def set_torch_device(device: torch.device) -> None:
@@ -205,19 +201,19 @@ def sample(model, conds: list, x: torch.Tensor, t: torch.Tensor, steps: int = 1,
                     results.append((i, base.apply_model(x.to(device), t.to(device), c_crossattn=conds[i].to(device),
                                                         transformer_options=to)))
             return results
+        shares = {d: list(range(len(conds)))[k * per_device:(k + 1) * per_device] for k, d in enumerate(devices)}
         for _ in range(steps):
-            shares = {d: list(range(len(conds)))[k * per_device:(k + 1) * per_device] for k, d in enumerate(devices)}
             got = {}
-            for device, share in shares.items():
-                if pool is None:
-                    got.update(handle(device, share))
-                else:
+            if pool is None:
+                got.update(handle(devices[0], shares[devices[0]]))
+            else:
+                for device, share in shares.items():
                     pool.submit(device, handle, device, share)
-            for device in shares if pool is not None else ():
-                results, error = pool.get_result(device)
-                if error is not None:
-                    raise error
-                got.update(results)
+                for device in shares:
+                    results, error = pool.get_result(device)
+                    if error is not None:
+                        raise error
+                    got.update(results)
             out.append([got[i] for i in range(len(conds))])
     finally:
         if pool is not None:
