@@ -244,8 +244,7 @@ class Card:
         is the caller's to give back when freed (False: a replay's, or a capture's, in the pool)."""
         if self._replaying:
             return False
-        pool = max(self.pool, self._capture or 0)
-        grow = nbytes if self._capture is None else max(0, self._capture + nbytes - pool)
+        grow = nbytes if self._capture is None else max(0, self._capture + nbytes - max(self.pool, self._capture))
         deficit = sum(v.used() for v in self.vbars) + self.held() + grow - self.size
         for vbar in self.vbars:
             if deficit <= 0:
