@@ -129,11 +129,10 @@ class Accelerator:
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
         self.ledger = Ledger(self.stats, self.recompiles, self.cache, self.backend.compile_count)
-        dev_type = device.type if hasattr(device, "type") else str(device)
-        if self.cache is not None and self.cache.load() and not background.waits_for_idle(dev_type):
+        if self.cache is not None and self.cache.load() and not background.waits_for_idle(self.device_type):
             # deserialize its variants beside what runs next (warmup's eager reference forward); a CPU
             # model's load when nothing samples (background mode) or at each key's first call
-            variants.VARIANTS.preload(functools.partial(_call_modes, dev_type, self._autocast))
+            variants.VARIANTS.preload(functools.partial(_call_modes, self.device_type, self._autocast))
         #: compiled code or the model's own code, per UNet call and per region call
         self.gate = shims.Gate(self.stats, self.backend.cast_problem())
         self.gate.on_refused = weakref.WeakMethod(self._refused)
