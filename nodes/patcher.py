@@ -170,17 +170,31 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
         x = args[0] if args else kwargs.get("x")
         shape = label_of(x, latent_scale(base), latent_time_scale(base))
         # a call under plain no_grad (a multi-GPU pool thread does not inherit the prompt's inference
-        # mode) runs as warmup compiled for: in inference mode, its outputs handed back as normal tensors
+        # mode) runs as warmup compiled for: in inference mode, on inference tensors (the inputs that
+        # thread made, copied), its outputs handed back as normal tensors
         plain = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         with copies.turn(here, shape) if copies.several() else contextlib.nullcontext(), \
                 torch.inference_mode() if plain else contextlib.nullcontext(), \
                 here.active(weight_epoch=epoch, shape=shape):
+            if plain:
+                args, kwargs = _as_inference(args, kwargs)
             out = executor(*args, **kwargs)
         return torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out) \
             if plain else out
     unet_compiler_apply_model.accelerator = accel
     unet_compiler_apply_model.copies = copies
     return unet_compiler_apply_model
+
+
+def _as_inference(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """apply_model's inputs with each tensor that is not an inference tensor copied as one (inside
+    inference mode); transformer_options as it is. The compiled code's guards tell the two apart:
+    a normal tensor where warmup had an inference tensor would compile the regions again."""
+    def inference(v):
+        return v.clone() if isinstance(v, torch.Tensor) and not v.is_inference() else v
+    tree_map = torch.utils._pytree.tree_map
+    return (tuple(a if i == 5 else tree_map(inference, a) for i, a in enumerate(args)),
+            {k: v if k == "transformer_options" else tree_map(inference, v) for k, v in kwargs.items()})
 
 
 def not_ours(model, root) -> str:
@@ -337,6 +351,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
     with fb.running(job.call, background) as (run_one, on_shape):
         try:
             warmup_runs(accel, job.shapes, run_one, on_shape=on_shape, background=background)
+            _warm_copies(model, accel, shapes, context_tokens, background)
         except Exception as e:
             if is_interrupt(e):
                 raise
@@ -345,3 +360,31 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
             log.warning("UNet Compiler: %s", fb.problem, exc_info=True)
             accel.report.notes.append(fb.problem)
     return accel.text() + f"\n  status: {fb.done['text']}"
+
+
+def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) -> None:
+    """Warmup Shapes on each multi-GPU copy ComfyUI holds of ``model`` now: the copy's own calls at
+    the same shapes, its device current (its graphs and kernels take that device's streams), each
+    compared against the copy's own code as the model's are. A copy made later, or any copy under a
+    background warmup, compiles at its first call of each shape (alone: ``DeviceCopies.turn``)."""
+    copies = [c for c in _existing_copies(model) if c.model is not None]
+    if not copies:
+        return
+    if background:
+        accel.report.notes.append("the multi-GPU copies on other devices compile at their first call of each "
+                                  "shape: a background warmup warms this device's model only")
+        return
+    for copy in copies:
+        here = accel.copies.adopt(copy)
+        if here is None or here is accel:
+            continue
+        job = warmup.prepare(copy, here, shapes, context_tokens)
+        if job.call is None:
+            continue
+        with current_device(copy.load_device):
+            warmup_runs(here, job.shapes, job.call)
+
+
+def current_device(device: torch.device):
+    """``device`` the thread's current CUDA device for the block (a no-op for another kind)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -1,10 +1,14 @@
 """A stand-in for the ``torch.cuda`` surface the pack's production ``CudaGraphs`` (compiler/graphs.py)
 calls, so that code runs on a machine without a GPU: streams and the stream context, the current
-device, synchronize, capture flags, a graph pool handle, the card's properties and free memory,
+device (``set_device``, the ``device`` context), synchronize, capture flags, a graph pool handle, the
+card's properties and free memory,
 empty_cache, and ``CUDAGraph`` whose capture records the aten ops run between ``capture_begin`` and
 ``capture_end`` (refusing host syncs and random ops, as tests/conftest.py's StrictGraphStandIn does)
 and whose replay re-runs them on the captured tensors. CPU tensors stand for device tensors: only
 ``CudaGraphs.usable``'s "is this tensor on CUDA" cannot be faked and is answered by the test.
+As CUDA keeps them, the current device, the current stream and a running capture are each thread's
+own (ComfyUI's multi-GPU pool threads each set their device; a capture in ``thread_local`` mode
+records only its own thread's work).
 
 A Triton kernel launched inside a capture (the interpreter's, on CPU tensors) is recorded as one op
 and launched again by a replay, as a real graph holds the kernel. A JIT launch returns what triton's
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import threading
 from collections import Counter
 
 import torch
@@ -125,21 +130,21 @@ class FakeCUDA:
         self.total, self.free = total, free
         self.allocator = allocator
         self.log: Counter = Counter()
-        self.capturing = False
         self.pools = 0
-        #: memory the current capture allocated (tracked under cudaMallocAsync); ``captured``: every capture's
-        self.capture_allocated: set = set()
+        #: every capture's allocations (tracked under cudaMallocAsync)
         self.captured: set = set()
         #: why the real process would have aborted (a Triton launch on capture-allocated memory)
         self.aborted: str | None = None
-        #: the running capture's op list (a Triton launch inside it is recorded as one op)
-        self.recording: list | None = None
+        #: per thread, as CUDA keeps them: the current device, its stream stack, whether a capture runs
+        #: on it (``capturing``), the running capture's op list (``recording``: a Triton launch inside
+        #: it is recorded as one op) and what that capture allocated (``capture_allocated``)
+        self._thread = threading.local()
         #: torch.cuda.memory_reserved(): grows by what each capture allocates (its private pool, which a
         #: real capture never gives back until the graphs are freed and the cache emptied)
         self.reserved = 0
         #: Triton launches through the JIT (a direct launch of a compiled kernel is counted by it)
         self.jit_launches = 0
-        self._streams = [self.Stream()]
+        self._default = self.Stream()
         fake = self
 
         class CUDAGraph:
@@ -180,24 +185,51 @@ class FakeCUDA:
         def synchronize(self):
             pass
 
+    def _here(self):
+        """This thread's CUDA state (device 0 and the default stream on a new thread)."""
+        t = self._thread
+        if not hasattr(t, "streams"):
+            t.device, t.streams, t.capturing, t.recording, t.capture_allocated = 0, [self._default], False, None, set()
+        return t
+
+    capturing = property(lambda self: self._here().capturing, lambda self, v: setattr(self._here(), "capturing", v))
+    recording = property(lambda self: self._here().recording, lambda self, v: setattr(self._here(), "recording", v))
+    capture_allocated = property(lambda self: self._here().capture_allocated)
+
     def current_stream(self, device=None):
-        return self._streams[-1]
+        return self._here().streams[-1]
 
     def raw_stream(self, device=None) -> int:
         """``torch._C._cuda_getCurrentRawStream``: the current stream's handle."""
-        return self._streams[-1].cuda_stream
+        return self._here().streams[-1].cuda_stream
 
     @contextlib.contextmanager
     def stream(self, s):
         self.log["stream"] += 1
-        self._streams.append(s)
+        streams = self._here().streams
+        streams.append(s)
         try:
             yield
         finally:
-            self._streams.pop()
+            streams.pop()
 
     def current_device(self):
-        return 0
+        return self._here().device
+
+    def set_device(self, device) -> None:
+        """``torch.cuda.set_device``: an index or a ``torch.device`` (its index) for this thread."""
+        self._here().device = device.index if isinstance(device, torch.device) else int(device)
+
+    @contextlib.contextmanager
+    def device(self, device):
+        """``torch.cuda.device(d)``: ``d`` this thread's current device for the block."""
+        here = self._here()
+        before = here.device
+        self.set_device(device)
+        try:
+            yield
+        finally:
+            here.device = before
 
     def synchronize(self, device=None):
         self.log["synchronize"] += 1
@@ -289,7 +321,7 @@ def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocato
     ``allocator``: what ``torch.cuda.memory.get_allocator_backend()`` answers (and, for
     cudaMallocAsync, triton's pointer check inside a capture on the interpreter's launches)."""
     fake = FakeCUDA(total, free, allocator)
-    for name in ("Stream", "current_stream", "stream", "current_device", "synchronize",
+    for name in ("Stream", "current_stream", "stream", "current_device", "set_device", "device", "synchronize",
                  "is_current_stream_capturing", "graph_pool_handle", "get_device_properties", "mem_get_info",
                  "empty_cache", "CUDAGraph", "memory_reserved"):
         monkeypatch.setattr(torch.cuda, name, getattr(fake, name))

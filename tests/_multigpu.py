@@ -22,7 +22,7 @@ Each behaviour is read from the newest ComfyUI's files and rewritten, not copied
   prompt thread; then the pool shut down and ``cleanup()`` on the main patcher and every copy.
 
 The devices are CPU devices with distinct indices (``cpu:0``, ``cpu:1``: distinct keys, the same
-memory); ``set_torch_device`` records the thread's device.
+memory); ``set_torch_device`` records the thread's device (and sets a faked torch.cuda's).
 Left out: load balancing by relative speed, hooks and ControlNet copies per device, the
 ``model_function_wrapper`` path, Dynamic VRAM per device.
 """
@@ -35,6 +35,8 @@ import uuid
 
 import torch
 
+from ._fake_cuda import FakeCUDA
+
 DEVICES = (torch.device("cpu", 0), torch.device("cpu", 1))
 ON_DEEPCLONE = "on_deepclone_multigpu"
 ON_MATCH = "on_match_multigpu_clones"
@@ -43,7 +45,11 @@ _CURRENT = threading.local()
 
 
 def set_torch_device(device: torch.device) -> None:
+    """A pool thread's ``torch.cuda.set_device(device)``: recorded, and passed on to a faked
+    torch.cuda (tests/_fake_cuda.py) as the thread's current device."""
     _CURRENT.device = device
+    if isinstance(getattr(torch.cuda.set_device, "__self__", None), FakeCUDA):
+        torch.cuda.set_device(device)
 
 
 def install(comfy, monkeypatch) -> None:

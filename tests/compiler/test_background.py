@@ -548,7 +548,7 @@ def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypa
         monkeypatch.setattr(B._THREAD, "owner", owner, raising=False)
         B.first_calls(variant, mods, args)
         assert len(calls) == 1 and calls[0][0] is mods[0], calls     # one call serves every module
-        assert calls[0][1] is B._PRIME_STREAMS[dev] and calls[0][1] is not cuda._streams[0]
+        assert calls[0][1] is B._PRIME_STREAMS[dev] and calls[0][1] is not cuda.current_stream()
         assert owner.primed == 1 and not owner.unprimed
         cuda.free = 2 * sum(a.numel() * a.element_size() for a in args)   # under PRIME_ROOM x the inputs
         B.first_calls(variant, mods, args)

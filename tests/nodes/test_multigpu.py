@@ -41,16 +41,19 @@ def _per_device(accel) -> list:
 
 @pytest.mark.parametrize("order", ["compile_then_multigpu", "multigpu_then_compile"])
 def test_every_devices_copy_runs_its_own_compiled_regions(comfy, make_comfy_model, multigpu, order):
-    """Compile UNet and Warmup Shapes (one shape), with MultiGPU Work Units after Compile UNet (its
-    copy made from the compiled patcher: ComfyUI's deep-clone callback) or before it (the copy there
-    when Compile UNet runs), then two prompts of two steps: each step's two conds run on the two
-    devices' pool threads under ``torch.no_grad`` only, each through its own copy of the model.
-    Every device's copy runs all its regions compiled (its own accelerator, built on the prompt
-    thread; a device's first call at a shape runs alone, as it may compile), every output == eager,
-    no call of a copy counted as another model's; the report names each device. (Before: only the
-    first copy was accelerated, the other ran its own code, reported as "a separate copy of the
-    model"; with both accelerated and no turns, a copy's call while the other compiled failed:
-    torch's FX tracing flag is process-wide.)"""
+    """Compile UNet and Warmup Shapes (one shape), with MultiGPU Work Units after Warmup Shapes (its
+    copy made from the compiled patcher: ComfyUI's deep-clone callback) or before Compile UNet (the
+    copy there when Compile UNet runs), then two prompts of two steps: each step's two conds run on
+    the two devices' pool threads, under ``torch.no_grad`` only (ComfyUI's) and then under inference
+    mode, each through its own copy of the model. Every device's copy runs all its regions compiled
+    (its own accelerator, built on the prompt thread; a device's first call at a shape runs alone,
+    as it may compile), every output == eager, no call of a copy counted as another model's; the
+    report names each device. Warmup Shapes warms every copy there when it runs, on its own device:
+    no warmed copy compiles anything while sampling (0 recompiles). (Before: only the first copy
+    was accelerated, the other ran its own code, reported as "a separate copy of the model"; with
+    both accelerated and no turns, a copy's call while the other compiled failed: torch's FX tracing
+    flag is process-wide; Warmup Shapes warmed the first copy only; a no_grad call's inputs, normal
+    tensors where warmup had inference tensors, compiled the regions again.)"""
     base, want, (conds, x, t) = _two_devices(comfy, make_comfy_model, multigpu)
     if order == "compile_then_multigpu":
         cm, _ = patcher.compile_model(base, CFG)
@@ -61,10 +64,12 @@ def test_every_devices_copy_runs_its_own_compiled_regions(comfy, make_comfy_mode
         patcher.warmup_model(cm, "1x64x64", 77)
         model = cm
     accel = patcher.accelerator_of(model)
-    before = accel.stats.copy()
-    for _ in range(2):
+    warmed = [a for a in _per_device(accel) if a.warmed]
+    assert [a.device_name for a in warmed] == (["cpu:0"] if order == "compile_then_multigpu" else ["cpu:0", "cpu:1"])
+    before = {id(a): a.stats.copy() for a in warmed}
+    for grad_mode in (torch.no_grad, torch.inference_mode):   # (ComfyUI's pool: no_grad; a pack's: either)
         with torch.inference_mode():                       # (ComfyUI's executor runs prompts so)
-            steps = multigpu.sample(model, conds, x, t, steps=2)
+            steps = multigpu.sample(model, conds, x, t, steps=2, grad_mode=grad_mode)
         for outputs in steps:
             for got, w in zip(outputs, want, strict=True):
                 _close(got, w)
@@ -73,9 +78,13 @@ def test_every_devices_copy_runs_its_own_compiled_regions(comfy, make_comfy_mode
     assert [a.device_name for a in devices] == ["cpu:0", "cpu:1"], text
     for a in devices:
         ran, total = a.ran_compiled()
-        calls = a.stats["calls"] - (before["calls"] if a is accel else 0)
+        was = before.get(id(a), {})
+        calls = a.stats["calls"] - was.get("calls", 0)
         assert ran == total > 0 and calls == 4 and not a.failed, (a.device_name, a.text())
-    assert accel.stats["eager_calls"] == before["eager_calls"] and accel.stats["calls_not_ours"] == 0, text
+        if id(a) in before:       # warmed by Warmup Shapes on its own device: sampling compiles nothing
+            assert a.stats["graphs_compiled"] == was["graphs_compiled"], (a.device_name, a.text())
+            assert a.stats["recompiles_after_warmup"] == 0, (a.device_name, a.text())
+    assert accel.stats["eager_calls"] == before[id(accel)]["eager_calls"] and accel.stats["calls_not_ours"] == 0, text
     assert "separate copy" not in text, text
     assert f"cpu:0: compiled {total}/{total}" in text and f"cpu:1: compiled {total}/{total}" in text, text
     print("\n" + text.splitlines()[-1])
