@@ -363,13 +363,14 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
 
 
 def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) -> None:
-    """Warmup Shapes on each multi-GPU copy ComfyUI holds of ``model`` now: the copy's own calls at
-    the same shapes, its device current (its graphs and kernels take that device's streams), each
+    """Warmup Shapes on each multi-GPU copy ComfyUI holds of ``model`` now, matched to ``model`` as
+    sampling matches them: the copy's own calls at the same shapes, its device current (its graphs and kernels take that device's streams), each
     compared against the copy's own code as the model's are. A copy made later, or any copy under a
     background warmup, compiles at its first call of each shape (alone: ``DeviceCopies.turn``)."""
-    copies = [c for c in _existing_copies(model) if c.model is not None]
-    if not copies:
+    if not _existing_copies(model):
         return
+    model.match_multigpu_clones()     # (as sampling does first: each copy's patcher carries this one's wrappers)
+    copies = [c for c in _existing_copies(model) if c.model is not None]
     if background:
         accel.report.notes.append("the multi-GPU copies on other devices compile at their first call of each "
                                   "shape: a background warmup warms this device's model only")

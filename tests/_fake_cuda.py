@@ -320,6 +320,8 @@ def fake_cuda(monkeypatch, total: int = 24 << 30, free: int = 20 << 30, allocato
     """torch.cuda's names that compiler/graphs.py calls, faked for the block (``monkeypatch`` undoes it);
     ``allocator``: what ``torch.cuda.memory.get_allocator_backend()`` answers (and, for
     cudaMallocAsync, triton's pointer check inside a capture on the interpreter's launches)."""
+    from torch._inductor.codecache import CacheBase
+    CacheBase.get_system()    # (cached: inductor's key of this machine, before its CUDA queries meet the fake)
     fake = FakeCUDA(total, free, allocator)
     for name in ("Stream", "current_stream", "stream", "current_device", "set_device", "device", "synchronize",
                  "is_current_stream_capturing", "graph_pool_handle", "get_device_properties", "mem_get_info",

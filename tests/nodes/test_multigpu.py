@@ -88,3 +88,71 @@ def test_every_devices_copy_runs_its_own_compiled_regions(comfy, make_comfy_mode
     assert "separate copy" not in text, text
     assert f"cpu:0: compiled {total}/{total}" in text and f"cpu:1: compiled {total}/{total}" in text, text
     print("\n" + text.splitlines()[-1])
+
+
+def test_each_devices_graphs_are_its_own_and_unloading_one_copy_keeps_the_others(comfy, make_comfy_model,
+                                                                                  multigpu, monkeypatch):
+    """CUDA graphs on two devices (the production ``CudaGraphs`` over tests/_fake_cuda.py, whose
+    current device, streams and captures are each thread's own; the region bodies uncompiled): each
+    device's accelerator captures and replays only with its own device current (a copy's warmup on
+    the prompt thread too), the two pool threads capture and replay at once, outputs == eager. Then
+    ComfyUI unloads the second device's copy (its patcher's ON_DETACH): that copy's graphs are freed,
+    the first device's stay and the next prompt replays them. (Before: every copy's patcher carried
+    callbacks pointing at the first accelerator, so unloading a copy freed the first GPU's graphs.)"""
+    from unet_compiler.compiler import graphs as G  # noqa: N812
+    from unet_compiler.compiler import regions as R  # noqa: N812
+    from unet_compiler.compiler.graphs import RegionGraphs
+    from unet_compiler.tests._fake_cuda import fake_cuda
+
+    class OnDevice(G.CudaGraphs):
+        """The production graphs of the accelerator serving device ``index``: its inputs are on that
+        device (CPU tensors stand for them), usable only while it is the thread's current device."""
+
+        def __init__(self, index: int):
+            super().__init__()
+            self.index, self.refused = index, 0
+
+        def usable(self, tensors):
+            if torch.cuda.current_device() != self.index:
+                self.refused += 1
+                return "inputs not on the current CUDA device"
+            return None
+
+    base, want, (conds, x, t) = _two_devices(comfy, make_comfy_model, multigpu)
+    with fake_cuda(monkeypatch) as cuda:
+        monkeypatch.setattr(G, "_SIDE_STREAMS", {})
+        # (the stand-in's devices are cpu:0 / cpu:1: made current as CUDA's would be)
+        monkeypatch.setattr(patcher, "current_device", lambda device: torch.cuda.device(device.index))
+        cm, _ = patcher.compile_model(multigpu.create_multigpu_deepclones(base),
+                                      CompileConfig(backend="inductor", prepack_conv=False, prepack_linear=False))
+        accel = patcher.accelerator_of(cm)
+        devices = _per_device(accel)
+        for i, a in enumerate(devices):
+            a.graphs = RegionGraphs(graphs=OnDevice(i))
+            a._install(R.BODIES)
+        patcher.warmup_model(cm, "1x64x64, 1x128x128", 77)   # (a range: the bodies stay uncompiled)
+        captured = [a.graphs.stats["captured"] for a in devices]
+        replayed = [a.graphs.stats["replays"] for a in devices]
+        assert all(n == 2 * len(a._shims) > 0 for a, n in zip(devices, captured, strict=True)), \
+            [(a.device_name, dict(a.graphs.stats), dict(a.graphs.skipped)) for a in devices]
+        for _ in range(2):
+            with torch.inference_mode():
+                steps = multigpu.sample(cm, conds, x, t, steps=2)
+            for outputs in steps:
+                for got, w in zip(outputs, want, strict=True):
+                    _close(got, w)
+        for a, n, r in zip(devices, captured, replayed, strict=True):   # 4 calls, every region replayed
+            assert a.graphs.stats["captured"] == n and a.graphs.stats["replays"] - r == 4 * len(a._shims), \
+                (a.device_name, dict(a.graphs.stats), dict(a.graphs.skipped))
+            assert a.graphs.graphs.refused == 0 and a.graphs.off is None, (a.device_name, a.graphs.skipped)
+        main, copy = devices
+        held = main.graphs.bytes
+        copy_patcher = cm.get_additional_models_with_key("multigpu")[0]
+        copy_patcher.detach(unpatch_all=True)                      # ComfyUI unloads the second GPU's copy
+        assert copy.graphs.bytes == 0 and copy.graphs.released == "ComfyUI unloaded the model", copy.text()
+        assert main.graphs.bytes == held > 0 and main.graphs.released is None, main.text()
+        replays = main.graphs.stats["replays"]
+        with torch.inference_mode():
+            _close(multigpu.sample(cm, conds[:1], x, t, steps=1)[0][0], want[0])
+        assert main.graphs.stats["captured"] == captured[0] and main.graphs.stats["replays"] > replays, main.text()
+        assert cuda.aborted is None
