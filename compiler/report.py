@@ -225,10 +225,13 @@ def accelerator_text(accel) -> str:
 
 
 def device_summary(accel) -> str:
-    """One device's copy in a word: its regions that ran compiled code, what fell back, recompiles."""
+    """One device's copy in a word: its regions that ran compiled code, the graphs it compiled (each
+    device compiles its own), its calls, what fell back, recompiles."""
     ran, total = accel.ran_compiled()
     failed = f", {len(accel.failed)} kind(s) on the model's own code" if accel.failed else ""
-    return (f"{accel.device_name}: compiled {ran}/{total}, {accel.stats.get('calls', 0)} call(s){failed}, "
+    graphs = accel.stats.get("graphs_compiled", 0)
+    made = f" ({graphs} graph(s) in {accel.stats.get('compile_seconds', 0.0):.1f} s)" if graphs else ""
+    return (f"{accel.device_name}: compiled {ran}/{total}{made}, {accel.stats.get('calls', 0)} call(s){failed}, "
             f"{accel.stats.get('recompiles_after_warmup', 0)} recompile(s) after warmup")
 
 
