@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .. import settings
+from ..reasons import error_summary
 from ..lifecycle import variants
 from . import cpu_isa, megacache, torch_dirs
 from . import files
@@ -268,7 +269,7 @@ class CompileCache:
         try:
             got = torch.compiler.save_cache_artifacts()
         except Exception as e:
-            self.problem = f"torch could not serialize its caches ({type(e).__name__}: {e})"
+            self.problem = f"torch could not serialize its caches ({error_summary(e)})"
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
         compiled = variants.VARIANTS.serialized()
@@ -339,9 +340,9 @@ class CompileCache:
                 # a save replaced the .json and removed the .bin it named between our two reads:
                 # the new .json names a .bin that is whole (written before it)
                 if attempt == 4 or not meta_path.is_file():
-                    return None, f"unreadable ({type(e).__name__}: {e})"
+                    return None, f"unreadable ({error_summary(e)})"
             except (OSError, ValueError) as e:
-                return None, f"unreadable ({type(e).__name__}: {e})"
+                return None, f"unreadable ({error_summary(e)})"
         why = self._mismatch(meta, data)
         if not why:
             self._meta = meta   # (the .json the pack wrote for these bytes)

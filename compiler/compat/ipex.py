@@ -14,7 +14,7 @@ from importlib import metadata
 
 import torch
 
-from ..reasons import Reason
+from ..reasons import Reason, error_summary
 
 log = logging.getLogger(__name__)
 
@@ -71,5 +71,5 @@ def load():
         import intel_extension_for_pytorch as ipex
     except BaseException as e:  # SystemExit from its own version check included
         log.warning("UNet Compiler: importing IPEX %s failed", v, exc_info=True)
-        return None, Reason(f"IPEX {v} is installed but failed to import ({type(e).__name__}: {e})")
+        return None, Reason(f"IPEX {v} is installed but failed to import ({error_summary(e)})")
     return ipex, None
