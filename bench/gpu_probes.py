@@ -38,28 +38,28 @@ def choice() -> None:
     """Per kernel at SD1.5 / SDXL shapes: what the backend would keep by wall time (no graphs; three
     one-shot trials, to see whether one trial is stable) and by device time (graphs), host µs per call."""
     from ..compiler.backends._kernel_choice import _measure_ms
-    from ..kernels import attention as KA, epilogue as KE, geglu as KG, groupnorm as KN  # noqa: N812
+    from ..kernels import attention, epilogue, geglu, groupnorm
     r = lambda *s: torch.randn(*s, device="cuda", dtype=BF)   # noqa: E731
     cases = []
     for tag, c, side in (("sd15 L0", 320, 64), ("sd15 L3", 1280, 8), ("sdxl L0", 320, 128), ("sdxl L2", 1280, 32)):
         x, w, b = r(2, c, side, side), r(c), r(c)
         cases.append((f"groupnorm_silu {tag} 2x{c}x{side}x{side}",
-                      lambda x=x, w=w, b=b: KN.groupnorm(x, 32, w, b, 1e-5, silu=True),
+                      lambda x=x, w=w, b=b: groupnorm.groupnorm(x, 32, w, b, 1e-5, silu=True),
                       lambda x=x, w=w, b=b: F.silu(F.group_norm(x, 32, w, b, 1e-5))))
     for tag, n, d2 in (("sd15 L0", 4096, 2560), ("sdxl L2", 1024, 10240)):
         h = r(2, n, d2)
-        cases.append((f"geglu {tag} 2x{n}x{d2}", lambda h=h: KG.geglu(h),
+        cases.append((f"geglu {tag} 2x{n}x{d2}", lambda h=h: geglu.geglu(h),
                       lambda h=h: (lambda a, g: a * F.gelu(g))(*h.chunk(2, dim=-1))))
     for tag, heads, n, m, d in (("sd15 L0 self", 8, 4096, 4096, 40), ("sd15 L0 cross", 8, 4096, 77, 40),
                                 ("sdxl L1 self", 10, 4096, 4096, 64), ("sdxl L2 self", 20, 1024, 1024, 64)):
         q, k, v = (r(2, t, heads * d).view(2, t, heads, d).transpose(1, 2) for t in (n, m, m))
-        cases.append((f"attention {tag} d{d}", lambda q=q, k=k, v=v: KA.attention(q, k, v),
+        cases.append((f"attention {tag} d{d}", lambda q=q, k=k, v=v: attention.attention(q, k, v),
                       lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)))
     hh, wt, bias, res = r(2, 320, 64, 64), r(320, 320, 3, 3) * 0.05, r(320), r(2, 320, 64, 64)
 
     def conv_kernel():   # the backend's path: conv without bias, then bias + residual in one pass
         y = F.conv2d(hh, wt, None, 1, 1)
-        return KE.bias_residual(y, bias, res, dim=1, out=y)
+        return epilogue.bias_residual(y, bias, res, dim=1, out=y)
     cases.append(("bias_residual sd15 L0 (with its conv)", conv_kernel, lambda: F.conv2d(hh, wt, bias, 1, 1) + res))
     with torch.inference_mode():
         for name, kern, ref in cases:
@@ -99,11 +99,11 @@ def _cu_pointer_status(t: torch.Tensor) -> int:
 def _launch_stage(name: str) -> dict:
     """pointer / launch / jit: memory a capture allocates, and the pack's groupnorm launched on it."""
     from ..kernels import _common
-    from ..kernels import groupnorm as KN  # noqa: N812
+    from ..kernels import groupnorm
     x, w, b = (torch.randn(*s, device="cuda", dtype=BF) for s in ((2, 320, 32, 32), (320,), (320,)))
     ref = lambda: F.silu(F.group_norm(x.float(), 32, w.float(), b.float(), 1e-5)).to(BF)   # noqa: E731
     with torch.inference_mode():
-        KN.groupnorm(x, 32, w, b, 1e-5, silu=True)   # planned and bound outside the capture
+        groupnorm.groupnorm(x, 32, w, b, 1e-5, silu=True)   # planned and bound outside the capture
         torch.cuda.synchronize()
         g, s = torch.cuda.CUDAGraph(), torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -115,7 +115,7 @@ def _launch_stage(name: str) -> dict:
             h = torch.empty_like(x)
             if name == "pointer":
                 res["cu_pointer_status_inside"] = _cu_pointer_status(h)
-            y = KN.groupnorm(x, 32, w, b, 1e-5, silu=True) if name != "pointer" else h
+            y = groupnorm.groupnorm(x, 32, w, b, 1e-5, silu=True) if name != "pointer" else h
         torch.cuda.synchronize()
         if name == "pointer":
             res["cu_pointer_status_outside"] = _cu_pointer_status(x)

@@ -279,15 +279,15 @@ def step_rows(size: str, iters: int) -> list[dict]:
 
 def _kernel_cases(device: str = "cpu") -> list[tuple]:
     """(name, call) per kernel, SD1.5 512² shapes, bf16, on ``device``'s tensors."""
-    from ..kernels import attention as KA, epilogue as KE, geglu as KG, groupnorm as KN  # noqa: N812
+    from ..kernels import attention, epilogue, geglu, groupnorm
     m = dict(device=device, dtype=torch.bfloat16)
     x, w = torch.empty(2, 320, 64, 64, **m), torch.empty(320, **m)
     h = torch.empty(2, 4096, 2560, **m)
     q = torch.empty(2, 4096, 320, **m).view(2, 4096, 8, 40).transpose(1, 2)
-    return [("groupnorm_silu 2x320x64x64", lambda: KN.groupnorm(x, 32, w, w, 1e-5, silu=True)),
-            ("geglu 2x4096x2560", lambda: KG.geglu(h)),
-            ("attention 2x8x4096x4096 d40", lambda: KA.attention(q, q, q)),
-            ("bias_residual 2x320x64x64", lambda: KE.bias_residual(x, w, x, dim=1))]
+    return [("groupnorm_silu 2x320x64x64", lambda: groupnorm.groupnorm(x, 32, w, w, 1e-5, silu=True)),
+            ("geglu 2x4096x2560", lambda: geglu.geglu(h)),
+            ("attention 2x8x4096x4096 d40", lambda: attention.attention(q, q, q)),
+            ("bias_residual 2x320x64x64", lambda: epilogue.bias_residual(x, w, x, dim=1))]
 
 
 def _per_call_us(fn, iters: int, n: int = 200) -> float:

@@ -25,7 +25,7 @@ import torch
 from . import cast, settings, shims, weights
 from .lifecycle import background, variants
 from .lifecycle.ledger import Ledger
-from . import plan as P
+from .plan import build_plan
 from .backends import choose, graphs_for
 from .cache import CompileCache
 from .call_graph import CallGraphs
@@ -73,7 +73,7 @@ class Accelerator:
                 p.requires_grad_(False)
         self.config = config or CompileConfig()
         #: the regions (``plan``: the caller's ``build_plan(unet)`` of this model as it stands, if it made one)
-        self.plan = plan if plan is not None else P.build_plan(unet)
+        self.plan = plan if plan is not None else build_plan(unet)
         #: modules another pack inserts into the planned model later (named in the report)
         self.inserted = Inserted(unet, self.plan)
         self.stats: Counter = Counter()

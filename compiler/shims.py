@@ -12,19 +12,19 @@ import inspect
 import torch
 
 from . import cast
-from . import plan as P
+from .plan import ATTENTION, DOUBLE_BLOCK, JOINT_BLOCK, LUMINA_BLOCK, QWEN_IMAGE_BLOCK, SINGLE_BLOCK, WAN_BLOCK
 from .compat import comfy as comfy_compat
 from .reasons import Reason
 
 #: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
-DIT_INPUTS = {P.DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), P.SINGLE_BLOCK: ("x", "vec", "pe"),
-              P.QWEN_IMAGE_BLOCK: ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb"),
-              P.WAN_BLOCK: ("x", "e", "freqs", "context"),
-              P.JOINT_BLOCK: ("context", "x", "c"),
-              P.LUMINA_BLOCK: ("x", "freqs_cis", "adaln_input")}
+DIT_INPUTS = {DOUBLE_BLOCK: ("img", "txt", "vec", "pe"), SINGLE_BLOCK: ("x", "vec", "pe"),
+              QWEN_IMAGE_BLOCK: ("hidden_states", "encoder_hidden_states", "temb", "image_rotary_emb"),
+              WAN_BLOCK: ("x", "e", "freqs", "context"),
+              JOINT_BLOCK: ("context", "x", "c"),
+              LUMINA_BLOCK: ("x", "freqs_cis", "adaln_input")}
 #: arguments a block takes that its computation does not read (Qwen-Image's attention ignores the
 #: text mask ComfyUI hands the block): any value is served
-DIT_UNREAD = {P.QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",), P.JOINT_BLOCK: ("use_checkpoint",)}
+DIT_UNREAD = {QWEN_IMAGE_BLOCK: ("encoder_hidden_states_mask",), JOINT_BLOCK: ("use_checkpoint",)}
 
 
 #: the largest max |compiled - eager| warmup's compare accepts, as a fraction of max(1, max |eager|), by
@@ -212,7 +212,7 @@ def make_shim(region, impl, run, gate: Gate):
     original = getattr(type(module), region.hook)
     failed = gate.failed
 
-    if kind == P.ATTENTION and region.family == "comfy":
+    if kind == ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
                     or (casts := gate.casts(kind, leaves, watched, (x,))) is None):
@@ -223,7 +223,7 @@ def make_shim(region, impl, run, gate: Gate):
         return shim
     if kind in DIT_INPUTS:
         return _dit_shim(module, kind, original, leaves, watched, impl, run, gate)
-    if kind == P.ATTENTION:
+    if kind == ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
             if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
                 return gate.eager(original, module, hidden_states, encoder_hidden_states, attention_mask, **kw)
@@ -293,11 +293,11 @@ def _dit_inputs(kind, module, given) -> tuple | None:
     from it), or None when the body does not serve this call."""
     names = DIT_INPUTS[kind]
     inputs = tuple(given.pop(n, None) for n in names)
-    if kind == P.WAN_BLOCK:
+    if kind == WAN_BLOCK:
         return _wan_inputs(module, given, *inputs)
-    if kind == P.JOINT_BLOCK:
+    if kind == JOINT_BLOCK:
         return inputs if all(isinstance(t, torch.Tensor) for t in inputs) else None
-    if kind == P.LUMINA_BLOCK:       # no mask (a padded prompt's, in the context refiner: its own code)
+    if kind == LUMINA_BLOCK:       # no mask (a padded prompt's, in the context refiner: its own code)
         x, freqs, adaln = inputs
         ok = (given.pop("x_mask", None) is None and isinstance(x, torch.Tensor) and isinstance(freqs, torch.Tensor)
               and (adaln is None) == (not module.modulation) and (adaln is None or isinstance(adaln, torch.Tensor)))
@@ -334,12 +334,12 @@ def _handed(kind, vec) -> tuple | None:
     def parts(m):
         out = tuple(getattr(m, a, None) for a in ("shift", "scale", "gate"))
         return out if all(isinstance(t, torch.Tensor) for t in out) else None
-    if kind not in (P.DOUBLE_BLOCK, P.SINGLE_BLOCK):
+    if kind not in (DOUBLE_BLOCK, SINGLE_BLOCK):
         return None
     try:
-        mods = [parts(vec)] if kind == P.SINGLE_BLOCK else [parts(m) for pair in vec for m in pair]
+        mods = [parts(vec)] if kind == SINGLE_BLOCK else [parts(m) for pair in vec for m in pair]
     except TypeError:
         return None
-    if (kind == P.DOUBLE_BLOCK and len(mods) != 4) or any(m is None for m in mods):
+    if (kind == DOUBLE_BLOCK and len(mods) != 4) or any(m is None for m in mods):
         return None
     return tuple(t for m in mods for t in m)

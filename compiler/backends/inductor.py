@@ -18,7 +18,7 @@ import torch
 
 from .. import settings
 from ..lifecycle import precompiled, variants
-from .. import regions as R
+from .. import regions
 from ..compat.torch_version import torch_too_old
 from ..plan import PROJECTION
 from ..reasons import Reason
@@ -121,7 +121,7 @@ class InductorBackend(Backend):
     def impls(self, config) -> dict:
         prepack = config.prepack_conv
         lin = config.prepack_linear
-        out = {key: region_body(body, config.dynamic_shapes, prepack, lin) for key, body in R.BODIES.items()}
+        out = {key: region_body(body, config.dynamic_shapes, prepack, lin) for key, body in regions.BODIES.items()}
         self._bodies = [b for b in out.values() if isinstance(b, precompiled.Precompiled)]
         # the custom ops the passes put into graphs are registered when their modules load: a variant
         # loaded from the compile cache calls them with no compile (which imports them) in this process

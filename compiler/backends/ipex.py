@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from .. import regions as R
+from .. import regions
 from .. import weights
 from ..compat import ipex as ipex_compat
 from ..plan import PROJECTION
@@ -112,7 +112,7 @@ class IpexBackend(Backend):
                 return body(self.shadow(module, ipex), *args)
             return run
 
-        out = {key: wrap(body) for key, body in R.BODIES.items()}
+        out = {key: wrap(body) for key, body in regions.BODIES.items()}
         out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = wrap(lambda conv, x: conv(x))
         return out
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import cast
-from .. import regions as R
+from .. import regions
 from ..compat import comfy as comfy_compat
 from ..compat import triton as triton_compat
 from ..reasons import Reason
@@ -151,7 +151,7 @@ class TritonBackend(Backend):
         # where graphs replay, a call pays device time only; otherwise it pays its launches too
         self.ops = ops = TritonOps("device" if self.graphs_replay else "wall")
         ops.in_captures = self.kernels_in_captures
-        own = R.BODIES
+        own = regions.BODIES
 
         def guarded(key, body):
             def run(module, *args):
@@ -163,7 +163,7 @@ class TritonBackend(Backend):
                     log.debug("triton region fallback: %s", e)
                     return own[key](module, *args)
             return run
-        return {key: guarded(key, body) for key, body in R.bodies(ops).items()}
+        return {key: guarded(key, body) for key, body in regions.bodies(ops).items()}
 
     def status_lines(self) -> list[str]:
         b = self.ops
