@@ -101,7 +101,7 @@ class CudaGraphs:
     def reserved(self, device) -> int | None:
         """Bytes torch's allocator holds on ``device`` (a capture's growth of it is its pool's); None
         under cudaMallocAsync, where a capture takes graph memory torch does not count there and reuses
-        blocks the allocator already held (on an H100 its growth read 0 for 2.9 GiB of outputs)."""
+        blocks the allocator already held (its growth can read 0 for GiBs of outputs: docs/gpu.md)."""
         if torch.cuda.memory.get_allocator_backend() == "cudaMallocAsync":
             return None
         return torch.cuda.memory_reserved(device)

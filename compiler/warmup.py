@@ -92,8 +92,8 @@ def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
 def primed_probes(accel: Accelerator) -> set:
     """Probe shapes an earlier warmup ran into this model's compile cache entry (this process or
     one before it): the variants they made are in the entry, so a restart runs only the listed
-    shapes (each probe costs a forward and a repack of every conv weight for its size: 8.7 s of the
-    range row's 16.8 s restart). Only for precompiled regions, whose variants are what a probe
+    shapes (each probe costs a forward and a repack of every conv weight for its size: about half
+    a range's restart, docs/starts.md). Only for precompiled regions, whose variants are what a probe
     makes; the Triton backend's kernel variants and plain dynamo graphs are not in the entry."""
     cache = getattr(accel, "cache", None)
     if cache is None or accel.backend.name != "inductor" or not variants.enabled():

@@ -111,7 +111,7 @@ class Precompiled:
         """The body's own code, for a call no variant serves yet: on CPU with the options' prepacked
         convs (``passes.prepack_conv.PackedConvs``), the packed copies compiled code uses too. Not
         while a warmup records for the thread: a copy is packed for one input size, and a range's
-        probe sizes would each re-pack every weight (~1.3 s for SD1.5) that sampling packs again."""
+        probe sizes would each re-pack every weight that sampling packs again (docs/internals.md)."""
         if self.options and self.options[0] and not background.BACKGROUND.recording and \
                 any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
             from ..passes import prepack_conv

@@ -75,7 +75,7 @@ def fx_config():
 def _api_present() -> bool:
     """What precompiling calls: ``torch.compile(fn).aot_compile`` and ``torch.compiler.
     load_compiled_function``. torch 2.11 has ``torch._dynamo.aot_compile`` but no ``aot_compile`` on a
-    compiled function (an H100 run: every region fell back, one log line each)."""
+    compiled function: there every region would fall back."""
     try:
         from torch._dynamo import aot_compile  # noqa: F401 - torch >= 2.10
         return hasattr(torch.compiler, "load_compiled_function") and \
