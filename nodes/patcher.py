@@ -364,26 +364,35 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
 
 def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) -> None:
     """Warmup Shapes on each multi-GPU copy ComfyUI holds of ``model`` now, matched to ``model`` as
-    sampling matches them: the copy's own calls at the same shapes, its device current (its graphs and kernels take that device's streams), each
-    compared against the copy's own code as the model's are. A copy made later, or any copy under a
-    background warmup, compiles at its first call of each shape (alone: ``DeviceCopies.turn``)."""
+    sampling matches them: the copy's own calls at the same shapes with its device current (its
+    graphs and kernels take that device's streams), compared against the copy's own code as the
+    model's are. A copy made later, or any copy under a background warmup, compiles at its first
+    call of each shape (alone: ``DeviceCopies.turn``). A copy whose warmup fails is said in the
+    report and compiles at its first step instead; the others and the prompt go on (a cancel or out
+    of memory propagates, as from the model's own warmup)."""
     if not _existing_copies(model):
         return
-    model.match_multigpu_clones()     # (as sampling does first: each copy's patcher carries this one's wrappers)
-    copies = [c for c in _existing_copies(model) if c.model is not None]
     if background:
         accel.report.notes.append("the multi-GPU copies on other devices compile at their first call of each "
                                   "shape: a background warmup warms this device's model only")
         return
-    for copy in copies:
+    model.match_multigpu_clones()     # (as sampling does first: each copy's patcher carries this one's wrappers)
+    for copy in [c for c in _existing_copies(model) if c.model is not None]:
         here = accel.copies.adopt(copy)
         if here is None or here is accel:
             continue
-        job = warmup.prepare(copy, here, shapes, context_tokens)
-        if job.call is None:
-            continue
-        with current_device(copy.load_device):
-            warmup_runs(here, job.shapes, job.call)
+        try:
+            job = warmup.prepare(copy, here, shapes, context_tokens)
+            if job.call is not None:
+                with current_device(copy.load_device):
+                    warmup_runs(here, job.shapes, job.call)
+        except Exception as e:
+            if is_interrupt(e):
+                raise
+            note = (f"warmup of the copy on {copy.load_device} stopped ({error_summary(e)})"[:300]
+                    + ": it compiles at its first step instead")
+            log.warning("UNet Compiler: %s", note, exc_info=True)
+            accel.report.notes.append(note)
 
 
 def current_device(device: torch.device):

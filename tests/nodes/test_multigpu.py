@@ -156,3 +156,32 @@ def test_each_devices_graphs_are_its_own_and_unloading_one_copy_keeps_the_others
             _close(multigpu.sample(cm, conds[:1], x, t, steps=1)[0][0], want[0])
         assert main.graphs.stats["captured"] == captured[0] and main.graphs.stats["replays"] > replays, main.text()
         assert cuda.aborted is None
+
+
+def test_a_copy_whose_warmup_fails_is_named_and_the_prompt_goes_on(comfy, make_comfy_model, multigpu, monkeypatch):
+    """Warmup Shapes on a model with a copy on a second device whose warmup raises (a failure of that
+    card's; out of memory propagates, as from any warmup): the report names the device and the error
+    and says the copy compiles at its first step; the model's own warmup and status stand, and
+    sampling still runs both copies == eager."""
+    from unet_compiler.compiler import regions
+
+    base, want, (conds, x, t) = _two_devices(comfy, make_comfy_model, multigpu)
+    cm, _ = patcher.compile_model(multigpu.create_multigpu_deepclones(base),
+                                  CompileConfig(backend="inductor", prepack_conv=False, prepack_linear=False))
+    accel = patcher.accelerator_of(cm)
+    for a in _per_device(accel):
+        a._install(regions.BODIES)                  # (the regions' own bodies: nothing to compile here)
+    prepare = nodes_warmup.prepare
+
+    def failing(model, here, *a):
+        if here is not accel:
+            raise RuntimeError("CUDA error: unspecified launch failure")
+        return prepare(model, here, *a)
+    monkeypatch.setattr(nodes_warmup, "prepare", failing)
+    text = patcher.warmup_model(cm, "1x64x64, 1x128x128", 77)
+    assert "warmup of the copy on cpu:1 stopped (RuntimeError: CUDA error: unspecified launch failure)" in text, text
+    assert "it compiles at its first step instead" in text and "status: inductor: compiled" in text, text
+    with torch.inference_mode():
+        for outputs in multigpu.sample(cm, conds, x, t, steps=1):
+            for got, w in zip(outputs, want, strict=True):
+                _close(got, w)
