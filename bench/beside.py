@@ -42,10 +42,10 @@ def _calibrate(host_ms: float) -> int:
 
 def _loop(n: int, gpu_ms: float, seconds: float | None, until=None) -> float:
     """Steps a second of the sampling stand-in, for ``seconds`` or until ``until()`` is False."""
-    from ..compiler.lifecycle import background as B
+    from ..compiler.lifecycle import pacing
     steps, t0 = 0, time.perf_counter()
     while (time.perf_counter() - t0 < seconds) if seconds is not None else until():
-        with B.ACTIVITY.call():
+        with pacing.ACTIVITY.call():
             _python_ms(n)
         if gpu_ms:
             time.sleep(gpu_ms / 1e3)
@@ -58,11 +58,11 @@ def row(share: float, host_ms: float, gpu_ms: float) -> dict:
     import torch
 
     from ..compiler import api
-    from ..compiler.lifecycle import background as B
+    from ..compiler.lifecycle import pacing, worker
     from .run import _unet
     from ..compiler.lifecycle import variants as V
-    B.BESIDE_SHARE = share
-    B.paces = lambda device_type: True    # this CPU compile stands in for a GPU model's
+    pacing.BESIDE_SHARE = share
+    pacing.paces = lambda device_type: True    # this CPU compile stands in for a GPU model's
     # a compile on a GPU is Python: tracing, lowering and code generation in the thread, Triton's own
     # compiles in worker processes. On a CPU inductor's C++ compiles would leave the thread waiting
     # on g++ most of the time, so they are made once first (kept in the on-disk code cache) and the
@@ -81,7 +81,7 @@ def row(share: float, host_ms: float, gpu_ms: float) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         api.warmup(unet, "2x64x64", context_tokens=77, background=True)
-    beside = _loop(n, gpu_ms, None, until=lambda: B.BACKGROUND.active)
+    beside = _loop(n, gpu_ms, None, until=lambda: worker.BACKGROUND.active)
     wall = time.perf_counter() - t0
     owner = api.accelerator_of(unet).background.owner
     return dict(share=share, host_ms=host_ms, gpu_ms=gpu_ms, steps_alone=alone, steps_beside=beside,

@@ -135,5 +135,5 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
 def wait_for_background(timeout: float | None = None) -> bool:
     """Wait until the background compile (``warmup(..., background=True)``) has nothing left to do;
     returns whether it finished within ``timeout`` seconds."""
-    from .lifecycle.background import BACKGROUND
+    from .lifecycle.worker import BACKGROUND
     return BACKGROUND.wait(timeout)

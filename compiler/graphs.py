@@ -32,7 +32,7 @@ import torch
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .lifecycle import background
+from .lifecycle import worker
 from .compat.comfy import is_interrupt, is_oom, reserve_vram
 from .reasons import error_summary
 
@@ -430,7 +430,7 @@ class RegionGraphs:
             self.stats["replays"] += 1
             return entry.served(self.copies)
         why = reg.refused.get(key)
-        if why is None and background.BACKGROUND.active:
+        if why is None and worker.BACKGROUND.active:
             why = "a background compile was running"
         if why is not None:
             self.skipped[why] += 1

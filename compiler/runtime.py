@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 
 from . import cast, settings, shims, weights
-from .lifecycle import background, variants
+from .lifecycle import background, pacing, variants, worker
 from .lifecycle.ledger import Ledger
 from .plan import build_plan
 from .backends import choose, graphs_for
@@ -129,7 +129,7 @@ class Accelerator:
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
         self.ledger = Ledger(self.stats, self.recompiles, self.cache, self.backend.compile_count)
-        if self.cache is not None and self.cache.load() and not background.waits_for_idle(self.device_type):
+        if self.cache is not None and self.cache.load() and not pacing.waits_for_idle(self.device_type):
             # deserialize its variants beside what runs next (warmup's eager reference forward); a CPU
             # model's load when nothing samples (background mode) or at each key's first call
             variants.VARIANTS.preload(functools.partial(_call_modes, self.device_type, self._autocast))
@@ -368,7 +368,7 @@ class Accelerator:
         """One UNet call through the regions. ``shape``: the call's label (``BxWxH`` px), named if it
         compiles after warmup."""
         self.regions_ran_last.clear()
-        with background.ACTIVITY.call():
+        with pacing.ACTIVITY.call():
             if not self.gate.through_regions(bool(self._shims)):
                 self.stats["eager_calls"] += 1
                 yield
@@ -387,7 +387,7 @@ class Accelerator:
             for cm in self.backend.dynamo_config(self.config):
                 stack.enter_context(cm)
             if self.background is not None:
-                stack.enter_context(background.queueing(self.background.owner))
+                stack.enter_context(worker.queueing(self.background.owner))
             if self._autocast is not None:
                 # the load device's autocast: under Dynamic VRAM the parameters stay on the CPU
                 dev = self.device_type

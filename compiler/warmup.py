@@ -169,7 +169,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     the accelerator warmed (later compiles are counted as recompiles).
 
     ``background``: the runs only record what to compile and run the model's own code; a daemon
-    thread compiles it (``background.BACKGROUND``) while sampling goes on with the model's own code
+    thread compiles it (``worker.BACKGROUND``) while sampling goes on with the model's own code
     in every region not ready yet. Where that is impossible a note says why and warmup compiles first.
     One listed shape (``one_shape``) compiles exactly that shape."""
     rep = accel.report

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from ..compiler.lifecycle import background
+from ..compiler.lifecycle import pacing
 from ..compiler.reasons import runtime_fallback
 from ..compiler.report import compile_facts, compiled_and_loaded, status_line, warmup_facts
 from ..compiler.warmup import warmup_probes
@@ -52,7 +52,7 @@ def send(event: str, data: dict) -> None:
 
 def prompts_pending() -> bool:
     """Whether ComfyUI's queue has a prompt queued or running (False without a server): a CPU
-    model's background compile waits while it has (``background.ACTIVITY``)."""
+    model's background compile waits while it has (``pacing.ACTIVITY``)."""
     queue = getattr(_server(), "prompt_queue", None)
     remaining = getattr(queue, "get_tasks_remaining", None)
     return bool(remaining()) if remaining is not None else False
@@ -60,8 +60,8 @@ def prompts_pending() -> bool:
 
 def watch_the_queue() -> None:
     """Tell the background compile when ComfyUI's queue is busy (once per process)."""
-    if prompts_pending not in background.ACTIVITY.signals:
-        background.ACTIVITY.signals.append(prompts_pending)
+    if prompts_pending not in pacing.ACTIVITY.signals:
+        pacing.ACTIVITY.signals.append(prompts_pending)
 
 
 # ---- run-time events into the prompt's /history ------------------------------------
@@ -299,7 +299,7 @@ class WarmupFeedback:
         elif accel.background is not None and accel.background.done is None and state == "compiled":
             state = "compiling"
             when = (" once no prompt runs (on CPU, compiling beside sampling slows it)"
-                    if background.waits_for_idle(accel.device_type) else "")
+                    if pacing.waits_for_idle(accel.device_type) else "")
             text = (f"{accel.backend.name}: compiling in the background{when}, {self.total} shape(s) recorded in "
                     f"{secs:.1f} s; until each region's code is ready it runs the model's own code")
             accel.background.on_done = _background_done(backend=accel.backend.name, node_id=self.node_id,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from . import background, variants
+from . import variants, worker
 
 
 def _graph_count() -> int:
@@ -40,7 +40,7 @@ class Ledger:
         """One model call: what compiled inside it is counted when it ends (``shape``: its label,
         named in a recompile line; ``warmed``: compiles now are recompiles)."""
         before, hits_before, loads_before = self.compiled(), cache_hits(), variants.VARIANTS.from_cache
-        bg = background.BACKGROUND
+        bg = worker.BACKGROUND
         bg_before = (bg.epoch, bg.active)
         marks = variants.guard_marks() if warmed else None
         t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from . import background, variants
+from . import pacing, priming, variants, worker
 from ..compat import comfy as comfy_compat
 from ..reasons import error_summary
 from .variants import structure
@@ -69,13 +69,13 @@ class Precompiled:
         args = _canonical(args)
         struct = structure(module, args, widths=self.dynamic is not True)
         if struct is None or (key := variants.VARIANTS.key(self.body, struct, self.options)) in self._no_aot:
-            if background.BACKGROUND.running:
+            if worker.BACKGROUND.running:
                 # plain torch.compile would compile here, beside the thread (and a dynamo-compiled
                 # function called while the thread traces raises: FX's tracing flag is process-wide)
                 return self.uncompiled(module, *args)
             return self.fallback(module, *args)
-        owner = background.current_owner()
-        if (owner is not None or background.BACKGROUND.active) and background.waits_for_idle(_device_type(args)) \
+        owner = worker.current_owner()
+        if (owner is not None or worker.BACKGROUND.active) and pacing.waits_for_idle(_device_type(args)) \
                 and variants.VARIANTS.waiting(key):
             # a CPU model's code from the compile cache loads once nothing samples, as its compile would:
             # a restart's first image runs the body's own code (packed convs: near compiled speed on CPU)
@@ -92,7 +92,7 @@ class Precompiled:
             f_locals = found[-1].prepare_f_locals(module, *args)
             variants.VARIANTS.failures.extend(variants.failed_parts(found[-1], f_locals)
                                               or ["no precompiled variant matched"])
-        if owner is not None or background.BACKGROUND.active:
+        if owner is not None or worker.BACKGROUND.active:
             # the daemon thread compiles it (never two compiling threads); this call runs the body's
             # own code meanwhile
             return self._queued(key, module, args, struct[1], owner)
@@ -102,7 +102,7 @@ class Precompiled:
         return self._compile(key, module, args, dynamic=dynamic)
 
     def _queued(self, key, module, args, struct_inputs, owner):
-        background.BACKGROUND.add(self, key, module, args, struct_inputs, owner)
+        worker.BACKGROUND.add(self, key, module, args, struct_inputs, owner)
         if owner is not None:
             owner.eager_calls += 1
         return self.uncompiled(module, *args)
@@ -112,7 +112,7 @@ class Precompiled:
         convs (``passes.prepack_conv.PackedConvs``), the packed copies compiled code uses too. Not
         while a warmup records for the thread: a copy is packed for one input size, and a range's
         probe sizes would each re-pack every weight that sampling packs again (docs/internals.md)."""
-        if self.options and self.options[0] and not background.BACKGROUND.recording and \
+        if self.options and self.options[0] and not worker.BACKGROUND.recording and \
                 any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
             from ..passes import prepack_conv
             with prepack_conv.PackedConvs():
@@ -204,7 +204,7 @@ class Precompiled:
             log.info("UNet Compiler: a precompiled %s cannot be saved (%s)", self.__name__, error_summary(e))
         if first_call:
             try:
-                background.first_calls(fn, [module, *others], args)
+                priming.first_calls(fn, [module, *others], args)
             except Exception as e:
                 if comfy_compat.is_cancel(e):
                     raise

@@ -16,7 +16,9 @@ import pytest
 import torch
 
 from unet_compiler.compiler import api
+from unet_compiler.compiler.compat import compile_thread
 from unet_compiler.compiler.lifecycle import background as B
+from unet_compiler.compiler.lifecycle import pacing, priming, worker
 from unet_compiler.compiler.lifecycle import precompiled as P
 from unet_compiler.compiler.lifecycle import variants as V
 
@@ -28,12 +30,12 @@ def fresh(monkeypatch):
     """A fresh variant store and background queue (what a new process has), whose thread starts only
     at ``fresh.gate.set()`` (so a test sees the running state)."""
     monkeypatch.setattr(V, "VARIANTS", V.Variants())
-    monkeypatch.setattr(B, "QUIET_SECONDS", 0.2)     # (a CPU job waits this long after the last call)
-    bg = B.Background()
+    monkeypatch.setattr(pacing, "QUIET_SECONDS", 0.2)     # (a CPU job waits this long after the last call)
+    bg = worker.Background()
     bg.gate = threading.Event()
     work = bg._work
     bg._work = lambda: (bg.gate.wait(120), work())
-    monkeypatch.setattr(B, "BACKGROUND", bg)
+    monkeypatch.setattr(worker, "BACKGROUND", bg)
     yield bg
     bg.gate.set()
     bg.wait(300)
@@ -91,9 +93,9 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     assert prepack_conv.stats["packed_mode_fired"] > packed
     # a CPU job waits while anything samples (here: a host's signal, as ComfyUI's queue with a prompt)
     busy = [True]
-    monkeypatch.setattr(B.ACTIVITY, "signals", [lambda: busy[0]])
+    monkeypatch.setattr(pacing.ACTIVITY, "signals", [lambda: busy[0]])
     fresh.gate.set()
-    time.sleep(B.QUIET_SECONDS + 0.5)
+    time.sleep(pacing.QUIET_SECONDS + 0.5)
     assert fresh.waiting and fresh.compiled == 0 and fresh.queue, "a CPU job must not start while sampling goes on"
     assert "waiting until no prompt runs" in accel.text(), accel.text()
     busy[0] = False
@@ -410,7 +412,7 @@ def test_the_threads_first_call_on_cpu_keeps_the_convs_sampling_packed():
         def fn(self, *a):
             called.append(getattr(prepack_conv._PRIMING, "on", False))
     x = torch.zeros(2)
-    B.first_calls(Variant(), [torch.nn.Identity()], (x,))
+    priming.first_calls(Variant(), [torch.nn.Identity()], (x,))
     assert called == [True] and not getattr(prepack_conv._PRIMING, "on", False)
 
 
@@ -478,8 +480,8 @@ def test_a_background_restart_loads_the_compile_cache_when_idle_and_counts_it(ti
 def test_activity_is_idle_after_a_quiet_second_and_only_cpu_jobs_wait_for_it(monkeypatch):
     """``ACTIVITY.idle()``: no model call in flight, no host signal busy, for ``QUIET_SECONDS``.
     Only a CPU model's jobs wait for it, unless ``UNET_COMPILER_BACKGROUND_CPU=beside``."""
-    act = B.Activity()
-    monkeypatch.setattr(B, "QUIET_SECONDS", 0.2)
+    act = pacing.Activity()
+    monkeypatch.setattr(pacing, "QUIET_SECONDS", 0.2)
     assert act.idle()
     with act.call():
         assert not act.idle()
@@ -495,9 +497,9 @@ def test_activity_is_idle_after_a_quiet_second_and_only_cpu_jobs_wait_for_it(mon
     assert act.idle()
     act.signals.append(lambda: 1 / 0)           # a failing signal says nothing
     assert act.idle()
-    assert B.waits_for_idle("cpu") and not B.waits_for_idle("cuda")
+    assert pacing.waits_for_idle("cpu") and not pacing.waits_for_idle("cuda")
     monkeypatch.setenv("UNET_COMPILER_BACKGROUND_CPU", "beside")
-    assert not B.waits_for_idle("cpu")
+    assert not pacing.waits_for_idle("cpu")
 
 
 def test_a_warmup_that_stops_still_ends_with_a_done_line(tiny_unet, fresh, monkeypatch):
@@ -543,19 +545,19 @@ def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypa
                                     fn=lambda m, *a: calls.append((m, torch.cuda.current_stream(dev))))
     with fake_cuda(monkeypatch, total=24 << 30, free=20 << 30) as cuda:
         monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
-        monkeypatch.setattr(B, "_PRIME_STREAMS", {}, raising=False)
-        owner = B.Owner()
-        monkeypatch.setattr(B._THREAD, "owner", owner, raising=False)
-        B.first_calls(variant, mods, args)
+        monkeypatch.setattr(priming, "_PRIME_STREAMS", {}, raising=False)
+        owner = worker.Owner()
+        monkeypatch.setattr(compile_thread.THREAD, "owner", owner, raising=False)
+        priming.first_calls(variant, mods, args)
         assert len(calls) == 1 and calls[0][0] is mods[0], calls     # one call serves every module
-        assert calls[0][1] is B._PRIME_STREAMS[dev] and calls[0][1] is not cuda.current_stream()
+        assert calls[0][1] is priming._PRIME_STREAMS[dev] and calls[0][1] is not cuda.current_stream()
         assert owner.primed == 1 and not owner.unprimed
         cuda.free = 2 * sum(a.numel() * a.element_size() for a in args)   # under PRIME_ROOM x the inputs
-        B.first_calls(variant, mods, args)
+        priming.first_calls(variant, mods, args)
         assert len(calls) == 1 and owner.unprimed == {"the card was short of memory for a call beside sampling": 1}
         cuda.free = 20 << 30
-        monkeypatch.setattr(B.cast, "needs_cast", lambda m: True)
-        B.first_calls(variant, mods, args)
+        monkeypatch.setattr(priming.cast, "needs_cast", lambda m: True)
+        priming.first_calls(variant, mods, args)
         assert len(calls) == 1 and owner.unprimed["its modules' weights are cast per call"] == 1
     mode = B.BackgroundMode(lambda *a: None)
     mode.owner, mode.done = owner, 1.0
@@ -569,20 +571,20 @@ def test_beside_sampling_the_thread_pauses_after_each_job_for_its_share(monkeypa
     or just ended, so it holds at most ``BESIDE_SHARE`` of the interpreter; it does not pause when
     nothing samples, and stops pausing when sampling stops. (``bench beside`` measures the effect on
     a Python-bound sampling loop: docs/bench.md.)"""
-    assert B.paces("cuda") and not B.paces("cpu")
+    assert pacing.paces("cuda") and not pacing.paces("cpu")
     slept = []
-    monkeypatch.setattr(B.time, "sleep", lambda s: slept.append(s))
-    monkeypatch.setattr(B, "ACTIVITY", B.Activity())
-    assert B.pace(1.0) < 0.05 and not slept                       # nothing samples: no pause
-    with B.ACTIVITY.call():
-        B.pace(0.1)
-    assert abs(sum(slept) - 0.1 * (1 - B.BESIDE_SHARE) / B.BESIDE_SHARE) < 1e-9 and max(slept) <= 0.05
+    monkeypatch.setattr(pacing.time, "sleep", lambda s: slept.append(s))
+    monkeypatch.setattr(pacing, "ACTIVITY", pacing.Activity())
+    assert pacing.pace(1.0) < 0.05 and not slept                       # nothing samples: no pause
+    with pacing.ACTIVITY.call():
+        pacing.pace(0.1)
+    assert abs(sum(slept) - 0.1 * (1 - pacing.BESIDE_SHARE) / pacing.BESIDE_SHARE) < 1e-9 and max(slept) <= 0.05
     slept.clear()
     calls = []
 
     def sampling_until_three_sleeps():
         calls.append(1)
         return len(slept) < 3
-    monkeypatch.setattr(B, "sampling_now", sampling_until_three_sleeps)
-    B.pace(10.0)
+    monkeypatch.setattr(pacing, "sampling_now", sampling_until_three_sleeps)
+    pacing.pace(10.0)
     assert len(slept) == 3, slept                                 # sampling stopped: the pause ends

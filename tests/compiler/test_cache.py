@@ -572,10 +572,10 @@ def test_a_background_restart_of_a_range_runs_only_its_first_shape(tiny_unet, fo
     runs the model's own code, its code left to load from the entry once nothing samples, and the
     other listed shapes are not run either; once loaded, shapes inside the box compile nothing."""
     from unet_compiler.compiler import api
-    from unet_compiler.compiler.lifecycle import background
+    from unet_compiler.compiler.lifecycle import pacing
     from torch._dynamo.utils import counters
     monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
-    monkeypatch.setattr(background, "QUIET_SECONDS", 0.2)
+    monkeypatch.setattr(pacing, "QUIET_SECONDS", 0.2)
     box = "2x64x64, 2x128x128"
     first = tiny_unet()
     api.compile_unet(first, "inductor", dynamic_shapes=True)

@@ -76,19 +76,19 @@ def test_unrelated_server_module_is_ignored(monkeypatch):
 def test_a_cpu_background_compile_is_told_when_comfyuis_queue_is_busy(server, monkeypatch):
     """``prompts_pending``: ComfyUI's queue has a prompt queued or running; ``watch_the_queue``
     makes it one of the background compile's activity signals, once."""
-    from unet_compiler.compiler.lifecycle import background
+    from unet_compiler.compiler.lifecycle import pacing
     assert feedback.prompts_pending() is False                     # a server without a queue
     remaining = [2]
     server.prompt_queue = SimpleNamespace(get_tasks_remaining=lambda: remaining[0])
     assert feedback.prompts_pending() is True
     remaining[0] = 0
     assert feedback.prompts_pending() is False
-    monkeypatch.setattr(background.ACTIVITY, "signals", [])
+    monkeypatch.setattr(pacing.ACTIVITY, "signals", [])
     feedback.watch_the_queue()
     feedback.watch_the_queue()
-    assert background.ACTIVITY.signals == [feedback.prompts_pending]
+    assert pacing.ACTIVITY.signals == [feedback.prompts_pending]
     remaining[0] = 1
-    assert not background.ACTIVITY.idle()
+    assert not pacing.ACTIVITY.idle()
 
 
 def test_compiled_event_text_and_target(server):
