@@ -78,8 +78,19 @@ FULL = frozenset({
 #: family whose group keeps another member in the lane (SV3D_u and SV3D_p: SVD's video UNet with
 #: another ADM width; SD2.1 unCLIP-H: unCLIP-L's with another one; Segmind Vega and KOALA-1B: SDXL
 #: pruned to other depths, as SSD-1B and KOALA-700M are; SDXL inpaint: SDXL's UNet with the 9
-#: input channels SD1.5 inpaint has and the wider input SDXL instruct-pix2pix has), each 1-2 minutes
+#: input channels SD1.5 inpaint has and the wider input SDXL instruct-pix2pix has), each 1-2 minutes;
+#: the fake CUDA's check against the H100's abort (about a minute of interpreted kernels: run it
+#: when tests/_fake_cuda.py changes; the quick lane keeps the fake's captures of the kernels under
+#: both allocators); two LoRA strengths queued back to back through a fault server (a minute: the
+#: soak varies the LoRA strength per prompt through the server against plain ComfyUI, and the
+#: in-process LoRA tests change strengths on one compiled model); SD1.5's family parity (its parity,
+#: regions and 0 recompiles are test_comfy_patcher's, in both lanes); a new shape queued while the
+#: compile thread runs (the next test queues a later miss the same way, after the thread is done)
 LONG = frozenset({
+    "tests/nodes/test_families.py::test_family[sd15]",
+    "tests/compiler/test_background.py::test_a_new_shape_while_it_runs_is_queued_not_compiled_here",
+    "tests/compiler/test_cuda_graphs.py::test_the_fake_allocator_aborts_where_the_h100_did",
+    "tests/e2e/test_faults_server.py::test_two_loras_queued_back_to_back_on_one_compiled_model",
     "tests/nodes/test_families.py::test_family[sv3d_u]",
     "tests/nodes/test_families.py::test_family[sv3d_p]",
     "tests/nodes/test_families.py::test_family[sd21_unclip_h]",
