@@ -1,11 +1,11 @@
 """A stand-in for the ``torch.cuda`` surface the pack's production ``CudaGraphs`` (compiler/graphs.py)
 calls, so that code runs on a machine without a GPU: streams and the stream context, the current
-device (``set_device``, the ``device`` context), synchronize, capture flags, a graph pool handle, the
-card's properties and free memory,
-empty_cache, and ``CUDAGraph`` whose capture records the aten ops run between ``capture_begin`` and
-``capture_end`` (refusing host syncs and random ops, as tests/conftest.py's StrictGraphStandIn does)
-and whose replay re-runs them on the captured tensors. CPU tensors stand for device tensors: only
-``CudaGraphs.usable``'s "is this tensor on CUDA" cannot be faked and is answered by the test.
+device (``set_device``, the ``device`` context), synchronize, capture flags, a graph pool handle,
+the card's properties and free memory, empty_cache, and ``CUDAGraph`` whose capture records the aten
+ops run between ``capture_begin`` and ``capture_end`` (refusing host syncs and random ops, as
+tests/conftest.py's StrictGraphStandIn does) and whose replay re-runs them on the captured tensors.
+CPU tensors stand for device tensors: only ``CudaGraphs.usable``'s "is this tensor on CUDA" cannot
+be faked and is answered by the test.
 As CUDA keeps them, the current device, the current stream and a running capture are each thread's
 own (ComfyUI's multi-GPU pool threads each set their device; a capture in ``thread_local`` mode
 records only its own thread's work).

@@ -17,8 +17,7 @@ import torch
 from .. import cast
 from ..compat.compile_thread import THREAD, before_the_thread
 from ..reasons import error_summary
-from . import variants
-from . import pacing
+from . import pacing, variants
 from .priming import first_calls
 from .stand_ins import modes, modes_now, spec, stand_ins
 
