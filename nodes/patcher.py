@@ -376,7 +376,9 @@ def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) ->
         accel.report.notes.append("the multi-GPU copies on other devices compile at their first call of each "
                                   "shape: a background warmup warms this device's model only")
         return
-    model.match_multigpu_clones()     # (as sampling does first: each copy's patcher carries this one's wrappers)
+    match = getattr(model, "match_multigpu_clones", None)
+    if match is not None:             # (as sampling does first: each copy's patcher carries this one's wrappers)
+        match()
     for copy in [c for c in _existing_copies(model) if c.model is not None]:
         here = accel.copies.adopt(copy)
         if here is None or here is accel:
