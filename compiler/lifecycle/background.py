@@ -17,9 +17,9 @@ import threading
 import time
 import weakref
 
+from . import worker
 from .pacing import BESIDE_SHARE
 from .variants import guard_marks
-from . import worker
 
 log = logging.getLogger(__name__)
 
