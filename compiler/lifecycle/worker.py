@@ -68,7 +68,7 @@ class Background:
         self.lock = threading.Lock()
         self.recording = False
         self.running = False
-        self.waiting = False             # a CPU job waits for sampling to stop (``ACTIVITY``)
+        self.waiting = False             # a CPU job waits for sampling to stop (``pacing.ACTIVITY``)
         self.queue: list[tuple] = []
         self._seen: set = set()
         self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
