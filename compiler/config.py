@@ -95,15 +95,15 @@ class CompileConfig:
                 raise TypeError(f"{name}={value!r} must be True or False (a string such as 'false' would read as "
                                 f"True)")
 
-    def autocast_dtype(self, model_dtype, notes: list):
+    def autocast_dtype(self, model_dtype, note):
         """The dtype regions run in under autocast (precision fp16 / bf16), else None (fp32 is kept
-        only for a model loaded in fp32: a note in ``notes`` says so otherwise)."""
+        only for a model loaded in fp32: ``note(text)`` says so otherwise)."""
         import torch
         if self.precision in ("fp16", "bf16"):
             return {"fp16": torch.float16, "bf16": torch.bfloat16}[self.precision]
         if self.precision == "fp32" and model_dtype != torch.float32:
-            notes.append(f"precision fp32 needs the model loaded in fp32 (it is {model_dtype}); kept auto. "
-                         f"Fix: start ComfyUI with --force-fp32")
+            note(f"precision fp32 needs the model loaded in fp32 (it is {model_dtype}); kept auto. "
+                 f"Fix: start ComfyUI with --force-fp32")
         return None
 
     def replace(self, **changes) -> "CompileConfig":

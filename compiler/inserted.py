@@ -56,12 +56,12 @@ class Inserted:
         owns them last set it (``video_length``); None: no such module."""
         return next((m.video_length for m in self.video_modules()), None)
 
-    def whole_videos(self, shapes, window: int | None, notes: list):
+    def whole_videos(self, shapes, window: int | None, note):
         """(the frames per call warmup gives the modules that take whole videos, ``shapes`` less the
         entries they cannot take). Such modules (AnimateDiff's motion modules) need a batch that is a
         multiple of the frames they take per call: ``window`` (sliding context windows) where set,
-        else their ``video_length`` as their pack last set it. Each entry left out is said in
-        ``notes`` with the entry to give instead; (None, shapes) when the model has no such module."""
+        else their ``video_length`` as their pack last set it. Each entry left out is said through
+        ``note(text)`` (the report's) with the entry to give instead; (None, shapes) when the model has no such module."""
         from .shapes import Shape
         self.check()
         n = self.video_length
@@ -72,9 +72,9 @@ class Inserted:
         for s in shapes:
             if s.batch % n:
                 fix = Shape(2 * n, s.width, s.height, s.frames)
-                notes.append(f"warmup entry {s.label} left out: modules another pack inserted take whole videos of "
-                             f"{n} frames per call ({why}), so a call's batch is a multiple of {n}. Fix: give "
-                             f"{fix.label} (one video, cond and uncond) or {n}x{s.width}x{s.height}")
+                note(f"warmup entry {s.label} left out: modules another pack inserted take whole videos of "
+                     f"{n} frames per call ({why}), so a call's batch is a multiple of {n}. Fix: give "
+                     f"{fix.label} (one video, cond and uncond) or {n}x{s.width}x{s.height}")
         return n, kept
 
     @contextlib.contextmanager

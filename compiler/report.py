@@ -43,6 +43,14 @@ class Report:
     #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
     diff_recorded: str | None = None
 
+    def note(self, text: str, once: bool = False) -> bool:
+        """Add ``text`` to the report's notes (the one way notes are added); ``once``: not if it is
+        there already. Returns whether it was added."""
+        if once and text in self.notes:
+            return False
+        self.notes.append(text)
+        return True
+
     def _kind(self) -> str:
         """``UNet (UNetModel)``, ``DiT (Flux)``, ``model (AuraFlow)``: what the pack took it for, and its class."""
         other = any(k == "model" for k, _, _ in self.skipped)   # a family the pack does not accelerate

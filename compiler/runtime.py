@@ -120,11 +120,11 @@ class Accelerator:
         if rep.backend != self.config.backend and self.config.backend != "auto":
             log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
                         self.config.backend, rep.backend, "; ".join(rep.why))
-        self.graphs = graphs_for(self.backend, self.config, device, rep.notes)
+        self.graphs = graphs_for(self.backend, self.config, device, rep.note)
         #: one graph per UNet call where nothing in it needs Python between regions (UNets only)
         self.call_graphs = CallGraphs(unet, self.graphs, self.stats) \
             if self.graphs is not None and self.plan.arch == "unet" else None
-        self._autocast = self.config.autocast_dtype(self.model_dtype, rep.notes)
+        self._autocast = self.config.autocast_dtype(self.model_dtype, rep.note)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
         #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
@@ -228,9 +228,9 @@ class Accelerator:
         first = not self.stats["recording_paused"]
         self.stats["recording_paused"] += 1
         if first:
-            self.report.notes.append("ComfyUI's compiler was recording this model's allocations: its recording "
-                                     "is paused around each accelerated region call (compiles, compiled code, "
-                                     "CUDA graph captures), which it does not replay")
+            self.report.note("ComfyUI's compiler was recording this model's allocations: its recording "
+                             "is paused around each accelerated region call (compiles, compiled code, "
+                             "CUDA graph captures), which it does not replay")
 
     def _run_here(self, kind, impl, module, original, args, eager_kwargs, casts):
         streamed = False
@@ -314,7 +314,7 @@ class Accelerator:
             msg = (f"out of memory in {kind} accelerated code (input {shape}): those calls ran the model's own "
                    f"code, the regions stay accelerated (counted in the report's oom calls)")
             log.warning("UNet Compiler: %s", msg)
-            self.report.notes.append(msg)
+            self.report.note(msg)
 
     def _turn_off(self, kind, error):
         """The backend failed where the model's own code runs: ``kind`` regions run eager from now on;
@@ -329,7 +329,7 @@ class Accelerator:
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({why}); "
                f"they run eager from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)
-        self.report.notes.append(msg)
+        self.report.note(msg)
         self._tell_fallback(kind, why)
 
     def _tell_fallback(self, kind: str, why) -> None:
@@ -345,7 +345,7 @@ class Accelerator:
         the report, the log and to the fallback listener (the toast)."""
         said = f"{', '.join(kinds)} regions run the model's own code from now on: {reason}"
         log.warning("UNet Compiler: %s", said)
-        self.report.notes.append(said)
+        self.report.note(said)
         self._tell_fallback(", ".join(kinds), reason)
 
     @property
@@ -410,8 +410,8 @@ class Accelerator:
                 yield
                 if self.call_graphs is not None and not self._shims_first and not self._root_called:
                     self._shims_first = True   # called around the UNet's forward: shims up front from now on
-                    self.report.notes.append("a UNet call went around the model's forward (another node's "
-                                             "wrapper): one graph per UNet call is off, the regions run as before")
+                    self.report.note("a UNet call went around the model's forward (another node's "
+                                     "wrapper): one graph per UNet call is off, the regions run as before")
             finally:
                 self._through = False
                 for module, hook in installed:
@@ -445,11 +445,11 @@ class Accelerator:
         and the misses compile in the calling thread. Returns the background mode, or None."""
         if one_shape:
             self.reconfigure(self.config.replace(dynamic_shapes=None))
-            self.report.notes.append(f"one warmup shape: compiled for exactly {one_shape}; another shape compiles "
-                                     f"once, then for any size. Warm a range: list its smallest and largest shapes")
+            self.report.note(f"one warmup shape: compiled for exactly {one_shape}; another shape compiles "
+                             f"once, then for any size. Warm a range: list its smallest and largest shapes")
         why = background.problem(self) if in_background else None
         if why:
-            self.report.notes.append(f"background compile: not used: {why}; warmup compiled before sampling")
+            self.report.note(f"background compile: not used: {why}; warmup compiled before sampling")
         if in_background and not why:
             return self.background_mode()
         self.end_background()

@@ -149,7 +149,7 @@ def keep_the_faster(accel: Accelerator, run_one, shape: Shape, reps: int = 3) ->
                      "none needed; to compile them anyway, choose triton or inductor in Select Backend",
                      what=f"{k} regions")
         accel.gate.close([k], why)
-        accel.report.notes.append(str(why))
+        accel.report.note(str(why))
     return slower
 
 
@@ -194,8 +194,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     probes = [p for p in every if p.label not in primed]      # (``warmup_probes``, computed once)
     known = [p.label for p in every if p.label in primed]
     if known:
-        rep.notes.append(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
-                         f"compile cache entry, which holds their code")
+        rep.note(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
+                 f"compile cache entry, which holds their code")
     ref = None
     patches0 = accel.patches_seen.copy()
     fresh0 = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"]
@@ -240,9 +240,9 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             served_from_entry = (i == 0 and accel.graphs is None and len(shapes) > 1
                                  and all(s.label in primed for s in shapes[1:]) and new0 == missed())
             if served_from_entry:
-                rep.notes.append(f"shape(s) {', '.join(s.label for s in shapes[1:])} not run: the compile cache "
-                                 f"entry holds their code (an earlier warmup ran them into it); the first step at "
-                                 f"each loads it")
+                rep.note(f"shape(s) {', '.join(s.label for s in shapes[1:])} not run: the compile cache "
+                         f"entry holds their code (an earlier warmup ran them into it); the first step at "
+                         f"each loads it")
             if i == 0 and compare:
                 fresh = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] - fresh0
                 if ref is None and fresh:   # code compiled here: the recorded compare is not of it

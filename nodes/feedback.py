@@ -232,8 +232,8 @@ class WarmupFeedback:
         finally:
             self.close()
             for note in (call.dropped, call.random_conds):
-                if note and note not in self.accel.report.notes:
-                    self.accel.report.notes.append(note)
+                if note:
+                    self.accel.report.note(note, once=True)
         pbar.update_absolute(total, total)
         self.done = self.finished(problem=self.problem or call.dropped)
 

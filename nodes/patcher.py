@@ -158,8 +158,7 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
             accel.stats["eager_calls"] += 1
             accel.stats["calls_not_ours"] += 1
             why = not_ours(model, accel.root)
-            if why not in accel.report.notes:
-                accel.report.notes.append(why)
+            if accel.report.note(why, once=True):
                 log.warning("UNet Compiler: %s", why)
             return executor(*args, **kwargs)
         # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
@@ -358,7 +357,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
             fb.problem = (f"warmup stopped: this model could not be called outside sampling ({error_summary(e)})"[:400]
                           + "; it compiles on its first KSampler step instead")
             log.warning("UNet Compiler: %s", fb.problem, exc_info=True)
-            accel.report.notes.append(fb.problem)
+            accel.report.note(fb.problem)
     return accel.text() + f"\n  status: {fb.done['text']}"
 
 
@@ -373,8 +372,8 @@ def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) ->
     if not _existing_copies(model):
         return
     if background:
-        accel.report.notes.append("the multi-GPU copies on other devices compile at their first call of each "
-                                  "shape: a background warmup warms this device's model only")
+        accel.report.note("the multi-GPU copies on other devices compile at their first call of each "
+                          "shape: a background warmup warms this device's model only")
         return
     match = getattr(model, "match_multigpu_clones", None)
     if match is not None:             # (as sampling does first: each copy's patcher carries this one's wrappers)
@@ -394,7 +393,7 @@ def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) ->
             note = (f"warmup of the copy on {copy.load_device} stopped ({error_summary(e)})"[:300]
                     + ": it compiles at its first step instead")
             log.warning("UNet Compiler: %s", note, exc_info=True)
-            accel.report.notes.append(note)
+            accel.report.note(note)
 
 
 def current_device(device: torch.device):

@@ -297,10 +297,9 @@ def prepare(model, accel, shapes, context_tokens: int) -> Job:
         # every region's weights are made per call in a way the pack cannot serve (another pack's
         # dequantising ops): probes would only spend eager calls, so none run
         note = f"Warmup Shapes ran no calls: every region runs the model's own code ({why})"
-        if note not in accel.report.notes:
-            accel.report.notes.append(note)
+        accel.report.note(note, once=True)
         return Job(shapes, why=why)
-    frames, kept = accel.inserted.whole_videos(shapes, window, accel.report.notes)
+    frames, kept = accel.inserted.whole_videos(shapes, window, accel.report.note)
     if not kept:
         return Job(shapes, note=f"no entry's batch is a multiple of the {frames} frames the model's inserted "
                                 f"modules take per call (see the report's warmup entry lines)")

@@ -208,9 +208,9 @@ def choose(requested: str, device, nothing_to_compile: bool = False, arch: str =
     return resolve(requested, device, arch)
 
 
-def graphs_for(backend: Backend, config, device, notes: list):
+def graphs_for(backend: Backend, config, device, note):
     """The region CUDA graphs ``backend`` runs under ``config`` on ``device`` (a ``RegionGraphs``), or
-    None with a note why not; sets ``backend.kernels_in_captures`` (whether captures may hold its
+    None with a note why not (``note(text)``: the report's); sets ``backend.kernels_in_captures`` (whether captures may hold its
     kernels: also without graphs of its own, a capture another party runs must not take one there)
     and ``backend.graphs_replay``. Backend ``auto`` on CUDA with ``cuda_graphs`` off keeps a
     region's graph at a shape only where its replay measured faster than launching its kernels
@@ -220,18 +220,18 @@ def graphs_for(backend: Backend, config, device, notes: list):
     if not config.cuda_graphs:
         if (config.backend == "auto" and backend.uses_cuda_graphs and getattr(device, "type", device) == "cuda"
                 and not graphs_problem(backend, device)):
-            notes.append("cuda graphs: auto (backend auto on CUDA): a region keeps its graph at a shape only "
-                         "where a replay measured faster than launching its kernels; Select Backend's "
-                         "cuda_graphs on keeps every graph")
+            note("cuda graphs: auto (backend auto on CUDA): a region keeps its graph at a shape only "
+                 "where a replay measured faster than launching its kernels; Select Backend's "
+                 "cuda_graphs on keeps every graph")
             graphs = RegionGraphs(measured=True)
     elif why := graphs_problem(backend, device):
-        notes.append(f"cuda graphs: not used: {why}")
+        note(f"cuda graphs: not used: {why}")
         log.warning("UNet Compiler: cuda graphs not used: %s", why)
     else:
         graphs = RegionGraphs()
     out_of_captures = kernels_in_captures_problem(backend)
     if out_of_captures and graphs is not None:
-        notes.append(f"cuda graphs: {out_of_captures}")
+        note(f"cuda graphs: {out_of_captures}")
     backend.kernels_in_captures = out_of_captures is None
     # a kernel serves only calls that pay their launches where captures cannot hold it
     backend.graphs_replay = graphs is not None and out_of_captures is None
