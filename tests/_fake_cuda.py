@@ -32,7 +32,8 @@ import threading
 from collections import Counter
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._dynamic_vram import Allocations
 
 REFUSED = ("_local_scalar_dense", "is_nonzero", "item", "rand", "randn", "randint", "normal", "bernoulli",
            "multinomial", "uniform_", "normal_", "nonzero", "unique")
@@ -46,32 +47,33 @@ def _tensors(o):
     return [t for t in ((o,) if isinstance(o, torch.Tensor) else o) if isinstance(t, torch.Tensor)]
 
 
-class _Record(TorchDispatchMode):
+class _Record(Allocations):
+    """A capture's recorder: refuses host syncs and random ops, keeps every op for the replays, and
+    tells ``allocated`` (a set of data_ptrs, when tracked) and ``on_alloc`` (bytes) of each storage
+    the capture allocates, once (``Allocations``' rule: one that none of an op's inputs owns)."""
+
     def __init__(self, ops, allocated: set | None = None, on_alloc=None):
-        super().__init__()
-        self.ops = ops
-        self.allocated = allocated   # storages the capture allocated (their data_ptr), when tracked
-        self.on_alloc = on_alloc     # called with the bytes of each storage the capture allocates
+        super().__init__(self._allocated)
+        self.ops, self.allocated, self.on_bytes = ops, allocated, on_alloc
         self._seen: set = set()
+
+    def _allocated(self, storage) -> None:
+        ptr = storage.data_ptr()
+        if ptr in self._seen:
+            return
+        self._seen.add(ptr)
+        if self.allocated is not None:
+            self.allocated.add(ptr)
+        if self.on_bytes is not None:
+            self.on_bytes(storage.nbytes())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
         if name in REFUSED:
             raise CaptureError(f"operation not permitted when stream is capturing ({name})")
-        out = func(*args, **kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         self.ops.append((func, args, kwargs, out))
-        if isinstance(out, (torch.Tensor, tuple, list)):
-            inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-            for t in _tensors(out):
-                s = t.untyped_storage()
-                if s.data_ptr() in inputs or s.data_ptr() in self._seen:   # a view shares its base's memory
-                    continue
-                self._seen.add(s.data_ptr())
-                if self.allocated is not None:
-                    self.allocated.add(s.data_ptr())
-                if self.on_alloc is not None:
-                    self.on_alloc(s.nbytes())
         return out
 
 
