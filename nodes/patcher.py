@@ -102,13 +102,17 @@ class DeviceCopies:
                     self._sharing -= 1
                 self._turns.notify_all()
 
-    def find(self, patcher) -> Accelerator | None:
-        """The accelerator already serving ``patcher``'s diffusion model (the compiled model's or a
+    def serving(self, unet) -> Accelerator | None:
+        """The accelerator already serving the diffusion model ``unet`` (the compiled model's or a
         copy's), else None."""
-        main, unet = self._main(), _unet_of(patcher)
+        main = self._main()
         if main is None or unet is None:
             return None
         return main if unet is main.root else self.of(unet)
+
+    def find(self, patcher) -> Accelerator | None:
+        """:meth:`serving` ``patcher``'s diffusion model."""
+        return self.serving(_unet_of(patcher))
 
     def several(self) -> bool:
         """Whether any copy on another device has an accelerator (several threads may sample)."""
@@ -148,7 +152,7 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
     def unet_compiler_apply_model(executor, *args, **kwargs):
         base = executor.class_obj
         model = getattr(base, "diffusion_model", None)
-        here = accel if model is accel.root else copies.of(model)
+        here = copies.serving(model)
         if here is None and model is not None:
             copy = _multigpu_copy(base)
             if copy is not None:
