@@ -46,7 +46,7 @@ _COMPLETE = """
 import importlib.util as u, os, sys
 pack = u.find_spec("unet_compiler")
 mine = pack is not None and os.path.realpath(os.path.dirname(pack.origin)) == os.path.realpath(sys.argv[1])
-sys.exit(not (mine and all(map(u.find_spec, ("torch", "pytest", "diffusers", "comfy_aimdo")))))
+sys.exit(not (mine and all(map(u.find_spec, ("torch", "pytest", "xdist", "diffusers", "comfy_aimdo")))))
 """
 
 
@@ -94,7 +94,8 @@ def comfy_requirements(text: str) -> list[str]:
 
 
 def is_complete(env: Path, windows: bool = os.name == "nt") -> bool:
-    """Whether ``env``'s python finds torch, pytest, diffusers and this checkout's unet_compiler."""
+    """Whether ``env``'s python finds torch, pytest (with pytest-xdist), diffusers, comfy-aimdo and this
+    checkout's unet_compiler."""
     py = env_python(env, windows)
     if not py.is_file():
         return False
@@ -266,9 +267,34 @@ def lane_args(rest: list[str]) -> list[str]:
         return ["-m", "full", *(a for a in rest if a != "--full")]
     if "--all" in rest:
         return [a for a in rest if a != "--all"]
-    named = any(not a.startswith("-") and ("::" in a or (ROOT / a).exists()) for a in rest) \
+    return rest if _names_tests(rest) else ["-m", "not full", *rest]
+
+
+def _names_tests(rest: list[str]) -> bool:
+    """Whether pytest's arguments name tests (a path or node id in the checkout, a ``-k``
+    expression) or a marker."""
+    return any(not a.startswith("-") and ("::" in a or (ROOT / a).exists()) for a in rest) \
         or any(a in ("-m", "-k") or a.startswith(("-m=", "-k=")) for a in rest)
-    return rest if named else ["-m", "not full", *rest]
+
+
+#: a lane's pytest-xdist workers at most (each holds a model or two, 1-2 GB, and torch's threads are shared out)
+MAX_WORKERS = 4
+#: the env switch for a lane's workers (1: one process, as before pytest-xdist)
+WORKERS_ENV = "UNET_COMPILER_TEST_WORKERS"
+
+
+def worker_args(rest: list[str], cores: int | None = None) -> list[str]:
+    """pytest-xdist's arguments for a lane (``test`` with no test named): ``-n N --dist loadfile``,
+    N one worker a CPU core up to :data:`MAX_WORKERS`, or ``$UNET_COMPILER_TEST_WORKERS``; each
+    module's tests run in one worker, so its compiled fixtures are made once. None (one process)
+    where N < 2, where tests are named, or where the arguments choose (``-n``, ``-p no:xdist``)."""
+    named = "--full" not in rest and "--all" not in rest and _names_tests(rest)
+    if named or any(a in ("-n", "--numprocesses", "--dist") or a.startswith(("-n", "--numprocesses=", "--dist="))
+                    for a in rest) or "no:xdist" in rest:
+        return []
+    want = os.environ.get(WORKERS_ENV, "").strip()
+    n = int(want) if want.isdigit() else min(cores or os.cpu_count() or 1, MAX_WORKERS)
+    return ["-n", str(n), "--dist", "loadfile"] if n >= 2 else []
 
 
 def main(argv: list[str]) -> int:
@@ -290,7 +316,7 @@ def main(argv: list[str]) -> int:
             return lock(env)
         return setup(env, "--if-missing" in flags, "--dry-run" in flags, "--newest" in flags)
     if cmd == "test":
-        return run_in_env(["-m", "pytest", "-q", *lane_args(rest)])
+        return run_in_env(["-m", "pytest", "-q", *lane_args(rest), *worker_args(rest)])
     if cmd == "bench":
         return run_in_env(["-m", "unet_compiler.bench", "run", *rest])
     if cmd == "python":

@@ -21,9 +21,16 @@ else:
 # a test counts the graphs it compiles, and the cache would also move torch's inductor cache out of
 # /tmp. Where one is turned on, it writes to a fresh folder per session, never ~/.cache.
 os.environ.setdefault("UNET_COMPILER_CACHE", "off")
-if "UNET_COMPILER_CACHE_DIR" not in os.environ:
+# (a pytest-xdist worker inherits the folder its controller made: each worker makes its own)
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if "UNET_COMPILER_CACHE_DIR" not in os.environ or (_WORKER and os.environ.get("UNET_COMPILER_TEST_CACHE_DIR_MADE")):
     import tempfile
     os.environ["UNET_COMPILER_CACHE_DIR"] = tempfile.mkdtemp(prefix="unet_compiler_test_cache_")
+    os.environ["UNET_COMPILER_TEST_CACHE_DIR_MADE"] = "1"
+# pytest-xdist's workers share the cores: torch's threads are shared out among them (two workers
+# with two OpenMP threads each on two cores spent 60% more CPU time on the same tests, in spin waits)
+if _WORKER:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 from unet_compiler.tests._families import comfy_path, comfy_problem  # noqa: E402 - after TRITON_INTERPRET is chosen
 

@@ -87,7 +87,7 @@ def test_readme_commands_are_what_ci_runs():
     for script, cmd in ((bench, "bench"), (test, "test"), (setup, "setup")):
         assert script.rstrip().endswith(f'exec python3 "$(dirname "$0")/dev.py" {cmd} "$@"'), script
     src = (ROOT / "bin" / "dev.py").read_text(encoding="utf-8")
-    assert 'run_in_env(["-m", "pytest", "-q", *lane_args(rest)])' in src   # the quick lane unless asked
+    assert 'run_in_env(["-m", "pytest", "-q", *lane_args(rest), *worker_args(rest)])' in src   # the quick lane unless asked
     ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
     assert 0 <= ci.find("\nbin/test\n") < ci.find("\nbin/test --full\n"), "CI runs the README's command, then the full lane"
     assert 'run_in_env(["-m", "unet_compiler.bench", "run", *rest])' in src
@@ -473,7 +473,7 @@ def test_the_packs_text_files_are_read_and_written_as_utf8():
     assert len(_text_io_without_encoding(ROOT / "x.py", bad)) == 2   # what the check catches
 
 
-def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
+def test_the_test_command_runs_the_quick_lane_and_full_the_rest(monkeypatch):
     """``bin/test`` alone is the quick lane, ``--full`` the tests marked full, ``--all`` both; tests
     named on the command line (or a marker) run as asked. Every test tests/_lanes.py names for the
     full lane exists (a renamed test would otherwise slip into the quick lane unnoticed)."""
@@ -484,6 +484,19 @@ def test_the_test_command_runs_the_quick_lane_and_full_the_rest():
     assert dev.lane_args(["tests/e2e/test_soak.py"]) == ["tests/e2e/test_soak.py"]
     assert dev.lane_args(["-m", "e2e"]) == ["-m", "e2e"] and dev.lane_args(["-k", "soak"]) == ["-k", "soak"]
     assert dev.lane_args(["-p", "no:warnings"]) == ["-m", "not full", "-p", "no:warnings"]   # a value, not a test
+    # a lane runs in one pytest-xdist worker a core (at most MAX_WORKERS), a module to a worker; named
+    # tests, an explicit -n / -p no:xdist, one core or UNET_COMPILER_TEST_WORKERS=1 run in one process
+    monkeypatch.delenv(dev.WORKERS_ENV, raising=False)
+    lane_n = ["-n", "2", "--dist", "loadfile"]
+    assert dev.worker_args([], cores=2) == lane_n and dev.worker_args(["--full"], cores=2) == lane_n
+    assert dev.worker_args([], cores=64) == ["-n", str(dev.MAX_WORKERS), "--dist", "loadfile"]
+    assert dev.worker_args([], cores=1) == [] and dev.worker_args(["tests/e2e/test_soak.py"], cores=2) == []
+    assert dev.worker_args(["-k", "soak"], cores=2) == [] and dev.worker_args(["-n", "3"], cores=2) == []
+    assert dev.worker_args(["-p", "no:xdist"], cores=2) == [] and dev.worker_args(["-n0"], cores=2) == []
+    monkeypatch.setenv(dev.WORKERS_ENV, "1")
+    assert dev.worker_args([], cores=2) == []
+    monkeypatch.setenv(dev.WORKERS_ENV, "3")
+    assert dev.worker_args(["--full"], cores=2) == ["-n", "3", "--dist", "loadfile"]
     assert lane("tests/e2e/test_soak.py::test_soak_after_a_range_warmup") == "full"
     assert lane("tests/test_packaging.py::test_the_test_command_runs_the_quick_lane_and_full_the_rest") == "quick"
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-m", "full", "-p", "no:cacheprovider"],
