@@ -31,6 +31,7 @@ from .cache import CompileCache
 from .call_graph import CallGraphs
 from .compat import comfy as comfy_compat
 from .config import CompileConfig
+from .events import Events
 from .inserted import Inserted
 from .lifecycle.recompiles import Recompiles
 from .reasons import Reason, Slower, build_failure, error_summary
@@ -86,14 +87,14 @@ class Accelerator:
         self._through = self._root_called = self._shims_in = False
         #: the regions' shims go in at the start of every call (a call went around the model's forward)
         self._shims_first = False
-        #: optional ``callable(kind, reason)`` told when a region kind fails and falls back to eager
-        self.on_fallback = None
+        #: what this accelerator tells its listeners: fallbacks, recompiles, background done, report notes
+        self.events = Events()
         #: the dtype region inputs had at the first accelerated call (the activations' dtype)
         self.compute_dtype: torch.dtype | None = None
         self.warmed = False
-        #: the shape labels warmup ran, and every compile after it (``recompiles.listener`` is told)
+        #: the shape labels warmup ran, and every compile after it (told as a ``recompile`` event)
         self.warmed_shapes: list[str] = []
-        self.recompiles = Recompiles(self.plan.arch)
+        self.recompiles = Recompiles(self.plan.arch, functools.partial(self.events.emit, "recompile"))
         #: background mode (Warmup Shapes' ``background``); None: compiles happen in the calling thread
         self.background: background.BackgroundMode | None = None
         if device is None:
@@ -114,7 +115,8 @@ class Accelerator:
 
         rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
                                    model=type(unet).__name__,
-                                   precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes)
+                                   precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes,
+                                   told=self.events.emit)
         self.backend, rep.why = choose(self.config.backend, device, self.plan.not_a_unet is not None, self.plan.arch)
         rep.backend = self.backend.name
         if rep.backend != self.config.backend and self.config.backend != "auto":
@@ -159,6 +161,36 @@ class Accelerator:
     def has_regions(self) -> bool:
         """Whether any region runs through a shim (the backend has an implementation for it)."""
         return bool(self._shims)
+
+    @property
+    def arch(self) -> str:
+        """"unet", or "dit" (a diffusion transformer, whose regions are its blocks)."""
+        return self.plan.arch
+
+    @property
+    def not_a_unet(self):
+        """Why nothing of the model is compiled (a Reason: not a model the pack knows), else None."""
+        return self.plan.not_a_unet
+
+    def hidden_width(self) -> int | None:
+        """A DiT's hidden width: what its first region's first linear reads (None: no linear)."""
+        first = next((m for r in self.plan.regions for m in r.module.modules() if isinstance(m, torch.nn.Linear)),
+                     None)
+        return getattr(first, "in_features", None)
+
+    def why_all_eager(self):
+        """Why every region runs the model's own code whatever the call (a Reason), else None."""
+        return self.gate.why_all_eager(self.plan.regions)
+
+    def whole_videos(self, shapes, window: int | None):
+        """``(frames, kept)``: the frames per call the modules another pack inserted take whole videos
+        of, and the ``shapes`` whose calls give them that (``Inserted.whole_videos``; notes go to
+        the report)."""
+        return self.inserted.whole_videos(shapes, window, self.report.note)
+
+    def videos_of(self, frames: int | None):
+        """A context in which the inserted modules that take whole videos take ``frames`` a video."""
+        return self.inserted.videos_of(frames)
 
     def ran_compiled(self) -> tuple[int, int]:
         """(regions whose accelerated code ran at least once, regions with an accelerated path)."""
@@ -240,7 +272,7 @@ class Accelerator:
                 if not streamed:
                     # ComfyUI's per-call cast outside the graph: a CUDA graph where every cast weight is
                     # resident (a VBAR slot or the leaf's own, pinned until the block ends), read in place
-                    with cast.applied(module, casts, args) as resident:
+                    with cast.applied(module, casts, args, self.stats) as resident:
                         if resident is cast.STREAMED:   # evicted since: op by op after all (below)
                             streamed = True
                         elif self.graphs is None:
@@ -333,12 +365,8 @@ class Accelerator:
         self._tell_fallback(kind, why)
 
     def _tell_fallback(self, kind: str, why) -> None:
-        """Tell the fallback listener (the node text and toast) that ``kind`` runs eager now."""
-        if self.on_fallback is not None:
-            try:
-                self.on_fallback(kind, why)
-            except Exception:  # a listener must not turn a soft fallback into a crash
-                log.debug("on_fallback listener failed", exc_info=True)
+        """Tell the ``fallback`` listeners (the node text and toast) that ``kind`` runs eager now."""
+        self.events.emit("fallback", kind, why)
 
     def _refused(self, kinds, reason: Reason) -> None:
         """The gate refused ``kinds`` (warmup's compare found their compiled result wrong): said in
@@ -460,7 +488,8 @@ class Accelerator:
         calls that no compiled code fits are queued for the compile thread and run the model's own
         code meanwhile; nothing compiles in the sampling thread."""
         if self.background is None:
-            self.background = background.BackgroundMode(weakref.WeakMethod(self._background_compiled))
+            self.background = background.BackgroundMode(weakref.WeakMethod(self._background_compiled),
+                                                       functools.partial(self.events.emit, "background_done"))
         return self.background
 
     def end_background(self) -> None:

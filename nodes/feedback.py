@@ -143,10 +143,15 @@ def compiled(accel, node_id) -> dict:
 
 
 # ---- run-time fallbacks ------------------------------------------------------------
+#: the key the nodes' listeners subscribe under (``Accelerator.events``): one of each kind a model
+_LISTENER = "nodes"
+
+
 class _FallbackListener:
-    """``Accelerator.on_fallback``: a region kind failed and now runs eager. Keeps the backend's
-    name, not the accelerator: the accelerator holds this listener, and a cycle between them would
-    keep the UNet alive after ComfyUI drops the model, until Python's cyclic collector runs."""
+    """The accelerator's ``fallback`` and ``recompile`` listener: a region kind failed and now runs
+    eager; code compiled after warmup. Keeps the backend's name, not the accelerator: the
+    accelerator holds this listener, and a cycle between them would keep the UNet alive after
+    ComfyUI drops the model, until Python's cyclic collector runs."""
 
     def __init__(self, accel):
         self.backend = accel.backend.name
@@ -162,7 +167,7 @@ class _FallbackListener:
             progress_text(text, node_id)
 
     def recompiled(self, event: dict) -> None:
-        """``Accelerator.recompiles.listener``: code compiled after warmup, during this prompt."""
+        """The ``recompile`` event: code compiled after warmup, during this prompt."""
         send("recompile", {"node_ids": list(self.node_ids), "backend": self.backend,
                            **{k: event.get(k) for k in ("prompt", "shape", "graphs", "seconds", "guards", "text")}})
         for node_id in self.node_ids:
@@ -172,11 +177,10 @@ class _FallbackListener:
 def attach(accel, node_id) -> None:
     """Route the accelerator's run-time fallbacks to ``node_id`` (and to every
     node later added with this function)."""
-    listener = getattr(accel, "on_fallback", None)
-    if not isinstance(listener, _FallbackListener):
-        listener = _FallbackListener(accel)
-        accel.on_fallback = listener
-        accel.recompiles.listener = listener.recompiled
+    listener = accel.events.listener("fallback", _LISTENER)
+    if listener is None:
+        listener = accel.events.subscribe("fallback", _FallbackListener(accel), key=_LISTENER)
+        accel.events.subscribe("recompile", listener.recompiled, key=_LISTENER)
     if node_id is not None and _id(node_id) not in listener.node_ids:
         listener.node_ids.append(_id(node_id))
 
@@ -302,8 +306,8 @@ class WarmupFeedback:
                     if pacing.waits_for_idle(accel.device_type) else "")
             text = (f"{accel.backend.name}: compiling in the background{when}, {self.total} shape(s) recorded in "
                     f"{secs:.1f} s; until each region's code is ready it runs the model's own code")
-            accel.background.on_done = _background_done(backend=accel.backend.name, node_id=self.node_id,
-                                                        total=self.total, t0=self._t0)
+            accel.events.subscribe("background_done", _background_done(
+                backend=accel.backend.name, node_id=self.node_id, total=self.total, t0=self._t0), key=_LISTENER)
         else:
             text = (f"{accel.backend.name}: {state}, {ran} of {regions} regions ran compiled code, {self.total} "
                     f"shape(s) in {secs:.1f} s, {compiled_and_loaded(graphs, loaded)}"

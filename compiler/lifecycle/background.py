@@ -28,14 +28,15 @@ class BackgroundMode:
     """One model in background mode (Warmup Shapes' ``background``): from ``started()`` on, each time
     the thread's queue empties, what it compiled for this model is handed to ``account(graphs,
     seconds, first, marks) -> state`` (the accelerator counts and saves it: the first time as
-    warmup's, later as compiles after warmup) and, the first time, ``on_done(line, state)`` is told.
-    Holds its accelerator only through ``account`` (a weak method)."""
+    warmup's, later as compiles after warmup) and, the first time, ``tell_done(line, state)`` (the
+    accelerator's ``background_done`` event) is told. Holds its accelerator only through ``account``
+    (a weak method)."""
 
-    def __init__(self, account):
+    def __init__(self, account, tell_done=None):
         self.owner = worker.Owner()
         self.t0 = time.perf_counter()
         self.done: float | None = None       # seconds from start to the first empty queue
-        self.on_done = None                  # optional callable(report line, state), told from the thread
+        self._tell_done = tell_done          # optional callable(report line, state), told from the thread
         self._account = account
         #: probe and listed shape labels warmup recorded: the compile cache entry holds their code once
         #: the thread compiled everything without a failure (a restart then need not run them)
@@ -102,11 +103,8 @@ class BackgroundMode:
         state = account(new, secs, first, marks)   # counted and saved first: "done" means nothing is left
         line = self.line()
         log.info("UNet Compiler: %s", line)
-        if first and self.on_done is not None:
-            try:
-                self.on_done(line, state)
-            except Exception:   # a listener must not break the thread
-                log.debug("background on_done listener failed", exc_info=True)
+        if first and self._tell_done is not None:
+            self._tell_done(line, state)
 
     def line(self) -> str:
         """The report line of background mode."""

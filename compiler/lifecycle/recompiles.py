@@ -17,12 +17,13 @@ log = logging.getLogger(__name__)
 
 class Recompiles:
     """One accelerator's compiles after warmup (``events``: the last 50; ``by_prompt``: graphs per
-    prompt id); ``listener`` (optional ``callable(event)``) is told of each and never breaks a call."""
+    prompt id); ``tell`` (optional ``callable(event)``: the accelerator's ``recompile`` event) is told
+    of each."""
 
-    def __init__(self, arch: str = "unet"):
+    def __init__(self, arch: str = "unet", tell=None):
         self.events: list[dict] = []
         self.by_prompt: Counter = Counter()
-        self.listener = None
+        self._tell = tell
         #: the model's kind ("unet" or "dit"): the guard words name its dims
         self.arch = arch
 
@@ -47,11 +48,8 @@ class Recompiles:
         self.events = (self.events + [event])[-50:]
         event["text"] = recompile_sentence(event, warmed_shapes)
         log.warning("UNet Compiler: %s", event["text"])
-        if self.listener is not None:
-            try:
-                self.listener(event)
-            except Exception:  # a listener must not break sampling
-                log.debug("recompile listener failed", exc_info=True)
+        if self._tell is not None:
+            self._tell(event)
         return event
 
 

@@ -39,7 +39,7 @@ def test_backend_failure_falls_back_once_and_turns_the_kind_off(tiny_unet, faili
     api.compile_unet(unet, "inductor")
     accel = api.accelerator_of(unet)
     told = []
-    accel.on_fallback = lambda kind, why: told.append((kind, why))
+    accel.events.subscribe("fallback", lambda kind, why: told.append((kind, why)))
     with torch.no_grad():
         out = unet(x, t, ctx).sample
         assert torch.equal(out, ref), "the failed region must answer with the model's own code"
@@ -181,7 +181,7 @@ def test_a_recompile_names_its_prompt_shape_and_guard(tiny_unet, monkeypatch):
     unet = api.compile_unet(tiny_unet(), "inductor", dynamic_shapes=False)
     accel = api.accelerator_of(unet)
     told = []
-    accel.recompiles.listener = told.append
+    accel.events.subscribe("recompile", told.append)
     api.warmup(unet, "1x64x64", context_tokens=6)
     assert accel.warmed_shapes == ["1x64x64"] and accel.stats["recompiles_after_warmup"] == 0
     with torch.no_grad():
@@ -293,7 +293,7 @@ def test_a_machine_that_cannot_build_turns_every_kind_off_at_once(tiny_unet, mon
     unet = api.compile_unet(tiny_unet(), "inductor")
     accel = api.accelerator_of(unet)
     told = []
-    accel.on_fallback = lambda kind, why: told.append((kind, why))
+    accel.events.subscribe("fallback", lambda kind, why: told.append((kind, why)))
     monkeypatch.setattr(platform, "system", lambda: "Windows")   # after the backend was chosen here
     with torch.no_grad():
         unet(*_inputs())

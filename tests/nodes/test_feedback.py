@@ -14,6 +14,7 @@ import pytest
 
 from unet_compiler.compiler.backends import Backend
 from unet_compiler.compiler.config import DISABLE_ENV, CompileConfig
+from unet_compiler.compiler.events import Events
 from unet_compiler.compiler.lifecycle.recompiles import Recompiles
 from unet_compiler.compiler.report import Report
 from unet_compiler.compiler.shapes import parse_shapes
@@ -52,7 +53,7 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     be.name = backend
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
-                           warmed=False, bypassed=False, on_fallback=None, background=None,
+                           warmed=False, bypassed=False, events=Events(), background=None,
                            recompiles=Recompiles(), ran_compiled=lambda: (54, 54), cast_eager={},
                            plan=SimpleNamespace(arch="unet"), inserted=SimpleNamespace(video_length=None))
 
@@ -186,7 +187,7 @@ def test_runtime_fallback_listener(server):
     feedback.compiled(accel, "11")
     feedback.attach(accel, "12")
     feedback.attach(accel, "12")
-    accel.on_fallback("attention", "RuntimeError: boom")
+    accel.events.emit("fallback", "attention", "RuntimeError: boom")
     (data,) = server.named("fallback")
     assert data["node_ids"] == ["11", "12"] and data["kind"] == "attention" and data["state"] == "fallback"
     assert data["reason"] == "RuntimeError: boom" and data["fix"]
@@ -214,10 +215,10 @@ def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
     accel = fake_accel()
     feedback.compiled(accel, "11")
     monkeypatch.setattr(comfy_compat, "current_prompt", lambda: "prompt-A")
-    accel.on_fallback("attention", "RuntimeError: boom")
+    accel.events.emit("fallback", "attention", "RuntimeError: boom")
     for i in range(feedback.HISTORY_MAX + 5):
-        accel.recompiles.listener({"prompt": "prompt-A", "shape": "4x64x64", "graphs": 2, "seconds": 1.0,
-                                   "guards": [], "text": f"recompile {i}"})
+        accel.events.emit("recompile", {"prompt": "prompt-A", "shape": "4x64x64", "graphs": 2, "seconds": 1.0,
+                                         "guards": [], "text": f"recompile {i}"})
     started = ("execution_start", {"prompt_id": "prompt-A", "timestamp": 1})
     server.prompt_queue.task_done(7, {"outputs": {}}, status=status_t("success", True, [started]))
     server.prompt_queue.task_done(8, {"outputs": {}}, status_t("success", True, []))   # another prompt: nothing added
@@ -228,7 +229,7 @@ def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
     assert "RuntimeError: boom" in messages[1][1]["text"] and messages[2][1]["text"] == "recompile 0"
     assert history["prompt-B"]["status"]["messages"] == [] and not feedback._pending
     monkeypatch.setattr(comfy_compat, "current_prompt", lambda: None)   # outside a prompt: only sent
-    accel.on_fallback("resblock", "RuntimeError: again")
+    accel.events.emit("fallback", "resblock", "RuntimeError: again")
     assert not feedback._pending and server.named("fallback")[-1]["kind"] == "resblock"
 
 

@@ -1,0 +1,56 @@
+"""What an accelerator tells the rest of the pack as it works: one publish/subscribe surface
+(``Accelerator.events``), so a caller (the nodes' feedback) listens instead of setting attributes on
+the accelerator.
+
+Kinds, and what a listener of each is called with:
+
+- ``fallback(kind, reason)``: a region kind runs the model's own code from now on
+- ``recompile(event)``: code compiled after warmup (the event ``lifecycle.recompiles`` records)
+- ``background_done(line, state)``: the compile thread compiled what the model's background warmup
+  queued (the report's line and the state it counted), told from that thread, once per warmup
+- ``note(text)``: a note was added to the model's report
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+KINDS = ("fallback", "recompile", "background_done", "note")
+
+
+class Events:
+    """One accelerator's listeners by kind. A listener that raises is logged (debug) and the others
+    are still told: no listener breaks a call, a warmup or the compile thread."""
+
+    def __init__(self):
+        self._listeners: dict[str, dict] = {kind: {} for kind in KINDS}
+
+    def subscribe(self, kind: str, listener: Callable, key=None) -> Callable:
+        """Tell ``listener`` of each ``kind`` event. One listener a ``key``: a later one with the same
+        key replaces it (None: a key of its own). Returns ``listener``."""
+        self._listeners[self._known(kind)][object() if key is None else key] = listener
+        return listener
+
+    def unsubscribe(self, kind: str, key) -> None:
+        """Stop telling the listener subscribed under ``key``."""
+        self._listeners[self._known(kind)].pop(key, None)
+
+    def listener(self, kind: str, key) -> Callable | None:
+        """The listener subscribed to ``kind`` under ``key``, if any."""
+        return self._listeners[self._known(kind)].get(key)
+
+    def emit(self, kind: str, *args) -> None:
+        """Tell every ``kind`` listener ``args``, in the order they subscribed."""
+        for listener in list(self._listeners[self._known(kind)].values()):
+            try:
+                listener(*args)
+            except Exception:   # a listener must not turn what it is told of into a failure
+                log.debug("UNet Compiler: a %s listener failed", kind, exc_info=True)
+
+    @staticmethod
+    def _known(kind: str) -> str:
+        if kind not in KINDS:
+            raise ValueError(f"unknown event kind {kind!r}; the kinds are {', '.join(KINDS)}")
+        return kind
