@@ -51,12 +51,6 @@ def patch_names(model_options: dict) -> list[str]:
     return names
 
 
-def dit_width(plan) -> int | None:
-    """A DiT's hidden width: what its first block's first linear reads."""
-    first = next((m for r in plan.regions for m in r.module.modules() if isinstance(m, torch.nn.Linear)), None)
-    return getattr(first, "in_features", None)
-
-
 def _fits(unet, x, c) -> bool:
     """Whether extra_conds' conditioning has the widths this UNet takes (a model built with
     non-standard widths, e.g. a test's tiny one, gets random tensors of its own sizes instead)."""
@@ -115,8 +109,9 @@ class SamplingCall:
         #: why warmup's conditioning is random tensors of the UNet's input sizes, not the model's own
         #: ``extra_conds`` (a report line; the compiled code is the same, sampling uses the prompt's)
         self.random_conds: str | None = None
-        #: the model's modules that take whole videos (an ``Inserted``) and the frames per call sampling
-        #: gives them (its context windows, or their video length), which each call gives them too
+        #: what gives the model's modules that take whole videos their frames (the accelerator's
+        #: ``videos_of``) and the frames per call sampling gives them (its context windows, or their
+        #: video length), which each call gives them too
         self.videos, self.frames = None, None
 
     def __call__(self, shape):
@@ -276,12 +271,12 @@ def prepare(model, accel, shapes, context_tokens: int) -> Job:
     before anything is allocated for them. A model nothing of which runs compiled gets no call."""
     import comfy.model_management
 
-    if accel.plan.not_a_unet:
+    if accel.not_a_unet:
         return Job(shapes)     # nothing was compiled: nothing to prime (and no UNet inputs to build)
     base, device = model.model, model.load_device
-    unet, dit = base.diffusion_model, accel.plan.arch == "dit"
+    unet, dit = base.diffusion_model, accel.arch == "dit"
     dtype = base.manual_cast_dtype or base.get_dtype()
-    window, width, call = context_window(model), dit_width(accel.plan), SamplingCall(model, context_tokens, device, dtype)
+    window, width, call = context_window(model), accel.hidden_width(), SamplingCall(model, context_tokens, device, dtype)
     # what an entry's activations take: a DiT's hidden width per token of its latent grid (and frames)
     grid = dict(cell=latent_scale(base) * dit_patch(unet), frames_of=lambda f: max((1, *latent_frames(base, f))))
     video = is_video(base)
@@ -292,16 +287,16 @@ def prepare(model, accel, shapes, context_tokens: int) -> Job:
     room, where = usable_memory(model, device)
     check_memory(shapes, width if dit else first_level_channels(unet), dtype.itemsize, room, where,
                  **(grid if dit else {}))
-    why = accel.gate.why_all_eager(accel.plan.regions)
+    why = accel.why_all_eager()
     if why is not None:
         # every region's weights are made per call in a way the pack cannot serve (another pack's
         # dequantising ops): probes would only spend eager calls, so none run
         note = f"Warmup Shapes ran no calls: every region runs the model's own code ({why})"
         accel.report.note(note, once=True)
         return Job(shapes, why=why)
-    frames, kept = accel.inserted.whole_videos(shapes, window, accel.report.note)
+    frames, kept = accel.whole_videos(shapes, window)
     if not kept:
         return Job(shapes, note=f"no entry's batch is a multiple of the {frames} frames the model's inserted "
                                 f"modules take per call (see the report's warmup entry lines)")
-    call.videos, call.frames = accel.inserted, frames
+    call.videos, call.frames = accel, frames
     return Job(kept, frames, call)
