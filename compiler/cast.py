@@ -39,9 +39,6 @@ _MISSING = object()
 _BUSY: set[int] = set()          # region modules whose leaves show cast weights now (the sampling thread)
 _ALL = -1                        # in _BUSY: every leaf of the model shows them (a whole call's resident slots)
 _BUSY_LOCK = threading.Lock()
-#: what the per-call casts did (tests read it): ``copied``, views of reused buffers copied before the region
-#: ran; ``stream_stops``, regions whose up-front cast stopped at a streamed weight (run op by op instead)
-STATS: Counter = Counter()
 #: per own-cast leaf: {(dtype, device, weight functions?, bias functions?): None (checked) or the Reason it failed}
 _OWN_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -322,17 +319,18 @@ def _plain(t):
     return t if t is None or type(t) in (torch.Tensor, torch.nn.Parameter) else t.as_subclass(torch.Tensor)
 
 
-def _held(leaf, t, name, fresh_views: bool = False):
+def _held(leaf, t, name, fresh_views: bool, stats: Counter):
     """``t`` (a cast weight of ``leaf``) or a copy of it that no later cast overwrites: the leaf's own
     parameter, its VBAR slot (pinned until uncast) and a tensor that owns its memory are kept as
     they are; a view is copied (a cast buffer the next cast reuses may be exactly one weight's
     size), unless ``fresh_views``: another pack's own cast, whose dequantized weight is a new
-    tensor each call, often a reshape of one (kept when it covers its whole storage)."""
+    tensor each call, often a reshape of one (kept when it covers its whole storage). A copy is
+    counted in ``stats["cast_views_copied"]``."""
     if _resident(leaf, t, name):
         return t
     if (t._base is None or fresh_views) and t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
-    STATS["copied"] += 1
+    stats["cast_views_copied"] += 1
     return t.clone()
 
 
@@ -414,15 +412,16 @@ STREAMED = "streamed"
 
 
 @contextlib.contextmanager
-def applied(module, leaves, args):
+def applied(module, leaves, args, stats: Counter):
     """Inside: each of ``leaves`` (the region ``module``'s, from :func:`plan`) shows ComfyUI's cast of
     its weights for this call (to the dtype and device of ``args``' first tensor) and takes its plain
     forward; everything is put back after, also on an error. Yields the cast weights' addresses
     (``(data_ptr, dtype)`` each) when every one is resident (:func:`_resident`: what a CUDA graph may
     read in place, pinned until this block ends), else None; or :data:`STREAMED`, showing nothing,
     when a leaf's weights streamed after all (evicted since :func:`streams` read them): the caller
-    runs the region op by op, and what was cast is released here. For the thread that runs the
-    model (the compile thread builds a :func:`stand_in` instead)."""
+    runs the region op by op, and what was cast is released here (counted in
+    ``stats["cast_stopped_at_stream"]``). For the thread that runs the model (the compile thread
+    builds a :func:`stand_in` instead)."""
     dtype, device = compute_of(args)
     casts, saved = [], []
     resident = True
@@ -433,12 +432,12 @@ def applied(module, leaves, args):
             w, b, handle = _cast(leaf, dtype, device)
             casts.append((leaf, w, b, handle))
             if _streams(leaf, device):
-                STATS["stream_stops"] += 1
+                stats["cast_stopped_at_stream"] += 1
                 break
             # the region reads every leaf at once, after all of them were cast: views of reused buffers
             # are held (another pack's own cast hands out a new tensor each call, often a reshape of one)
             fresh = own_cast(type(leaf))
-            w, b = _held(leaf, w, "weight", fresh), _held(leaf, b, "bias", fresh)
+            w, b = _held(leaf, w, "weight", fresh, stats), _held(leaf, b, "bias", fresh, stats)
             casts[-1] = (leaf, w, b, handle)
             resident = resident and _resident(leaf, w, "weight") and _resident(leaf, b, "bias")
             saved += _show(leaf, w, b)

@@ -4,6 +4,8 @@ LoRA, ops that keep their own arithmetic), through Compile UNet on ComfyUI's own
 Compiled == eager at 1e-4 (fp32 compute: only the graphs' fp32 rounding differs; measured ~1e-5),
 every region ran compiled code with ComfyUI's cast done outside the graph, and nothing compiles
 again when the storage dtype, the LoRA strength or the partial-load split changes."""
+from collections import Counter
+
 import pytest
 import torch
 
@@ -172,7 +174,7 @@ def test_a_failed_call_puts_the_weights_back(comfy, make_comfy_model):
     assert why is None and len(todo) == 2
     x = torch.zeros(1, 4, 32)
     with pytest.raises(RuntimeError, match="boom"):
-        with cast.applied(attn, todo, (x,)):
+        with cast.applied(attn, todo, (x,), Counter()):
             assert attn.to_q.weight.dtype == torch.float32 and not attn.to_q.comfy_cast_weights
             assert attn.to_q.weight_function == [] and cast.busy(attn)
             torch.testing.assert_close(attn.to_q.weight, before[0][0].float() * 2)

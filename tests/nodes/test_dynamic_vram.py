@@ -53,8 +53,7 @@ def test_sd15_with_every_weight_streamed(make_comfy_model, dynamic_vram, monkeyp
     backend's, regions.py's run as Python) runs every region compiled, op by op; inductor's compiled
     body reads a region's weights at once, so its regions run the model's own code, counted, and the
     status says why and what to choose. == eager, no pin left. (Before: every region's weights were
-    cast up front and the shared buffers' views copied, cast.STATS["copied"].)"""
-    from unet_compiler.compiler import cast
+    cast up front and the shared buffers' views copied, ``cast_views_copied`` in its stats.)"""
     from unet_compiler.compiler.backends import inductor
     if body == "op by op":
         monkeypatch.setattr(inductor, "region_body", lambda body, *a, **k: body)
@@ -63,14 +62,13 @@ def test_sd15_with_every_weight_streamed(make_comfy_model, dynamic_vram, monkeyp
     cm, _ = patcher.compile_model(dyn, CFG)
     accel = patcher.accelerator_of(cm)
     accel.backend.streams_op_by_op = body == "op by op"
-    copied = cast.STATS["copied"]
     text = patcher.warmup_model(cm, "2x64x64", 77)
     out = _apply(cm, "sd15")
     assert _rel(out, ref) < 1e-5, f"rel L2 {_rel(out, ref):.3g}\n{text}"
     _close(out, ref)
     n = _regions(accel)
     calls = accel.stats["region_streamed"] + accel.stats["region_streamed_eager"]
-    assert calls >= 2 * n and cast.STATS["copied"] == copied, (dict(accel.stats), cast.STATS)
+    assert calls >= 2 * n and accel.stats["cast_views_copied"] == 0, dict(accel.stats)
     if body == "op by op":
         assert f"{n} of {n} regions ran compiled code" in text, text
         assert accel.stats["region_streamed"] == calls and accel.stats["region_eager"] == 0, accel.text()
@@ -120,14 +118,13 @@ def test_unets_over_prompts_with_lora_and_resident_set_changes(comfy, make_comfy
     the LoRA strength and the resident set: compiled == eager each time, every region call compiled
     but those whose weights streamed (the model's own code, op by op: inductor's body reads a
     region's weights at once), 0 recompiles, no pin held after a call, no weight copied."""
-    from unet_compiler.compiler import cast
     base = dynamic_vram.patcher(make_comfy_model(kind), budget=1.0)
     cm, _ = patcher.compile_model(base, CFG)
     text = patcher.warmup_model(cm, "2x64x64", 77)
     accel = patcher.accelerator_of(cm)
     n = _regions(accel)
     assert f"{n} of {n} regions ran compiled code" in text, text
-    copied, before = cast.STATS["copied"], Counter(accel.stats)
+    before = Counter(accel.stats)
 
     def apply(p, load):
         return _apply(p, kind, load=load)
@@ -135,7 +132,7 @@ def test_unets_over_prompts_with_lora_and_resident_set_changes(comfy, make_comfy
     assert all(rel < 1e-5 and pins == 0 for rel, pins in seen), seen
     _only_streamed_ran_eager(accel, before)
     assert accel.stats["recompiles_after_warmup"] == 0, accel.text()
-    assert cast.STATS["copied"] == copied
+    assert accel.stats["cast_views_copied"] == before["cast_views_copied"], dict(accel.stats)
     print(f"\n{kind}: rel L2 per prompt {[f'{r:.1e}' for r, _ in seen]}, regions {n}/{n}, recompiles 0")
 
 
@@ -192,7 +189,7 @@ def test_warmup_gate_catches_overwritten_weights(make_comfy_model, dynamic_vram,
     casts) under the double: the gate turns every kind it reads wrong weights in to the model's own
     code, and the result is ComfyUI's."""
     from unet_compiler.compiler import cast
-    monkeypatch.setattr(cast, "_held", lambda leaf, t, name, fresh_views=False: t)
+    monkeypatch.setattr(cast, "_held", lambda leaf, t, name, fresh_views, stats: t)
     monkeypatch.setattr(cast, "_streams", lambda leaf, device: False)
     dyn = dynamic_vram.patcher(make_comfy_model("sd15"), budget=0.0)
     ref = _apply(dyn, "sd15")
@@ -434,12 +431,11 @@ def test_graphs_follow_the_resident_set(comfy, make_comfy_model, dynamic_vram, m
     resident (faulted back in at the addresses captured: no capture again) and runs the others op by
     op; a call where it changes runs op by op the regions whose slots it refills or finds evicted
     (an evicted slot found on the up-front fault stops the region's cast there). == ComfyUI's eager."""
-    from unet_compiler.compiler import cast
     fake = strict_graph_standin()
     cm, _, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
     n = _regions(accel)
     per_call, resident, streamed = [], [], []
-    stops = cast.STATS["stream_stops"]
+    stops = accel.stats["cast_stopped_at_stream"]
     rooms = (1.0, 1.0, 1.0, 0.3, 0.3, 1.0, 1.0, 0.0, 1.0, 1.0)
     for room in rooms:
         p = cm.clone()
@@ -453,7 +449,7 @@ def test_graphs_follow_the_resident_set(comfy, make_comfy_model, dynamic_vram, m
     assert [per_call[i] for i in settled] == [resident[i] for i in settled], (per_call, resident)
     assert resident[2] == n and 0 < resident[4] < n and resident[7] == 0, resident
     assert all(per_call[i] + streamed[i] == n for i in range(2, len(rooms))), (per_call, streamed)
-    assert cast.STATS["stream_stops"] > stops and accel.stats["region_eager"] == 0
+    assert accel.stats["cast_stopped_at_stream"] > stops and accel.stats["region_eager"] == 0
     assert fake.captures == n and p.vbar().evictions > 0, (fake.captures, n)
     print(f"\nrooms {rooms}: replayed {per_call}, op by op {streamed}, fully resident after {resident}")
 
