@@ -97,8 +97,8 @@ def comfy():
 def _no_cpu_isa_record_between_tests():
     """compiler/cache/cpu_isa.py's routing of inductor's ISA probe is per process: each test starts without it."""
     yield
-    from unet_compiler.compiler.cache import cpu_isa
-    cpu_isa.uninstall()
+    from unet_compiler.tests import _cpu_isa
+    _cpu_isa.uninstall()
 
 
 @pytest.fixture

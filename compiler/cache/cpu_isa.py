@@ -149,18 +149,6 @@ def install(folder: Path) -> None:
         cls.check_build = check_build
 
 
-def uninstall() -> None:
-    """Inductor's own probe back, nothing remembered (tests)."""
-    with _lock:
-        cls = _vec_isa_class()
-        original = getattr(getattr(cls, "check_build", None), "__unet_compiler_original__", None)
-        if original is not None:
-            cls.check_build = original
-        _state.update(installed=False, replayed=0, probed=0)
-        _file.clear()
-        _new.clear()
-
-
 def save(folder: Path) -> None:
     """Add the successes probed in this process to ``folder``'s record, under this machine's key
     (other machines' outcomes kept). A read-only folder is left alone; never raises."""

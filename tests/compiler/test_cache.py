@@ -19,6 +19,7 @@ import torch
 from unet_compiler.compiler import cache as C
 from unet_compiler.compiler.lifecycle import variants
 from unet_compiler.compiler.config import CompileConfig
+from unet_compiler.tests import _cpu_isa
 
 
 @pytest.fixture
@@ -387,7 +388,7 @@ def isa_probe(monkeypatch):
     from torch._inductor import cpu_vec_isa
 
     from unet_compiler.compiler.cache import cpu_isa
-    cpu_isa.uninstall()
+    _cpu_isa.uninstall()
     calls = []
 
     def probe(self, code):
@@ -395,7 +396,7 @@ def isa_probe(monkeypatch):
         return "avx512" not in str(self)
     monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", probe)
     yield cpu_isa, cpu_vec_isa, calls
-    cpu_isa.uninstall()
+    _cpu_isa.uninstall()
 
 
 def test_inductors_isa_probe_is_replayed_where_the_machine_matches(isa_probe, tmp_path, monkeypatch):
@@ -405,7 +406,7 @@ def test_inductors_isa_probe_is_replayed_where_the_machine_matches(isa_probe, tm
     assert outcomes == [True, False] and len(calls) == 2, (outcomes, calls)
     assert not (tmp_path / cpu_isa.FILE).exists(), "written at a save, not at the probe"
     cpu_isa.save(tmp_path)
-    cpu_isa.uninstall()
+    _cpu_isa.uninstall()
 
     # a new process (simulated): the success is replayed, the failure (maybe a timeout) probed again
     cpu_isa.install(tmp_path)
@@ -414,7 +415,7 @@ def test_inductors_isa_probe_is_replayed_where_the_machine_matches(isa_probe, tm
     assert cpu_isa.counts() == {"replayed": 1, "probed": 1}
     vec.VecAVX2().check_build("other code")
     assert len(calls) == 4, "another probe code is probed"
-    cpu_isa.uninstall()
+    _cpu_isa.uninstall()
 
     # another machine (a different compiler, CPU or torch): its record is its own, both are kept
     cpu_isa.machine_key.cache_clear()
@@ -436,7 +437,7 @@ def test_the_isa_record_is_off_by_env_and_a_bad_record_is_ignored(isa_probe, tmp
     assert vec.VecAVX2().check_build("x") is True and len(calls) == 1
     cpu_isa.save(tmp_path)   # the bad record is replaced by a good one
     assert cpu_isa.machine_key() in json.loads((tmp_path / cpu_isa.FILE).read_text())["machines"]
-    cpu_isa.uninstall()
+    _cpu_isa.uninstall()
     monkeypatch.setenv("UNET_COMPILER_CPU_ISA_RECORD", "off")
     cpu_isa.install(tmp_path)
     vec.VecAVX2().check_build("x")
