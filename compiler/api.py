@@ -1,4 +1,8 @@
-"""Public API for non-ComfyUI users: ``compile_unet`` and ``warmup``."""
+"""The compiler's one surface. For a plain PyTorch / diffusers user: ``compile_unet``, ``warmup``,
+``report``, ``uncompile_unet`` (the package's top level). For the ComfyUI nodes (nodes/), which
+import from the compiler only through here: the names below the functions' own imports (the
+accelerator they wrap a model with, its config and reports, shape checks, ComfyUI's facts the
+compiler reads)."""
 from __future__ import annotations
 
 import logging
@@ -6,12 +10,32 @@ import weakref
 
 import torch
 
-from .config import CompileConfig
+from .backends import tooltip as backend_tooltip
+from .compat.comfy import (current_prompt, dit_context_width, dit_patch, dit_pooled_width, forget_compiler_recording,
+                           is_interrupt, is_video, latent_frames, latent_scale, latent_time_scale)
+from .config import BACKENDS, PRECISIONS, CompileConfig
+from .inserted import frame_count
+from .lifecycle import pacing
 from .plan import build_plan
+from .reasons import error_summary, runtime_fallback
+from .report import compile_facts, compiled_and_loaded, status_line, warmup_facts
 from .runtime import Accelerator
-from .shapes import (as_shapes, check_frames, check_memory, device_free_bytes, first_level_channels, label_of,
-                     memory_name, unet_inputs)
-from .warmup import warmup_runs
+from .shapes import (MAX_CONTEXT_TOKENS, ShapeError, as_shapes, check_context_tokens, check_frames, check_memory,
+                     context_dim, device_free_bytes, first_level_channels, label_of, memory_name, parse_shapes,
+                     unet_inputs, validate_shapes_input)
+from .warmup import warmup_probes, warmup_runs
+
+__all__ = [
+    # a plain PyTorch / diffusers user's (the package's top level)
+    "compile_unet", "uncompile_unet", "accelerator_of", "report", "warmup", "wait_for_background",
+    # the ComfyUI nodes' (nodes/)
+    "Accelerator", "BACKENDS", "CompileConfig", "MAX_CONTEXT_TOKENS", "PRECISIONS", "ShapeError", "backend_tooltip",
+    "check_context_tokens", "check_frames", "check_memory", "compile_facts", "compiled_and_loaded", "context_dim",
+    "current_prompt", "dit_context_width", "dit_patch", "dit_pooled_width", "error_summary", "first_level_channels",
+    "forget_compiler_recording", "frame_count", "is_interrupt", "is_video", "label_of", "latent_frames",
+    "latent_scale", "latent_time_scale", "memory_name", "pacing", "parse_shapes", "runtime_fallback", "status_line",
+    "unet_inputs", "validate_shapes_input", "warmup_facts", "warmup_probes", "warmup_runs",
+]
 
 log = logging.getLogger(__name__)
 _ATTR = "_unet_compiler"

@@ -14,10 +14,8 @@ import sys
 import threading
 import time
 
-from ..compiler.lifecycle import pacing
-from ..compiler.reasons import runtime_fallback
-from ..compiler.report import compile_facts, compiled_and_loaded, status_line, warmup_facts
-from ..compiler.warmup import warmup_probes
+from ..compiler.api import (compile_facts, compiled_and_loaded, current_prompt, pacing, runtime_fallback, status_line,
+                            warmup_facts, warmup_probes)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +76,6 @@ def _keep_for_history(srv, event: str, data: dict) -> None:
     ``/history`` entry (``status.messages``, beside its own ``execution_start`` ...) when the
     prompt ends. Never raises."""
     try:
-        from ..compiler.compat.comfy import current_prompt
         prompt = current_prompt()
         queue = getattr(srv, "prompt_queue", None)
         if not prompt or queue is None or not _hook_task_done(queue):

@@ -14,12 +14,8 @@ import weakref
 
 import torch
 
-from ..compiler.config import CompileConfig
-from ..compiler.compat.comfy import is_interrupt, latent_scale, latent_time_scale
-from ..compiler.runtime import Accelerator
-from ..compiler.shapes import check_context_tokens, label_of, parse_shapes
-from ..compiler.reasons import error_summary
-from ..compiler.warmup import warmup_runs
+from ..compiler.api import (Accelerator, CompileConfig, check_context_tokens, error_summary, is_interrupt, label_of,
+                            latent_scale, latent_time_scale, parse_shapes, warmup_runs)
 from . import feedback, warmup
 from .warmup import fn_name
 

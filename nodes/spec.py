@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..compiler.backends import tooltip as backend_tooltip
-from ..compiler.config import BACKENDS, PRECISIONS
-from ..compiler.shapes import MAX_CONTEXT_TOKENS
+from ..compiler.api import BACKENDS, MAX_CONTEXT_TOKENS, PRECISIONS, backend_tooltip
 
 CATEGORY = "UNet Compiler"
 

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io, ui
 
-from ..compiler.config import CompileConfig
-from ..compiler.shapes import ShapeError, validate_shapes_input
+from ..compiler.api import CompileConfig, ShapeError, validate_shapes_input
 from . import patcher, spec
 
 UnetBackend = io.Custom("UNET_BACKEND")

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..compiler.compat.comfy import (dit_context_width, dit_patch, dit_pooled_width, forget_compiler_recording,
-                                     is_interrupt, is_video, latent_frames, latent_scale)
-from ..compiler.inserted import frame_count
-from ..compiler.reasons import error_summary
-from ..compiler.shapes import check_frames, check_memory, context_dim, first_level_channels, memory_name, unet_inputs
+from ..compiler.api import (check_frames, check_memory, context_dim, dit_context_width, dit_patch, dit_pooled_width,
+                            error_summary, first_level_channels, forget_compiler_recording, frame_count, is_interrupt,
+                            is_video, latent_frames, latent_scale, memory_name, unet_inputs)
 
 log = logging.getLogger(__name__)
 

@@ -374,6 +374,21 @@ def test_import_graph_has_no_cycle():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_the_nodes_reach_the_compiler_through_its_api_only():
+    """nodes/ imports from compiler/ only its one surface, compiler/api.py (its ``__all__``), and every
+    name it takes from there is listed in it."""
+    from unet_compiler.compiler import api
+    graph = _import_graph()
+    nodes = {m: {t for t in ts if t.startswith("unet_compiler.compiler")} for m, ts in graph.items()
+             if m.startswith("unet_compiler.nodes")}
+    assert len(nodes) >= 5 and nodes["unet_compiler.nodes.patcher"], nodes
+    assert not {m: ts - {"unet_compiler.compiler.api"} for m, ts in nodes.items() if ts - {"unet_compiler.compiler.api"}}
+    for path in (ROOT / "nodes").glob("*.py"):
+        for n in ast.walk(ast.parse(path.read_text())):
+            if isinstance(n, ast.ImportFrom) and n.level == 2 and n.module == "compiler.api":
+                assert {a.name for a in n.names} <= set(api.__all__), (path.name, [a.name for a in n.names])
+
+
 def test_which_files_are_the_packs(tmp_path):
     """One rule: every .py file in the checkout but those under bench/, tests/ and docs/ and in hidden
     or virtual-env folders; the import checks here (tests/_pack.py) and the patch harness's "the
