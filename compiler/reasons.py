@@ -89,11 +89,11 @@ def wrong_result(diff: float, tolerance: float, label: str) -> Reason:
 
 def runtime_fallback(backend: str, kind: str, error: str) -> Reason:
     """A region kind failed at run time (``error``; a ``Reason`` with its own fix, such as
-    :func:`build_failure`'s, keeps that fix) and runs eager from now on."""
+    :func:`build_failure`'s, keeps that fix) and runs the model's own code from now on."""
     fix = getattr(error, "fix", "") or (
         f"none needed for correctness (they run ComfyUI's own code); to silence this choose eager in "
         f"Select Backend or set {DISABLE_ENV}=1, and report the error with the log")
-    why = f"{kind} regions failed ({getattr(error, 'why', error)}) and run eager now"
+    why = f"{kind} regions failed ({getattr(error, 'why', error)}) and run the model's own code now"
     return Reason(why, fix, backend, text=f"fallback: {why}. Fix: {fix}.")
 
 

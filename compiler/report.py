@@ -69,7 +69,7 @@ class Report:
         if self.regions:
             lines.append("  accelerated regions: " + ", ".join(f"{k} x{n}" for k, n in self.regions.items()))
         else:
-            lines.append("  accelerated regions: none (everything runs eager)")
+            lines.append("  accelerated regions: none (everything runs the model's own code)")
         lines += [f"  left eager: {k} x{n}: {why}" for k, n, why in self.skipped]
         lines += [f"  note: {n}" for n in self.notes]
         for label, secs, graphs in self.warmup:
@@ -91,11 +91,11 @@ class Report:
                 + (f"; loaded from the compile cache: {stats['graphs_from_cache']}" if stats.get("graphs_from_cache")
                    else "")
                 + "; recompiles after warmup: "
-                f"{stats.get('recompiles_after_warmup', 0)}; region calls run eager for patches/lowvram: "
+                f"{stats.get('recompiles_after_warmup', 0)}; region calls on the model's own code for patches/lowvram: "
                 f"{stats.get('region_eager', 0)}"
                 + (f" ({stats['region_eager_cast']} for weights ComfyUI casts per call)"
                    if stats.get("region_eager_cast") else "")
-                + (f"; oom calls run eager: {stats['oom_calls_eager']}" if stats.get("oom_calls_eager") else ""))
+                + (f"; oom calls on the model's own code: {stats['oom_calls_eager']}" if stats.get("oom_calls_eager") else ""))
             if stats.get("compile_seconds"):
                 lines.append(f"  seconds in calls that compiled: {stats['compile_seconds']:.1f}")
         return "\n".join(lines)
@@ -181,7 +181,7 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
             by_why.setdefault(why, []).append(k)
         fixes = [w.fix for w in by_why if getattr(w, "fix", "")]
         return {"state": "fallback", "fix": "; ".join(fixes) or "none needed for correctness; see the log for the error",
-                "reason": "; ".join(f"{', '.join(ks)} regions failed ({getattr(why, 'why', why)}) and run eager"
+                "reason": "; ".join(f"{', '.join(ks)} regions failed ({getattr(why, 'why', why)}) and run the model's own code"
                                     for why, ks in by_why.items())}
     if backend == "eager":
         facts = compile_facts(rep)

@@ -349,7 +349,7 @@ class Accelerator:
             self.report.note(msg)
 
     def _turn_off(self, kind, error):
-        """The backend failed where the model's own code runs: ``kind`` regions run eager from now on;
+        """The backend failed where the model's own code runs: ``kind`` regions run it from now on;
         every kind when this machine cannot build compiled code at all (one failed compile, not one
         per kind, and the compiler's error line with the fix instead of its command line)."""
         build = build_failure(error)
@@ -359,13 +359,13 @@ class Accelerator:
         if build is not None:
             kind = "all"
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({why}); "
-               f"they run eager from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
+               f"they run the model's own code from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
         log.warning(msg, exc_info=error)
         self.report.note(msg)
         self._tell_fallback(kind, why)
 
     def _tell_fallback(self, kind: str, why) -> None:
-        """Tell the ``fallback`` listeners (the node text and toast) that ``kind`` runs eager now."""
+        """Tell the ``fallback`` listeners (the node text and toast) that ``kind`` runs the model's own code now."""
         self.events.emit("fallback", kind, why)
 
     def _refused(self, kinds, reason: Reason) -> None:

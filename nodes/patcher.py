@@ -327,7 +327,7 @@ def patch_effects(transformer_options: dict) -> list[str]:
             for where, table in transformer_options.get("patches_replace", {}).items() for key, fn in table.items()]
     if "optimized_attention_override" in transformer_options:
         out.append(f"optimized_attention_override ({fn_name(transformer_options['optimized_attention_override'])}): "
-                   f"every attention region runs eager")
+                   f"every attention region runs the model's own code")
     return out
 
 

@@ -132,7 +132,7 @@ class SamplingCall:
                 raise
             self.dropped = (f"warmup ran without the model's patches ({', '.join(self.patches)}): outside "
                             f"sampling they raised {error_summary(e)}"[:400]
-                            + ". Sampling applies them as usual; patched regions run eager then.")
+                            + ". Sampling applies them as usual; patched regions run the model's own code then.")
             log.warning("UNet Compiler: %s", self.dropped, exc_info=True)
             self.patched = False
             return self._call(shape, patched=False)

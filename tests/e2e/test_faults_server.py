@@ -270,7 +270,7 @@ def test_run_time_fault_in_one_region_falls_back_and_reaches_history(fault_serve
     ev = events[0]
     assert ev["kind"] == region and ev["backend"] == "inductor" and ev["state"] == "fallback", ev
     assert error in ev["reason"] and ev["fix"], ev
-    assert f"{region} regions failed ({error}" in ev["text"] and "run eager now" in ev["text"], ev["text"]
+    assert f"{region} regions failed ({error}" in ev["text"] and "run the model's own code now" in ev["text"], ev["text"]
     assert ev["node_ids"] == ["11", "12"], ev
     assert_eager_latent(fault_server, entry, eager[None], f"{fault} in the {region} regions")
 
@@ -377,7 +377,7 @@ def test_lowvram_offload(fault_server, sd15_checkpoint, first_compile, eager):
     entry = run(fault_server, workflow(sd15_checkpoint.name, "lowvram",
                                        fault={"fault": "lowvram", "nonce": uuid.uuid4().hex}))
     report = ui_text(entry, "12")
-    assert "region calls run eager for patches/lowvram: 0" in report, report
+    assert "region calls on the model's own code for patches/lowvram: 0" in report, report
     assert "compiled with ComfyUI's cast outside the graph" in report, report
     assert "failed" not in report, report
     assert_eager_latent(fault_server, entry, eager[None], "lowvram offload")
@@ -389,7 +389,7 @@ def test_no_fault_outlives_its_prompt(fault_server, sd15_checkpoint, first_compi
     entry = run(fault_server, workflow(sd15_checkpoint.name, "clean", fault={"fault": "none", "nonce": "last"}))
     report = ui_text(entry, "12")
     assert "inductor: compiled" in report and "failed" not in report, report
-    assert "region calls run eager for patches/lowvram: 0" in report, report
+    assert "region calls on the model's own code for patches/lowvram: 0" in report, report
     assert not messages(entry, "unet_compiler.fallback"), messages(entry, "unet_compiler.fallback")
     assert "discarded" not in ui_text(entry, "11") and "could not load" not in ui_text(entry, "11"), ui_text(entry, "11")
     assert_eager_latent(fault_server, entry, eager[None], "after every fault")

@@ -234,7 +234,7 @@ def test_non_unet_comfy_model_runs_eager_with_reason(comfy):
     ref = run(mp)
     cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     _close(run(cm), ref, tol=0)
-    assert "accelerated regions: none (everything runs eager)" in text
+    assert "accelerated regions: none (everything runs the model's own code)" in text
     assert "comfy.ldm.aura.mmdit." in text
     assert "is neither ComfyUI's openaimodel.UNetModel" in text
     # eager by design, not a fallback: no backend resolved, nothing for the user to fix
