@@ -3,12 +3,13 @@
 ``warmup_runs`` drives any caller's one-forward ``run_one(shape)`` (the diffusers API's inputs,
 ComfyUI's sampling-style call) over the probe shapes and then each shape, timing each, counting
 the graphs it compiled (and those the compile cache supplied), and comparing the first shape with
-the model's own code. ``warmup_probes`` says which probe shapes a backend needs.
+the model's own code, telling each call's :class:`Step` before it runs.
 """
 from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -70,15 +71,24 @@ def one_shape(accel: Accelerator, shapes: list[Shape]) -> bool:
             and accel.backend.follows_dynamic_shapes)
 
 
-def warmup_probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
-    """The probe shapes warmup runs first: only where code is specialised per shape
-    (dynamo graphs, Triton kernel variants) and shapes are dynamic; not those whose precompiled
-    variants the compile cache holds already (``primed_probes``)."""
-    primed = primed_probes(accel)
-    return [p for p in _probes(accel, shapes) if p.label not in primed]
+@dataclass(frozen=True)
+class Step:
+    """One UNet call warmup makes, told (``on_step``) before it runs: ``kind`` is "reference" (the
+    model's own code, for the compare), "probe" (``index`` of ``of`` probe shapes, compiling what
+    every listed shape inside the box then reuses), "shape" (``index`` of ``of`` listed shapes),
+    "capture" (a listed shape's second call, which captures its CUDA graphs), "check" (the compare's
+    calls with one region kind on the model's own code) or "measure" (timing each region kind
+    against the model's own code); ``shape`` the call's."""
+    kind: str
+    shape: Shape
+    index: int | None = None
+    of: int | None = None
 
 
 def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
+    """The probe shapes warmup runs first: only where code is specialised per shape (dynamo graphs,
+    Triton kernel variants) and shapes are dynamic (those whose precompiled variants the compile
+    cache holds already, ``primed_probes``, are then left out)."""
     if accel.config.dynamic_shapes and accel.backend.name != "eager" and accel.backend.specialises_on_shapes:
         # a DiT has no levels: its token grid is the latent / patch (no side reaches 1 by halving)
         levels = 1 if accel.plan.arch == "dit" else _levels(accel.root)
@@ -162,7 +172,7 @@ def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
 
 
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
-                background: bool = False):
+                background: bool = False, on_step=None):
     """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
     probe shapes and then each shape, timing it and counting the graphs each
     one compiled; compare the first shape against the eager reference. Marks
@@ -171,7 +181,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     ``background``: the runs only record what to compile and run the model's own code; a daemon
     thread compiles it (``worker.BACKGROUND``) while sampling goes on with the model's own code
     in every region not ready yet. Where that is impossible a note says why and warmup compiles first.
-    One listed shape (``one_shape``) compiles exactly that shape."""
+    One listed shape (``one_shape``) compiles exactly that shape. ``on_step`` (optional) is told
+    each call's :class:`Step` before it runs; ``on_shape(i, shape, seconds)`` each listed shape done."""
     rep = accel.report
     fixed = one_shape(accel, shapes)
     primed = primed_probes(accel)
@@ -183,15 +194,23 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
     compare = compare and not background      # (background: nothing compiled to compare yet)
     kept = kept if compare else None
 
-    def timed(shape, label):
+    def told(kind, index=None, of=None):
+        """``run_one``, each call told first as a ``kind`` step."""
+        def call(shape):
+            if on_step is not None:
+                on_step(Step(kind, shape, index, of))
+            return run_one(shape)
+        return call
+
+    def timed(shape, label, step):
         g0, c0 = accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"]
-        out, secs = _timed_forward(run_one, shape)
+        out, secs = _timed_forward(step, shape)
         rep.warmup.append((label, secs, accel.stats["graphs_compiled"] - g0))
         rep.from_cache[label] = accel.stats["graphs_from_cache"] - c0
         return out, secs
 
     recorded = " (recorded for the background compile)" if background else ""
-    probes = [p for p in every if p.label not in primed]      # (``warmup_probes``, computed once)
+    probes = [p for p in every if p.label not in primed]
     known = [p.label for p in every if p.label in primed]
     if known:
         rep.note(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
@@ -203,12 +222,12 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         # the model's own code first: at a restart the compile cache's variants load beside it
         # (``Variants.preload``) instead of before the first compiled call
         with accel.gate.bypass():
-            ref = run_one(shapes[0])
+            ref = told("reference")(shapes[0])
     with (mode.recording() if background else contextlib.nullcontext()), \
             (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()):
         served_from_entry = False
-        for probe in probes:
-            timed(probe, f"{probe.label} (probe){recorded}")
+        for k, probe in enumerate(probes):
+            timed(probe, f"{probe.label} (probe){recorded}", told("probe", k, len(probes)))
             if background:       # compiled later, maybe: recorded once the thread compiled it all
                 mode.primes.append(probe.label)
             elif accel.cache is not None and accel.ran_compiled_last():   # (no compiled code ran: none to keep)
@@ -225,9 +244,9 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                     on_shape(i, shape, 0.0)
                 continue
             new0 = missed()
-            out, secs = timed(shape, shape.label + recorded)
+            out, secs = timed(shape, shape.label + recorded, told("shape", i, len(shapes)))
             if accel.graphs is not None:  # a region is captured on its second call at a shape
-                out, _ = timed(shape, f"{shape.label} (cuda graph capture)")
+                out, _ = timed(shape, f"{shape.label} (cuda graph capture)", told("capture", i, len(shapes)))
             ran_compiled = accel.ran_compiled_last()     # (no compiled code ran: nothing of it to keep)
             if background:
                 mode.primes.append(shape.label)
@@ -247,7 +266,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                 fresh = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] - fresh0
                 if ref is None and fresh:   # code compiled here: the recorded compare is not of it
                     with accel.gate.bypass():
-                        ref = run_one(shape)
+                        ref = told("reference")(shape)
                 if ref is not None:
                     rep.max_abs_diff, rep.diff_recorded = shims.max_diff(out, ref), None
                     if accel.cache is not None and ran_compiled:
@@ -262,15 +281,15 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                     accel.autocast_dtype or accel.compute_dtype or torch.float32, accel.plan.regions,
                     ref if ref is not None else out, overrides)
                 # the gate: never serve a wrong result
-                accel.gate.compared(list(rep.regions), run_one, shape, rep.max_abs_diff, ref, rep.diff_tolerance,
-                                    f"at {shape.label}")
+                accel.gate.compared(list(rep.regions), told("check"), shape, rep.max_abs_diff, ref,
+                                    rep.diff_tolerance, f"at {shape.label}")
                 ref = None
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
                                                          if accel.config.precision in ("fp16", "bf16") else "")
             if on_shape is not None:
                 on_shape(i, shape, secs)
         if not background and shapes and measures_kinds(accel):
-            keep_the_faster(accel, run_one, shapes[0])
+            keep_the_faster(accel, told("measure"), shapes[0])
     accel.warmed = True
     accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep

@@ -15,7 +15,7 @@ import threading
 import time
 
 from ..compiler.api import (compile_facts, compiled_and_loaded, current_prompt, pacing, runtime_fallback, status_line,
-                            warmup_facts, warmup_probes)
+                            warmup_facts)
 
 log = logging.getLogger(__name__)
 
@@ -194,9 +194,8 @@ class WarmupFeedback:
     def __init__(self, accel, shapes, node_id):
         self.accel, self.shapes, self.node_id = accel, list(shapes), node_id
         self.total = len(self.shapes)
-        self._probes = warmup_probes(accel, self.shapes)
-        self._ran: set = set()
-        self._calls = 0
+        self._probed = False    # a probe step ran: the listed shapes after it reuse its code
+        self._next: str | None = None   # the text of the step warmup told it is about to run
         self._t0 = time.perf_counter()
         self._graphs0 = accel.stats["graphs_compiled"]
         self._loaded0 = accel.stats["graphs_from_cache"]
@@ -214,7 +213,7 @@ class WarmupFeedback:
     def running(self, call, background: bool = False):
         """Around warmup's runs of ``call`` (a sampling-style call with a ``dropped`` note): yields
         (the labelled call, :meth:`wrap`; ``on_shape``, which ticks the node's ProgressBar and says
-        each shape done). On the way out, even when the block raised, the ticker stops and the end
+        each shape done; ``on_step``, :meth:`step`, which names each call before it runs). On the way out, even when the block raised, the ticker stops and the end
         event and status go out (``self.done``), naming ``self.problem`` (set inside: what warmup
         itself could not do) or the patches warmup ran without."""
         import comfy.utils
@@ -229,7 +228,7 @@ class WarmupFeedback:
             watch_the_queue()
         self.start()
         try:
-            yield self.wrap(call), on_shape
+            yield self.wrap(call), on_shape, self.step
         finally:
             self.close()
             for note in (call.dropped, call.random_conds):
@@ -254,24 +253,33 @@ class WarmupFeedback:
         if self._thread is not None:
             self._thread.join(timeout=2 * TICK_SECONDS)
 
+    def step(self, step) -> None:
+        """``warmup_runs``' ``on_step``: the call it is about to make (a ``Step``), as the node's
+        text names it while it runs."""
+        compiles = self.accel.backend.name != "eager"
+        shape = step.shape.label
+        if step.kind == "reference":
+            text = f"eager reference, {shape}: running"
+        elif step.kind == "probe":
+            self._probed = True
+            text = f"priming {step.index + 1}/{step.of}, {shape}: compiling"
+        elif step.kind in ("shape", "capture"):
+            # after the priming probes every listed shape is a cache hit
+            verb = ("capturing CUDA graphs" if step.kind == "capture" else
+                    "compiling" if compiles and not self._probed else "running")
+            text = f"shape {step.index + 1}/{step.of}, {shape}: {verb}"
+        elif step.kind == "check":
+            text = f"{shape}: checking which region kinds make the difference"
+        else:
+            text = f"{shape}: timing each region kind against the model's own code"
+        self._next = text + "…"
+
     def wrap(self, run_one):
+        """``run_one``, each call named in the node's text while it runs (by the step warmup told
+        before it, :meth:`step`)."""
         def labelled(shape):
-            compiles = self.accel.backend.name != "eager"
-            if self.accel.bypassed:   # the eager reference (first): not one of the counted calls
-                label, verb = f"eager reference, {shape.label}", "running"
-            elif (k := self._calls) < len(self._probes):
-                self._calls += 1
-                label, verb = f"priming {k + 1}/{len(self._probes)}, {shape.label}", "compiling"
-            else:
-                self._calls += 1
-                i = next((j for j, s in enumerate(self.shapes) if s == shape), None)
-                label = f"shape {i + 1}/{self.total}, {shape.label}" if i is not None else shape.label
-                # after the priming probes every listed shape is a cache hit
-                verb = "compiling" if compiles and not self._probes else "running"
-                if shape in self._ran and self.accel.graphs is not None:
-                    verb = "capturing CUDA graphs"
-                self._ran.add(shape)
-            self._running(f"{label}: {verb}…")
+            text, self._next = self._next or f"{shape.label}: running…", None
+            self._running(text)
             try:
                 return run_one(shape)
             finally:

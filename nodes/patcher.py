@@ -347,9 +347,9 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
     if job.call is None:
         done = fb.skipped(job.why, note=job.note)
         return accel.text() + f"\n  status: {done['text']}"
-    with fb.running(job.call, background) as (run_one, on_shape):
+    with fb.running(job.call, background) as (run_one, on_shape, on_step):
         try:
-            warmup_runs(accel, job.shapes, run_one, on_shape=on_shape, background=background)
+            warmup_runs(accel, job.shapes, run_one, on_shape=on_shape, background=background, on_step=on_step)
             _warm_copies(model, accel, shapes, context_tokens, background)
         except Exception as e:
             if is_interrupt(e):

@@ -1,6 +1,7 @@
-"""compiler/warmup.py's measured choice: with backend ``auto`` on CUDA (the default), warmup times a
-forward with every region kind compiled against each kind on the model's own code, and a kind whose
-own code is faster runs it from now on, said in the report; a backend chosen by name runs as asked.
+"""compiler/warmup.py: the step it tells before each call, and its measured choice: with backend
+``auto`` on CUDA (the default), warmup times a forward with every region kind compiled against each
+kind on the model's own code, and a kind whose own code is faster runs it from now on, said in the
+report; a backend chosen by name runs as asked.
 The region bodies run uncompiled here (the measurement is under test, not inductor) and one kind is
 slowed by a sleep, so the timing's verdict is certain on a shared CPU."""
 from __future__ import annotations
@@ -77,3 +78,27 @@ def test_warmup_measures_kinds_only_for_auto_on_cuda(tiny_unet):
     assert W.measures_kinds(accel)
     accel.config = accel.config.replace(backend="inductor")
     assert not W.measures_kinds(accel)
+
+
+def test_warmup_tells_each_call_as_a_step_before_it_runs(tiny_unet, slowed, monkeypatch):
+    """``warmup_runs`` tells every UNet call it makes as a Step (what Warmup Shapes' node text shows):
+    a one-shape warmup compiles that shape exactly and tells no probe; a range tells its probes,
+    numbered, then each listed shape; the reference, and auto's timing of each kind, are told as such."""
+    steps = []
+    real = api.warmup_runs
+    monkeypatch.setattr(api, "warmup_runs", lambda *a, **k: real(*a, on_step=steps.append, **k))
+    unet = tiny_unet()
+    api.compile_unet(unet, "auto")
+    api.warmup(unet, "1x64x64", context_tokens=6)
+    kinds = [s.kind for s in steps]
+    assert kinds[:2] == ["reference", "shape"] and "probe" not in kinds and set(kinds[2:]) == {"measure"}, kinds
+    assert (steps[1].index, steps[1].of) == (0, 1) and {s.shape.label for s in steps} == {"1x64x64"}
+    steps.clear()
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    api.warmup(unet, "1x64x64, 2x96x96", context_tokens=6)
+    probes = [s for s in steps if s.kind == "probe"]
+    assert probes and [(s.index, s.of) for s in probes] == [(k, len(probes)) for k in range(len(probes))], steps
+    listed = [(s.shape.label, s.index, s.of) for s in steps if s.kind == "shape"]
+    assert listed == [("1x64x64", 0, 2), ("2x96x96", 1, 2)], steps
+    assert [s.kind for s in steps].index("probe") < [s.kind for s in steps].index("shape")

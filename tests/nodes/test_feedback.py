@@ -18,6 +18,7 @@ from unet_compiler.compiler.events import Events
 from unet_compiler.compiler.lifecycle.recompiles import Recompiles
 from unet_compiler.compiler.report import Report
 from unet_compiler.compiler.shapes import parse_shapes
+from unet_compiler.compiler.warmup import Step, _probes
 from unet_compiler.nodes import feedback
 
 
@@ -144,10 +145,13 @@ def test_warmup_progress_and_ticker(server, monkeypatch):
         accel.stats["graphs_compiled"] += 1
 
     run = fb.wrap(run_one)
+    probes = _probes(accel, shapes)   # (what warmup_runs tells, step by step, before each call)
     try:
-        for probe in feedback.warmup_probes(accel, shapes):
+        for k, probe in enumerate(probes):
+            fb.step(Step("probe", probe, k, len(probes)))
             run(probe)
         for i, shape in enumerate(shapes):
+            fb.step(Step("shape", shape, i, len(shapes)))
             run(shape)
             fb.shape_done(i, shape, 0.25)
     finally:
@@ -174,12 +178,31 @@ def test_graph_capture_run_is_labelled(server):
     shapes = parse_shapes("2x64x64")
     fb = feedback.WarmupFeedback(accel, shapes, "12")
     run = fb.wrap(lambda shape: None)
-    for probe in feedback.warmup_probes(accel, shapes):
+    for k, probe in enumerate(_probes(accel, shapes)):
+        fb.step(Step("probe", probe, k, 2))
         run(probe)
-    run(shapes[0])
-    run(shapes[0])
+    for kind in ("shape", "capture"):
+        fb.step(Step(kind, shapes[0], 0, 1))
+        run(shapes[0])
     texts = [t for n, t in server.texts if n == "12"]
     assert texts[-2:] == ["shape 1/1, 2x64x64: running…", "shape 1/1, 2x64x64: capturing CUDA graphs…"], texts
+
+
+def test_each_call_is_named_by_the_step_warmup_tells(server):
+    """The node's text names what warmup said it runs, never a guess by counting calls: a one-shape
+    warmup (no probes) compiles its shape, the reference, the compare's checks and the timing say so."""
+    accel = fake_accel()
+    shape = parse_shapes("2x64x64")[0]
+    fb = feedback.WarmupFeedback(accel, [shape], "12")
+    run = fb.wrap(lambda s: None)
+    for step in (Step("reference", shape), Step("shape", shape, 0, 1), Step("check", shape), Step("measure", shape)):
+        fb.step(step)
+        run(shape)
+    run(shape)   # a call warmup told nothing of
+    texts = [t for n, t in server.texts if n == "12"]
+    assert texts == ["eager reference, 2x64x64: running…", "shape 1/1, 2x64x64: compiling…",
+                     "2x64x64: checking which region kinds make the difference…",
+                     "2x64x64: timing each region kind against the model's own code…", "2x64x64: running…"], texts
 
 
 def test_runtime_fallback_listener(server):
@@ -199,7 +222,6 @@ def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
     /history status messages, through the queue's task_done, as ComfyUI's own messages do."""
     from collections import namedtuple
 
-    from unet_compiler.compiler.compat import comfy as comfy_compat
     status_t = namedtuple("ExecutionStatus", ["status_str", "completed", "messages"])
     history = {}
 
@@ -214,7 +236,7 @@ def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
     server.prompt_queue = Queue()
     accel = fake_accel()
     feedback.compiled(accel, "11")
-    monkeypatch.setattr(comfy_compat, "current_prompt", lambda: "prompt-A")
+    monkeypatch.setattr(feedback, "current_prompt", lambda: "prompt-A")
     accel.events.emit("fallback", "attention", "RuntimeError: boom")
     for i in range(feedback.HISTORY_MAX + 5):
         accel.events.emit("recompile", {"prompt": "prompt-A", "shape": "4x64x64", "graphs": 2, "seconds": 1.0,
@@ -228,7 +250,7 @@ def test_runtime_events_reach_the_prompts_history(server, monkeypatch):
     assert names[0] == "unet_compiler.fallback" and set(names[1:]) == {"unet_compiler.recompile"}
     assert "RuntimeError: boom" in messages[1][1]["text"] and messages[2][1]["text"] == "recompile 0"
     assert history["prompt-B"]["status"]["messages"] == [] and not feedback._pending
-    monkeypatch.setattr(comfy_compat, "current_prompt", lambda: None)   # outside a prompt: only sent
+    monkeypatch.setattr(feedback, "current_prompt", lambda: None)   # outside a prompt: only sent
     accel.events.emit("fallback", "resblock", "RuntimeError: again")
     assert not feedback._pending and server.named("fallback")[-1]["kind"] == "resblock"
 
