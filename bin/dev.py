@@ -290,8 +290,9 @@ def worker_args(rest: list[str], cores: int | None = None) -> list[str]:
     process) where N < 2, where tests are named, where the arguments choose (``-n``, ``-p no:xdist``)
     and for the full lane (``--full``, ``--all``): its servers keep a second core busy already, and
     its security test watches the checkout, which the browser test writes screenshots into."""
-    if "--full" in rest or "--all" in rest or _names_tests(rest) or any(a in ("-n", "--numprocesses", "--dist") or a.startswith(("-n", "--numprocesses=", "--dist="))
-                    for a in rest) or "no:xdist" in rest:
+    chosen = "no:xdist" in rest or any(a in ("-n", "--numprocesses", "--dist")
+                                       or a.startswith(("-n", "--numprocesses=", "--dist=")) for a in rest)
+    if "--full" in rest or "--all" in rest or _names_tests(rest) or chosen:
         return []
     want = os.environ.get(WORKERS_ENV, "").strip()
     n = int(want) if want.isdigit() else min(cores or os.cpu_count() or 1, MAX_WORKERS)

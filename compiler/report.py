@@ -91,11 +91,12 @@ class Report:
                 + (f"; loaded from the compile cache: {stats['graphs_from_cache']}" if stats.get("graphs_from_cache")
                    else "")
                 + "; recompiles after warmup: "
-                f"{stats.get('recompiles_after_warmup', 0)}; region calls on the model's own code for patches/lowvram: "
-                f"{stats.get('region_eager', 0)}"
+                f"{stats.get('recompiles_after_warmup', 0)}; region calls on the model's own code for "
+                f"patches/lowvram: {stats.get('region_eager', 0)}"
                 + (f" ({stats['region_eager_cast']} for weights ComfyUI casts per call)"
                    if stats.get("region_eager_cast") else "")
-                + (f"; oom calls on the model's own code: {stats['oom_calls_eager']}" if stats.get("oom_calls_eager") else ""))
+                + (f"; oom calls on the model's own code: {stats['oom_calls_eager']}"
+                   if stats.get("oom_calls_eager") else ""))
             if stats.get("compile_seconds"):
                 lines.append(f"  seconds in calls that compiled: {stats['compile_seconds']:.1f}")
         return "\n".join(lines)
@@ -181,8 +182,8 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
             by_why.setdefault(why, []).append(k)
         fixes = [w.fix for w in by_why if getattr(w, "fix", "")]
         return {"state": "fallback", "fix": "; ".join(fixes) or "none needed for correctness; see the log for the error",
-                "reason": "; ".join(f"{', '.join(ks)} regions failed ({getattr(why, 'why', why)}) and run the model's own code"
-                                    for why, ks in by_why.items())}
+                "reason": "; ".join(f"{', '.join(ks)} regions failed ({getattr(why, 'why', why)}) and run the model's "
+                                    f"own code" for why, ks in by_why.items())}
     if backend == "eager":
         facts = compile_facts(rep)
         return {k: facts[k] for k in ("state", "reason", "fix")}

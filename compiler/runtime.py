@@ -359,7 +359,8 @@ class Accelerator:
         if build is not None:
             kind = "all"
         msg = (f"UNet Compiler: {self.backend.name} failed on {kind} regions ({why}); "
-               f"they run the model's own code from now on. Set {settings.env('DISABLE')}=1 to turn the pack off entirely.")
+               f"they run the model's own code from now on. Set {settings.env('DISABLE')}=1 to turn the pack "
+               f"off entirely.")
         log.warning(msg, exc_info=error)
         self.report.note(msg)
         self._tell_fallback(kind, why)

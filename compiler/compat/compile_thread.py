@@ -20,8 +20,9 @@ def not_in_the_thread(set_state):
     """``set_state`` (torch's ``set_rng_state``), except in the compile thread. Dynamo restores the
     global RNG state it saw when a compile began (``convert_frame.preserve_global_state``); from
     another thread that rewinds every number the sampling thread drew meanwhile (1414 of 1422 draws
-    differed before this), so samplers and nodes that draw from torch's global generator made other images. The compile
-    itself draws none of them (tests/compiler/test_background.py checks the sequence)."""
+    differed before this), so samplers and nodes that draw from torch's global generator made other
+    images. The compile itself draws none of them (tests/compiler/test_background.py checks the
+    sequence)."""
     @functools.wraps(set_state)
     def set_rng_state(*args, **kwargs):
         if getattr(THREAD, "compiling", False):
