@@ -146,7 +146,7 @@ _LISTENER = "nodes"
 
 class _FallbackListener:
     """The accelerator's ``fallback`` and ``recompile`` listener: a region kind failed and now runs
-    eager; code compiled after warmup. Keeps the backend's name, not the accelerator: the
+    the model's own code; code compiled after warmup. Keeps the backend's name, not the accelerator: the
     accelerator holds this listener, and a cycle between them would keep the UNet alive after
     ComfyUI drops the model, until Python's cyclic collector runs."""
 
@@ -213,9 +213,10 @@ class WarmupFeedback:
     def running(self, call, background: bool = False):
         """Around warmup's runs of ``call`` (a sampling-style call with a ``dropped`` note): yields
         (the labelled call, :meth:`wrap`; ``on_shape``, which ticks the node's ProgressBar and says
-        each shape done; ``on_step``, :meth:`step`, which names each call before it runs). On the way out, even when the block raised, the ticker stops and the end
-        event and status go out (``self.done``), naming ``self.problem`` (set inside: what warmup
-        itself could not do) or the patches warmup ran without."""
+        each shape done; ``on_step``, :meth:`step`, which names each call before it runs). On the
+        way out, even when the block raised, the ticker stops and the end event and status go out
+        (``self.done``), naming ``self.problem`` (set inside: what warmup itself could not do) or the
+        patches warmup ran without."""
         import comfy.utils
         total = self.total + 1
         pbar = comfy.utils.ProgressBar(total, node_id=self.node_id)
