@@ -42,8 +42,8 @@ class Report:
     #: when ``max_abs_diff`` was measured, if not in this warmup: an earlier warmup recorded it in the
     #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
     diff_recorded: str | None = None
-    #: told of each note added (``Events.emit`` of the report's accelerator: its ``note`` event)
-    told: object = field(default=None, repr=False, compare=False)
+    #: optional ``callable(text)`` told of each note added (the report's accelerator's ``note`` event)
+    tell_note: object = field(default=None, repr=False, compare=False)
 
     def note(self, text: str, once: bool = False) -> bool:
         """Add ``text`` to the report's notes (the one way notes are added); ``once``: not if it is
@@ -51,8 +51,8 @@ class Report:
         if once and text in self.notes:
             return False
         self.notes.append(text)
-        if self.told is not None:
-            self.told("note", text)
+        if self.tell_note is not None:
+            self.tell_note(text)
         return True
 
     def _kind(self) -> str:

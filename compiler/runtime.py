@@ -116,7 +116,7 @@ class Accelerator:
         rep = self.report = Report(backend_requested=self.config.backend, family=self.plan.family, arch=self.plan.arch,
                                    model=type(unet).__name__,
                                    precision=self.config.precision, dynamic_shapes=self.config.dynamic_shapes,
-                                   told=self.events.emit)
+                                   tell_note=functools.partial(self.events.emit, "note"))
         self.backend, rep.why = choose(self.config.backend, device, self.plan.not_a_unet is not None, self.plan.arch)
         rep.backend = self.backend.name
         if rep.backend != self.config.backend and self.config.backend != "auto":

@@ -29,7 +29,7 @@ def test_report_notes_and_recompiles_are_told_as_events():
     events, told = Events(), []
     for kind in ("note", "recompile"):
         events.subscribe(kind, lambda *a, kind=kind: told.append((kind, *a)))
-    rep = Report(told=events.emit)
+    rep = Report(tell_note=lambda text: events.emit("note", text))
     assert rep.note("warmup ran no calls") and not rep.note("warmup ran no calls", once=True)
     assert told == [("note", "warmup ran no calls")]   # a note not added is not told
     Recompiles(tell=lambda e: events.emit("recompile", e)).record(2, "2x64x64", 1.0, None, ["1x64x64"],
