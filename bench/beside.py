@@ -42,10 +42,11 @@ def _calibrate(host_ms: float) -> int:
 
 def _loop(n: int, gpu_ms: float, seconds: float | None, until=None) -> float:
     """Steps a second of the sampling stand-in, for ``seconds`` or until ``until()`` is False."""
-    from ..compiler.lifecycle import pacing
+    from ..compiler.lifecycle.scheduler import process_scheduler
+    activity = process_scheduler().activity
     steps, t0 = 0, time.perf_counter()
     while (time.perf_counter() - t0 < seconds) if seconds is not None else until():
-        with pacing.ACTIVITY.call():
+        with activity.call():
             _python_ms(n)
         if gpu_ms:
             time.sleep(gpu_ms / 1e3)
@@ -58,9 +59,10 @@ def row(share: float, host_ms: float, gpu_ms: float) -> dict:
     import torch
 
     from ..compiler import api
-    from ..compiler.lifecycle import pacing, worker
+    from ..compiler.lifecycle import pacing
+    from ..compiler.lifecycle.scheduler import process_scheduler
+    from ..compiler.lifecycle.variants import Variants
     from .run import _unet
-    from ..compiler.lifecycle import variants as V
     pacing.BESIDE_SHARE = share
     pacing.paces = lambda device_type: True    # this CPU compile stands in for a GPU model's
     # a compile on a GPU is Python: tracing, lowering and code generation in the thread, Triton's own
@@ -72,7 +74,8 @@ def row(share: float, host_ms: float, gpu_ms: float) -> dict:
     with torch.inference_mode():
         api.warmup(warm, "2x64x64", context_tokens=77, compare=False)
     api.uncompile_unet(warm)
-    V.VARIANTS = V.Variants()
+    scheduler = process_scheduler()
+    scheduler.variants = Variants()      # (as a fresh process's: the measured compile is not served)
     torch._dynamo.reset()
     unet = _unet("tiny")
     api.compile_unet(unet, "inductor")
@@ -81,7 +84,7 @@ def row(share: float, host_ms: float, gpu_ms: float) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         api.warmup(unet, "2x64x64", context_tokens=77, background=True)
-    beside = _loop(n, gpu_ms, None, until=lambda: worker.BACKGROUND.active)
+    beside = _loop(n, gpu_ms, None, until=lambda: scheduler.thread.active)
     wall = time.perf_counter() - t0
     owner = api.accelerator_of(unet).background.owner
     return dict(share=share, host_ms=host_ms, gpu_ms=gpu_ms, steps_alone=alone, steps_beside=beside,

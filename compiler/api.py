@@ -23,7 +23,7 @@ from .runtime import Accelerator
 from .shapes import (MAX_CONTEXT_TOKENS, ShapeError, as_shapes, check_context_tokens, check_frames, check_memory,
                      context_dim, device_free_bytes, first_level_channels, label_of, memory_name, parse_shapes,
                      unet_inputs, validate_shapes_input)
-from .warmup import warmup_runs
+from .warmup import plan_warmup, run_plan, warmup_runs
 
 __all__ = [
     # a plain PyTorch / diffusers user's (the package's top level)
@@ -34,7 +34,7 @@ __all__ = [
     "current_prompt", "dit_context_width", "dit_patch", "dit_pooled_width", "error_summary", "first_level_channels",
     "forget_compiler_recording", "frame_count", "is_interrupt", "is_video", "label_of", "latent_frames",
     "latent_scale", "latent_time_scale", "memory_name", "pacing", "parse_shapes", "runtime_fallback", "status_line",
-    "unet_inputs", "validate_shapes_input", "warmup_facts", "warmup_runs",
+    "unet_inputs", "validate_shapes_input", "warmup_facts", "plan_warmup", "run_plan", "warmup_runs",
 ]
 
 log = logging.getLogger(__name__)
@@ -159,5 +159,5 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
 def wait_for_background(timeout: float | None = None) -> bool:
     """Wait until the background compile (``warmup(..., background=True)``) has nothing left to do;
     returns whether it finished within ``timeout`` seconds."""
-    from .lifecycle.worker import BACKGROUND
-    return BACKGROUND.wait(timeout)
+    from .lifecycle.scheduler import process_scheduler
+    return process_scheduler().thread.wait(timeout)

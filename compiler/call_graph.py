@@ -85,7 +85,7 @@ class CallGraphs:
     def __init__(self, root: torch.nn.Module, regions: RegionGraphs, stats: Counter):
         self.regions, self.stats = regions, stats
         self.graphs = RegionGraphs(max_shapes=regions.max_shapes, graphs=regions.graphs, measured=regions.measured,
-                                   copies=True)
+                                   copies=True, thread=regions.thread)
         self.skipped: Counter = Counter()
         # the leaves ComfyUI can make cast or patch per call: those of classes with its cast flags
         self._leaves = [m for m in root.modules() if next(m.children(), None) is None

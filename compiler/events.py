@@ -9,6 +9,10 @@ Kinds, and what a listener of each is called with:
 - ``background_done(line, state)``: the compile thread compiled what the model's background warmup
   queued (the report's line and the state it counted), told from that thread, once per warmup
 - ``note(text)``: a note was added to the model's report
+- ``warmup_step(step)``: warmup is about to make a UNet call (a ``warmup.Step``: its kind, shape and
+  words)
+- ``warmup_shape(index, shape, seconds)``: warmup ran listed shape ``index`` (0 seconds: not run, the
+  compile cache entry holds its code)
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from typing import Callable
 
 log = logging.getLogger(__name__)
 
-KINDS = ("fallback", "recompile", "background_done", "note")
+KINDS = ("fallback", "recompile", "background_done", "note", "warmup_step", "warmup_shape")
 
 
 class Events:

@@ -32,7 +32,6 @@ import torch
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from .lifecycle import worker
 from .compat.comfy import is_interrupt, is_oom, reserve_vram
 from .reasons import error_summary
 
@@ -316,8 +315,10 @@ KEEP_BELOW = 0.9
 
 class RegionGraphs:
     def __init__(self, max_shapes: int = 4, graphs=None, budget: int | None = None, measured: bool = False,
-                 copies: bool = False):
+                 copies: bool = False, thread=None):
         self.max_shapes = max_shapes
+        #: the compile thread (a ``worker.Background``, or None): while it runs nothing is captured
+        self.thread = thread
         self.measured = measured
         #: a replay serves copies of its output buffers, not aliases (whole UNet calls: a sampler may
         #: keep one call's result while it makes the next call)
@@ -430,7 +431,7 @@ class RegionGraphs:
             self.stats["replays"] += 1
             return entry.served(self.copies)
         why = reg.refused.get(key)
-        if why is None and worker.BACKGROUND.active:
+        if why is None and self.thread is not None and self.thread.active:
             why = "a background compile was running"
         if why is not None:
             self.skipped[why] += 1

@@ -23,8 +23,9 @@ from collections import Counter
 import torch
 
 from . import cast, settings, shims, weights
-from .lifecycle import background, pacing, variants, worker
+from .lifecycle import background, pacing, worker
 from .lifecycle.ledger import Ledger
+from .lifecycle.scheduler import Scheduler, process_scheduler
 from .plan import build_plan
 from .backends import choose, graphs_for
 from .cache import CompileCache
@@ -62,10 +63,13 @@ def _call_modes(device_type: str, autocast: torch.dtype | None):
 class Accelerator:
     """The accelerated regions of one UNet: routes each region call to compiled code or the
     model's own code, and counts what ran (``stats``), what fell back (``failed``) and what
-    compiled after warmup (``recompiles``). ``text()`` is its report."""
+    compiled after warmup (``recompiles``). ``text()`` is its report. ``scheduler``: what compiles
+    its region variants and when (default the process's), handed on to what it builds."""
 
-    def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None, plan=None):
+    def __init__(self, unet: torch.nn.Module, config: CompileConfig | None = None, device=None, plan=None,
+                 scheduler: Scheduler | None = None):
         self._root = weakref.ref(unet)
+        self.scheduler = scheduler if scheduler is not None else process_scheduler()
         # Inference only, and dynamo guards every weight's requires_grad: ComfyUI's weight patches
         # (a LoRA, its strength, its removal) put each weight back as a new Parameter(requires_grad=
         # False), so a weight still True at warmup compiled every region again at the first LoRA.
@@ -94,7 +98,8 @@ class Accelerator:
         self.warmed = False
         #: the shape labels warmup ran, and every compile after it (told as a ``recompile`` event)
         self.warmed_shapes: list[str] = []
-        self.recompiles = Recompiles(self.plan.arch, functools.partial(self.events.emit, "recompile"))
+        self.recompiles = Recompiles(self.plan.arch, functools.partial(self.events.emit, "recompile"),
+                                     self.scheduler.guard_reasons_since)
         #: background mode (Warmup Shapes' ``background``); None: compiles happen in the calling thread
         self.background: background.BackgroundMode | None = None
         if device is None:
@@ -122,23 +127,23 @@ class Accelerator:
         if rep.backend != self.config.backend and self.config.backend != "auto":
             log.warning("UNet Compiler: backend %s unavailable, using %s (%s)",
                         self.config.backend, rep.backend, "; ".join(rep.why))
-        self.graphs = graphs_for(self.backend, self.config, device, rep.note)
+        self.graphs = graphs_for(self.backend, self.config, device, rep.note, self.scheduler.thread)
         #: one graph per UNet call where nothing in it needs Python between regions (UNets only)
         self.call_graphs = CallGraphs(unet, self.graphs, self.stats) \
             if self.graphs is not None and self.plan.arch == "unet" else None
         self._autocast = self.config.autocast_dtype(self.model_dtype, rep.note)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
-        self.cache = CompileCache(unet, self.config, device) if self.backend.name != "eager" else None
+        self.cache = CompileCache(unet, self.config, device, self.scheduler) if self.backend.name != "eager" else None
         #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
-        self.ledger = Ledger(self.stats, self.recompiles, self.cache, self.backend.compile_count)
+        self.ledger = Ledger(self.stats, self.recompiles, self.cache, self.backend.compile_count, self.scheduler)
         if self.cache is not None and self.cache.load() and not pacing.waits_for_idle(self.device_type):
             # deserialize its variants beside what runs next (warmup's eager reference forward); a CPU
             # model's load when nothing samples (background mode) or at each key's first call
-            variants.VARIANTS.preload(functools.partial(_call_modes, self.device_type, self._autocast))
+            self.scheduler.variants.preload(functools.partial(_call_modes, self.device_type, self._autocast))
         #: compiled code or the model's own code, per UNet call and per region call
         self.gate = shims.Gate(self.stats, self.backend.cast_problem())
         self.gate.on_refused = weakref.WeakMethod(self._refused)
-        impls = self.backend.impls(self.config)
+        impls = self.backend.impls(self.config, self.scheduler)
         if self.backend.name != "eager":
             self.plan.skipped += [(r.kind, r.path, self.backend.no_impl_reason(r.kind, self.config))
                                   for r in self.plan.regions if impls.get((r.family, r.kind)) is None]
@@ -205,7 +210,7 @@ class Accelerator:
         """Use ``config`` from now on (before anything compiled: warmup's one-shape policy)."""
         self.config = config
         self.report.dynamic_shapes = config.dynamic_shapes
-        self._install(self.backend.impls(config))
+        self._install(self.backend.impls(config, self.scheduler))
 
     def _install(self, impls: dict) -> None:
         """Shims for the regions ``impls`` (keyed by (family, kind)) has code for, from the next call."""
@@ -397,7 +402,7 @@ class Accelerator:
         """One UNet call through the regions. ``shape``: the call's label (``BxWxH`` px), named if it
         compiles after warmup."""
         self.regions_ran_last.clear()
-        with pacing.ACTIVITY.call():
+        with self.scheduler.activity.call():
             if not self.gate.through_regions(bool(self._shims)):
                 self.stats["eager_calls"] += 1
                 yield
@@ -489,7 +494,7 @@ class Accelerator:
         calls that no compiled code fits are queued for the compile thread and run the model's own
         code meanwhile; nothing compiles in the sampling thread."""
         if self.background is None:
-            self.background = background.BackgroundMode(weakref.WeakMethod(self._background_compiled),
+            self.background = background.BackgroundMode(weakref.WeakMethod(self._background_compiled), self.scheduler,
                                                        functools.partial(self.events.emit, "background_done"))
         return self.background
 

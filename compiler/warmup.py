@@ -1,20 +1,22 @@
 """Warmup: compile and prime a model's code for a list of shapes before sampling needs them.
 
-``warmup_runs`` drives any caller's one-forward ``run_one(shape)`` (the diffusers API's inputs,
-ComfyUI's sampling-style call) over the probe shapes and then each shape, timing each, counting
-the graphs it compiled (and those the compile cache supplied), and comparing the first shape with
-the model's own code, telling each call's :class:`Step` before it runs.
+``plan_warmup`` decides what a warmup runs (:class:`WarmupPlan`: probe shapes, listed shapes,
+compare, background mode); ``run_plan`` drives any caller's one-forward ``run_one(shape)`` (the
+diffusers API's inputs, ComfyUI's sampling-style call) through it, timing each call, counting the
+graphs it compiled (and those the compile cache supplied), comparing the first shape with the
+model's own code, and telling each call's :class:`Step` on the accelerator's events before it runs.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from . import shims
 from .lifecycle import variants
+from .lifecycle.background import BackgroundMode
 from .reasons import Slower
 from .runtime import Accelerator
 from .shapes import LATENT_SCALE, MIN_SIDE, Shape
@@ -73,16 +75,33 @@ def one_shape(accel: Accelerator, shapes: list[Shape]) -> bool:
 
 @dataclass(frozen=True)
 class Step:
-    """One UNet call warmup makes, told (``on_step``) before it runs: ``kind`` is "reference" (the
-    model's own code, for the compare), "probe" (``index`` of ``of`` probe shapes, compiling what
-    every listed shape inside the box then reuses), "shape" (``index`` of ``of`` listed shapes),
-    "capture" (a listed shape's second call, which captures its CUDA graphs), "check" (the compare's
-    calls with one region kind on the model's own code) or "measure" (timing each region kind
-    against the model's own code); ``shape`` the call's."""
+    """One UNet call warmup makes, told (the ``warmup_step`` event) before it runs: ``kind`` is
+    "reference" (the model's own code, for the compare), "probe" (``index`` of ``of`` probe shapes,
+    compiling what every listed shape inside the box then reuses), "shape" (``index`` of ``of``
+    listed shapes), "capture" (a listed shape's second call, which captures its CUDA graphs),
+    "check" (the compare's calls with one region kind on the model's own code) or "measure" (timing
+    each region kind against the model's own code); ``shape`` the call's; ``compiles``: a listed
+    shape's call compiles its code (no probe compiled it first). ``text`` says it in words."""
     kind: str
     shape: Shape
     index: int | None = None
     of: int | None = None
+    compiles: bool = False
+
+    @property
+    def text(self) -> str:
+        shape = self.shape.label
+        if self.kind == "reference":
+            return f"eager reference, {shape}: running"
+        if self.kind == "probe":
+            return f"priming {self.index + 1}/{self.of}, {shape}: compiling"
+        if self.kind in ("shape", "capture"):
+            verb = ("capturing CUDA graphs" if self.kind == "capture" else
+                    "compiling" if self.compiles else "running")
+            return f"shape {self.index + 1}/{self.of}, {shape}: {verb}"
+        if self.kind == "check":
+            return f"{shape}: checking which region kinds make the difference"
+        return f"{shape}: timing each region kind against the model's own code"
 
 
 def _probes(accel: Accelerator, shapes: list[Shape]) -> list[Shape]:
@@ -171,34 +190,74 @@ def recorded_compare(accel: Accelerator, shape: Shape) -> dict | None:
     return accel.cache.recorded_compare(shape.label) if accel.cache is not None else None
 
 
-def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None, compare=True,
-                background: bool = False, on_step=None):
-    """Run ``run_one(shape)`` (one UNet forward, returns its output) for the
-    probe shapes and then each shape, timing it and counting the graphs each
-    one compiled; compare the first shape against the eager reference. Marks
-    the accelerator warmed (later compiles are counted as recompiles).
+@dataclass
+class WarmupPlan:
+    """What one warmup runs, decided before its first call (:func:`plan_warmup`): the listed
+    ``shapes``; the ``probes`` to run first (``primed``: the probe labels not run, their code in the
+    compile cache entry, which holds that of the shape labels ``in_entry``); ``fixed``: exactly the
+    one listed shape compiles (static code); ``compare`` the first shape against the model's own code
+    (``kept``: the compare the entry recorded, shown unless code compiles anew); ``mode``: background
+    mode (the runs record what the compile thread compiles) or None; ``measure``: auto's timing of
+    each region kind after the shapes; ``captures``: each listed shape's second call captures its
+    CUDA graphs; ``compiles``: the listed shapes' calls compile (no probe runs first).
+    :meth:`steps` lists the calls it plans; the compare's checks and a reference after code compiled
+    anew are decided as it runs, and a restart skips listed shapes the entry holds."""
+    shapes: list[Shape]
+    probes: list[Shape]
+    primed: list[str]
+    in_entry: frozenset
+    fixed: bool
+    compare: bool
+    kept: dict | None
+    mode: BackgroundMode | None
+    measure: bool
+    captures: bool
+    compiles: bool
 
-    ``background``: the runs only record what to compile and run the model's own code; a daemon
-    thread compiles it (``worker.BACKGROUND``) while sampling goes on with the model's own code
-    in every region not ready yet. Where that is impossible a note says why and warmup compiles first.
-    One listed shape (``one_shape``) compiles exactly that shape. ``on_step`` (optional) is told
-    each call's :class:`Step` before it runs; ``on_shape(i, shape, seconds)`` each listed shape done."""
-    rep = accel.report
+    def steps(self) -> list[Step]:
+        """The UNet calls planned, in order, each as the ``warmup_step`` event tells it."""
+        out = [Step("reference", self.shapes[0])] if self.compare and self.kept is None else []
+        out += [Step("probe", p, k, len(self.probes)) for k, p in enumerate(self.probes)]
+        for i, shape in enumerate(self.shapes):
+            out.append(Step("shape", shape, i, len(self.shapes), self.compiles))
+            if self.captures:
+                out.append(Step("capture", shape, i, len(self.shapes)))
+        return out + ([Step("measure", self.shapes[0])] if self.measure else [])
+
+
+def plan_warmup(accel: Accelerator, shapes: list[Shape], compare: bool = True,
+                background: bool = False) -> WarmupPlan:
+    """Decide what warming ``shapes`` runs (and set the accelerator up for it: one listed shape
+    compiles exactly that shape, ``background`` records the calls for the compile thread where this
+    model's code can compile there, else a note says why not). Nothing runs yet."""
     fixed = one_shape(accel, shapes)
-    primed = primed_probes(accel)
     compare = compare and bool(shapes)
+    in_entry = frozenset(primed_probes(accel))
     kept = recorded_compare(accel, shapes[0]) if compare else None
     every = [] if fixed else _probes(accel, shapes)
     mode = accel.warmup_mode(shapes[0].label if fixed else None, background)
-    background = mode is not None
-    compare = compare and not background      # (background: nothing compiled to compare yet)
-    kept = kept if compare else None
+    compare = compare and mode is None      # (background: nothing compiled to compare yet)
+    probes = [p for p in every if p.label not in in_entry]
+    return WarmupPlan(shapes=list(shapes), probes=probes, primed=[p.label for p in every if p.label in in_entry],
+                      in_entry=in_entry, fixed=fixed, compare=compare, kept=kept if compare else None, mode=mode,
+                      measure=mode is None and bool(shapes) and measures_kinds(accel),
+                      captures=accel.graphs is not None, compiles=accel.backend.name != "eager" and not probes)
 
-    def told(kind, index=None, of=None):
-        """``run_one``, each call told first as a ``kind`` step."""
+
+def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
+    """Run ``plan``: ``run_one(shape)`` (one UNet forward, returns its output) for the probe shapes
+    and then each shape, timing it and counting the graphs each one compiled; compare the first
+    shape against the model's own code (the gate: a region kind that makes the difference runs the
+    model's own code). Tells ``warmup_step`` (a :class:`Step`) before each call and
+    ``warmup_shape`` (index, shape, seconds) after each listed shape, on ``accel.events``. Marks the
+    accelerator warmed (later compiles are counted as recompiles). Returns the report."""
+    rep, shapes, mode = accel.report, plan.shapes, plan.mode
+    background, compare, kept = mode is not None, plan.compare, plan.kept
+
+    def told(step: Step):
+        """``run_one``, each call told first as ``step`` (its shape the call's)."""
         def call(shape):
-            if on_step is not None:
-                on_step(Step(kind, shape, index, of))
+            accel.events.emit("warmup_step", replace(step, shape=shape))
             return run_one(shape)
         return call
 
@@ -210,10 +269,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         return out, secs
 
     recorded = " (recorded for the background compile)" if background else ""
-    probes = [p for p in every if p.label not in primed]
-    known = [p.label for p in every if p.label in primed]
-    if known:
-        rep.note(f"probe shape(s) {', '.join(known)} not run: an earlier warmup ran them into the "
+    if plan.primed:
+        rep.note(f"probe shape(s) {', '.join(plan.primed)} not run: an earlier warmup ran them into the "
                  f"compile cache entry, which holds their code")
     ref = None
     patches0 = accel.patches_seen.copy()
@@ -222,12 +279,12 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         # the model's own code first: at a restart the compile cache's variants load beside it
         # (``Variants.preload``) instead of before the first compiled call
         with accel.gate.bypass():
-            ref = told("reference")(shapes[0])
+            ref = told(Step("reference", shapes[0]))(shapes[0])
     with (mode.recording() if background else contextlib.nullcontext()), \
             (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()):
         served_from_entry = False
-        for k, probe in enumerate(probes):
-            timed(probe, f"{probe.label} (probe){recorded}", told("probe", k, len(probes)))
+        for k, probe in enumerate(plan.probes):
+            timed(probe, f"{probe.label} (probe){recorded}", told(Step("probe", probe, k, len(plan.probes))))
             if background:       # compiled later, maybe: recorded once the thread compiled it all
                 mode.primes.append(probe.label)
             elif accel.cache is not None and accel.ran_compiled_last():   # (no compiled code ran: none to keep)
@@ -240,13 +297,13 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
         for i, shape in enumerate(shapes):
             if i and served_from_entry:
                 rep.warmup.append((f"{shape.label} (not run: its code is in the compile cache entry)", 0.0, 0))
-                if on_shape is not None:
-                    on_shape(i, shape, 0.0)
+                accel.events.emit("warmup_shape", i, shape, 0.0)
                 continue
             new0 = missed()
-            out, secs = timed(shape, shape.label + recorded, told("shape", i, len(shapes)))
-            if accel.graphs is not None:  # a region is captured on its second call at a shape
-                out, _ = timed(shape, f"{shape.label} (cuda graph capture)", told("capture", i, len(shapes)))
+            out, secs = timed(shape, shape.label + recorded, told(Step("shape", shape, i, len(shapes), plan.compiles)))
+            if plan.captures:  # a region is captured on its second call at a shape
+                out, _ = timed(shape, f"{shape.label} (cuda graph capture)",
+                               told(Step("capture", shape, i, len(shapes))))
             ran_compiled = accel.ran_compiled_last()     # (no compiled code ran: nothing of it to keep)
             if background:
                 mode.primes.append(shape.label)
@@ -256,8 +313,8 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
             # mode, left it to load once nothing samples), which an earlier warmup ran the other listed
             # shapes into: they are not run (each is a forward and a repack of the conv weights for its
             # size; a range's largest shape was most of its restart)
-            served_from_entry = (i == 0 and accel.graphs is None and len(shapes) > 1
-                                 and all(s.label in primed for s in shapes[1:]) and new0 == missed())
+            served_from_entry = (i == 0 and not plan.captures and len(shapes) > 1
+                                 and all(s.label in plan.in_entry for s in shapes[1:]) and new0 == missed())
             if served_from_entry:
                 rep.note(f"shape(s) {', '.join(s.label for s in shapes[1:])} not run: the compile cache "
                          f"entry holds their code (an earlier warmup ran them into it); the first step at "
@@ -266,7 +323,7 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                 fresh = accel.stats["graphs_compiled"] - accel.stats["graphs_from_cache"] - fresh0
                 if ref is None and fresh:   # code compiled here: the recorded compare is not of it
                     with accel.gate.bypass():
-                        ref = told("reference")(shape)
+                        ref = told(Step("reference", shape))(shape)
                 if ref is not None:
                     rep.max_abs_diff, rep.diff_recorded = shims.max_diff(out, ref), None
                     if accel.cache is not None and ran_compiled:
@@ -281,15 +338,22 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, on_shape=None,
                     accel.autocast_dtype or accel.compute_dtype or torch.float32, accel.plan.regions,
                     ref if ref is not None else out, overrides)
                 # the gate: never serve a wrong result
-                accel.gate.compared(list(rep.regions), told("check"), shape, rep.max_abs_diff, ref,
+                accel.gate.compared(list(rep.regions), told(Step("check", shape)), shape, rep.max_abs_diff, ref,
                                     rep.diff_tolerance, f"at {shape.label}")
                 ref = None
                 rep.diff_label = f"at {shape.label}" + (f", {accel.config.precision} vs model dtype"
                                                          if accel.config.precision in ("fp16", "bf16") else "")
-            if on_shape is not None:
-                on_shape(i, shape, secs)
-        if not background and shapes and measures_kinds(accel):
-            keep_the_faster(accel, told("measure"), shapes[0])
+            accel.events.emit("warmup_shape", i, shape, secs)
+        if plan.measure:
+            keep_the_faster(accel, told(Step("measure", shapes[0])), shapes[0])
     accel.warmed = True
     accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
     return rep
+
+
+def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, compare: bool = True,
+                background: bool = False) -> Report:
+    """Plan the warmup of ``shapes`` and run it with ``run_one`` (:func:`plan_warmup`,
+    :func:`run_plan`). Returns the report."""
+    plan = plan_warmup(accel, shapes, compare, background)
+    return run_plan(accel, plan, run_one)

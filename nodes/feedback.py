@@ -50,16 +50,15 @@ def send(event: str, data: dict) -> None:
 
 def prompts_pending() -> bool:
     """Whether ComfyUI's queue has a prompt queued or running (False without a server): a CPU
-    model's background compile waits while it has (``pacing.ACTIVITY``)."""
+    model's background compile waits while it has (the scheduler's activity: ``watch_the_queue``)."""
     queue = getattr(_server(), "prompt_queue", None)
     remaining = getattr(queue, "get_tasks_remaining", None)
     return bool(remaining()) if remaining is not None else False
 
 
-def watch_the_queue() -> None:
-    """Tell the background compile when ComfyUI's queue is busy (once per process)."""
-    if prompts_pending not in pacing.ACTIVITY.signals:
-        pacing.ACTIVITY.signals.append(prompts_pending)
+def watch_the_queue(activity) -> None:
+    """Tell the background compile when ComfyUI's queue is busy (``activity``: the scheduler's)."""
+    activity.watch(prompts_pending)
 
 
 # ---- run-time events into the prompt's /history ------------------------------------
@@ -194,7 +193,6 @@ class WarmupFeedback:
     def __init__(self, accel, shapes, node_id):
         self.accel, self.shapes, self.node_id = accel, list(shapes), node_id
         self.total = len(self.shapes)
-        self._probed = False    # a probe step ran: the listed shapes after it reuse its code
         self._next: str | None = None   # the text of the step warmup told it is about to run
         self._t0 = time.perf_counter()
         self._graphs0 = accel.stats["graphs_compiled"]
@@ -211,12 +209,13 @@ class WarmupFeedback:
     # -- lifecycle
     @contextlib.contextmanager
     def running(self, call, background: bool = False):
-        """Around warmup's runs of ``call`` (a sampling-style call with a ``dropped`` note): yields
-        (the labelled call, :meth:`wrap`; ``on_shape``, which ticks the node's ProgressBar and says
-        each shape done; ``on_step``, :meth:`step`, which names each call before it runs). On the
-        way out, even when the block raised, the ticker stops and the end event and status go out
-        (``self.done``), naming ``self.problem`` (set inside: what warmup itself could not do) or the
-        patches warmup ran without."""
+        """Around warmup's runs of ``call`` (a sampling-style call with a ``dropped`` note): yields the
+        labelled call (:meth:`wrap`) and, while the block runs, renders the accelerator's warmup
+        events: each ``warmup_step`` names the call about to run (:meth:`step`), each
+        ``warmup_shape`` ticks the node's ProgressBar and says the shape done. On the way out, even
+        when the block raised, the ticker stops, the listeners go and the end event and status go
+        out (``self.done``), naming ``self.problem`` (set inside: what warmup itself could not do) or
+        the patches warmup ran without."""
         import comfy.utils
         total = self.total + 1
         pbar = comfy.utils.ProgressBar(total, node_id=self.node_id)
@@ -226,11 +225,16 @@ class WarmupFeedback:
             self.shape_done(i, shape, secs)
 
         if background:
-            watch_the_queue()
+            watch_the_queue(self.accel.scheduler.activity)
+        events = self.accel.events
+        events.subscribe("warmup_step", self.step, key=_LISTENER)
+        events.subscribe("warmup_shape", on_shape, key=_LISTENER)
         self.start()
         try:
-            yield self.wrap(call), on_shape, self.step
+            yield self.wrap(call)
         finally:
+            events.unsubscribe("warmup_step", _LISTENER)
+            events.unsubscribe("warmup_shape", _LISTENER)
             self.close()
             for note in (call.dropped, call.random_conds):
                 if note:
@@ -255,25 +259,9 @@ class WarmupFeedback:
             self._thread.join(timeout=2 * TICK_SECONDS)
 
     def step(self, step) -> None:
-        """``warmup_runs``' ``on_step``: the call it is about to make (a ``Step``), as the node's
+        """The ``warmup_step`` listener: the call warmup is about to make (a ``Step``), as the node's
         text names it while it runs."""
-        compiles = self.accel.backend.name != "eager"
-        shape = step.shape.label
-        if step.kind == "reference":
-            text = f"eager reference, {shape}: running"
-        elif step.kind == "probe":
-            self._probed = True
-            text = f"priming {step.index + 1}/{step.of}, {shape}: compiling"
-        elif step.kind in ("shape", "capture"):
-            # after the priming probes every listed shape is a cache hit
-            verb = ("capturing CUDA graphs" if step.kind == "capture" else
-                    "compiling" if compiles and not self._probed else "running")
-            text = f"shape {step.index + 1}/{step.of}, {shape}: {verb}"
-        elif step.kind == "check":
-            text = f"{shape}: checking which region kinds make the difference"
-        else:
-            text = f"{shape}: timing each region kind against the model's own code"
-        self._next = text + "…"
+        self._next = step.text + "…"
 
     def wrap(self, run_one):
         """``run_one``, each call named in the node's text while it runs (by the step warmup told

@@ -15,7 +15,8 @@ import weakref
 import torch
 
 from ..compiler.api import (Accelerator, CompileConfig, check_context_tokens, error_summary, is_interrupt, label_of,
-                            latent_scale, latent_time_scale, parse_shapes, warmup_runs)
+                            latent_scale, latent_time_scale, parse_shapes, plan_warmup, run_plan,
+                            warmup_runs)
 from . import feedback, warmup
 from .warmup import fn_name
 
@@ -59,7 +60,7 @@ class DeviceCopies:
             if accel is None:
                 # (not warmed: its first call at each shape compiles, or reuses the compiled model's
                 # code where dynamo's guards pass, and runs alone: ``turn``)
-                accel = Accelerator(unet, main.config, device=patcher.load_device)
+                accel = Accelerator(unet, main.config, device=patcher.load_device, scheduler=main.scheduler)
                 unet.__dict__[_HELD] = _Held(accel)
                 self._by_module[unet] = weakref.ref(accel)
                 log.info("UNet Compiler: accelerating the copy of the model on %s (ComfyUI's multi-GPU)",
@@ -243,7 +244,7 @@ def backend_input_problem(backend) -> str | None:
             f"backend out for auto")
 
 
-def compile_model(model, config: CompileConfig | None, node_id=None):
+def compile_model(model, config: CompileConfig | None, node_id=None) -> tuple:
     """Clone ``model`` and attach the accelerator. Returns (clone, report text).
     The backend and state go to the node's UI (``node_id``) and the log."""
     from comfy.patcher_extension import CallbacksMP, WrappersMP
@@ -331,7 +332,7 @@ def patch_effects(transformer_options: dict) -> list[str]:
     return out
 
 
-def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False):
+def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, background: bool = False) -> str:
     """Run the model's real apply_model (wrappers, patches and the sampling
     state they read) for each shape under inference_mode with a cancellable
     ProgressBar. Returns report text. Warmup is a cache primer: a model it
@@ -347,9 +348,10 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
     if job.call is None:
         done = fb.skipped(job.why, note=job.note)
         return accel.text() + f"\n  status: {done['text']}"
-    with fb.running(job.call, background) as (run_one, on_shape, on_step):
+    with fb.running(job.call, background) as run_one:
         try:
-            warmup_runs(accel, job.shapes, run_one, on_shape=on_shape, background=background, on_step=on_step)
+            plan = plan_warmup(accel, job.shapes, background=background)
+            run_plan(accel, plan, run_one)
             _warm_copies(model, accel, shapes, context_tokens, background)
         except Exception as e:
             if is_interrupt(e):

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 from unet_compiler.tests._pack import ROOT, py_files
 
 #: what the static scan reads: the pack and bench/ (development tools, shipped in the same folder)
@@ -357,7 +358,7 @@ def test_a_foreign_cache_file_reaches_no_deserializer(tiny_unet, cache_folder, d
 
     from unet_compiler.compiler import cache as C
     from unet_compiler.compiler.config import CompileConfig
-    entry = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu")
+    entry = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu", process_scheduler())
     bin_path, meta_path = entry.paths
     payload = pickle.dumps(_Evil())
 
@@ -400,12 +401,12 @@ def test_the_packs_own_entry_is_what_reaches_the_loader(tiny_unet, cache_folder,
     from unet_compiler.compiler.config import CompileConfig
     import torch
     from unittest import mock
-    entry = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu")
+    entry = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu", process_scheduler())
     with mock.patch.object(torch.compiler, "save_cache_artifacts", lambda: (b"written by the pack", None)):
         entry.save()
     assert C.unpack_entry(entry.paths[0].read_bytes())[0] == b"written by the pack" and deserializers == []
     C.entry._loaded.clear()
-    fresh = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu")
+    fresh = C.CompileCache(tiny_unet(), CompileConfig(backend="inductor"), "cpu", process_scheduler())
     assert fresh.load() is False and "torch could not load" in fresh.state
     assert deserializers == ["megacache.artifacts"], deserializers
 

@@ -109,7 +109,9 @@ class Backend:
         not the right default, e.g. IPEX on a non-Intel CPU)."""
         return True, ""
 
-    def impls(self, config) -> dict:
+    def impls(self, config, scheduler) -> dict:
+        """{(layout, region kind): what runs that kind's region calls} under ``config``; ``scheduler``
+        (the accelerator's) keeps and compiles what is precompiled."""
         return {}
 
     def cast_problem(self):
@@ -133,9 +135,9 @@ class Backend:
         per-shape variants up front."""
         return []
 
-    def compile_count(self) -> int:
-        """Compiles this backend did outside dynamo so far (e.g. Triton kernel
-        variants); the runtime counts them with dynamo's graphs."""
+    def compile_count(self, scheduler) -> int:
+        """Compiles this backend did outside dynamo so far (e.g. Triton kernel variants, precompiled
+        variants ``scheduler``'s registry loaded); the runtime counts them with dynamo's graphs."""
         return 0
 
     def dynamo_config(self, config):
@@ -208,9 +210,10 @@ def choose(requested: str, device, nothing_to_compile: bool = False, arch: str =
     return resolve(requested, device, arch)
 
 
-def graphs_for(backend: Backend, config, device, note):
-    """The region CUDA graphs ``backend`` runs under ``config`` on ``device`` (a ``RegionGraphs``), or
-    None with a note why not (``note(text)``: the report's); sets ``backend.kernels_in_captures`` (whether captures may hold its
+def graphs_for(backend: Backend, config, device, note, thread=None):
+    """The region CUDA graphs ``backend`` runs under ``config`` on ``device`` (a ``RegionGraphs``, which
+    captures nothing while the compile ``thread`` is busy), or None with a note why not (``note(text)``:
+    the report's); sets ``backend.kernels_in_captures`` (whether captures may hold its
     kernels: also without graphs of its own, a capture another party runs must not take one there)
     and ``backend.graphs_replay``. Backend ``auto`` on CUDA with ``cuda_graphs`` off keeps a
     region's graph at a shape only where its replay measured faster than launching its kernels
@@ -223,12 +226,12 @@ def graphs_for(backend: Backend, config, device, note):
             note("cuda graphs: auto (backend auto on CUDA): a region keeps its graph at a shape only "
                  "where a replay measured faster than launching its kernels; Select Backend's "
                  "cuda_graphs on keeps every graph")
-            graphs = RegionGraphs(measured=True)
+            graphs = RegionGraphs(measured=True, thread=thread)
     elif why := graphs_problem(backend, device):
         note(f"cuda graphs: not used: {why}")
         log.warning("UNet Compiler: cuda graphs not used: %s", why)
     else:
-        graphs = RegionGraphs()
+        graphs = RegionGraphs(thread=thread)
     out_of_captures = kernels_in_captures_problem(backend)
     if out_of_captures and graphs is not None:
         note(f"cuda graphs: {out_of_captures}")

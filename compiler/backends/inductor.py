@@ -54,13 +54,13 @@ def _backend(prepack: bool, prepack_lin: bool):
     return _make_dynamo_backend(prepack, prepack_lin)
 
 
-def region_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool = False):
-    """What runs a region body: its precompiled variants (kept by the compile cache, loaded at a
-    restart without tracing; ``precompiled.py``), else plain torch.compile."""
+def region_body(body, dynamic: bool | None, prepack: bool, prepack_lin: bool, scheduler):
+    """What runs a region body: its precompiled variants (in ``scheduler``'s registry, kept by the
+    compile cache, loaded at a restart without tracing; ``precompiled.py``), else plain torch.compile."""
     plain = compiled_body(body, dynamic, prepack, prepack_lin)
     if not variants.enabled():
         return plain
-    return precompiled.body(body, _backend(prepack, prepack_lin), dynamic, plain, (prepack, prepack_lin))
+    return precompiled.body(body, _backend(prepack, prepack_lin), dynamic, plain, (prepack, prepack_lin), scheduler)
 
 
 def _cpp_compiler_missing(system: str | None = None) -> Reason | None:
@@ -118,10 +118,11 @@ class InductorBackend(Backend):
         self.device_type = kind
         return True, "regional torch.compile"
 
-    def impls(self, config) -> dict:
+    def impls(self, config, scheduler) -> dict:
         prepack = config.prepack_conv
         lin = config.prepack_linear
-        out = {key: region_body(body, config.dynamic_shapes, prepack, lin) for key, body in regions.BODIES.items()}
+        out = {key: region_body(body, config.dynamic_shapes, prepack, lin, scheduler)
+               for key, body in regions.BODIES.items()}
         self._bodies = [b for b in out.values() if isinstance(b, precompiled.Precompiled)]
         # the custom ops the passes put into graphs are registered when their modules load: a variant
         # loaded from the compile cache calls them with no compile (which imports them) in this process
@@ -150,9 +151,9 @@ class InductorBackend(Backend):
                     f"precompile: torch.compile(...).aot_compile is missing in torch 2.11, there in 2.13)")
         return None
 
-    def compile_count(self) -> int:
+    def compile_count(self, scheduler) -> int:
         # a variant compiled here is a dynamo graph already; one loaded from the cache is not traced
-        return variants.VARIANTS.from_cache
+        return scheduler.variants.from_cache
 
     def dynamo_config(self, config):
         if config.dynamic_shapes is not True:   # False: static; None: static first (warmup.one_shape)

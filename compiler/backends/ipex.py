@@ -101,7 +101,7 @@ class IpexBackend(Backend):
         return self._copies.derived(module, weights.fingerprint(module.parameters()),
                                     lambda: self._build(module, ipex))
 
-    def impls(self, config) -> dict:
+    def impls(self, config, scheduler) -> dict:
         ipex, why = ipex_compat.load()
         if ipex is None:  # resolve() checked; a direct caller gets the reason
             raise RuntimeError(why)

@@ -127,7 +127,7 @@ class TritonBackend(Backend):
         note = triton_compat.table_note(facts)
         return True, f"fused Triton kernels (triton {facts.triton_version})" + (f"; {note}" if note else "")
 
-    def compile_count(self) -> int:
+    def compile_count(self, scheduler) -> int:
         return triton_compat.kernel_compiles()
 
     def graphs_stopped(self) -> None:
@@ -146,7 +146,7 @@ class TritonBackend(Backend):
         side = 8 * 4 * 2 ** (levels - 1)
         return [Shape(b, side, side), Shape(b, 80, 80)]
 
-    def impls(self, config) -> dict:
+    def impls(self, config, scheduler) -> dict:
         self.counting = triton_compat.count_kernel_compiles()
         # where graphs replay, a call pays device time only; otherwise it pays its launches too
         self.ops = ops = TritonOps("device" if self.graphs_replay else "wall")

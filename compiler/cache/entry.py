@@ -20,7 +20,6 @@ import torch
 
 from .. import settings
 from ..reasons import error_summary
-from ..lifecycle import variants
 from . import cpu_isa, megacache, torch_dirs
 from . import files
 from .key import FORMAT, key_facts, key_of
@@ -113,9 +112,11 @@ def _compares(meta: dict) -> dict[str, dict]:
 
 
 class CompileCache:
-    """The cache entry of one accelerated model; ``lines()`` is what the report says of it."""
+    """The cache entry of one accelerated model; ``lines()`` is what the report says of it. Its
+    precompiled variants load into, and are saved from, ``scheduler``'s registry."""
 
-    def __init__(self, unet, config, device):
+    def __init__(self, unet, config, device, scheduler):
+        self.scheduler = scheduler
         self.enabled = mode() != "off" and config.backend != "eager"
         self.folder = directory()
         self.facts = key_facts(unet, config, device) if self.enabled else {}
@@ -233,7 +234,7 @@ class CompileCache:
                 megacache.load(mega)
             for key, blobs in found.items():
                 for blob in blobs:
-                    variants.VARIANTS.add_serialized(key, blob)
+                    self.scheduler.variants.add_serialized(key, blob)
         except Exception as e:  # a torch that cannot read it: compile as if cold
             log.warning("UNet Compiler: torch could not load compile cache entry %s (%s); it is rebuilt", self.key, e)
             self._discard()
@@ -272,7 +273,7 @@ class CompileCache:
             self.problem = f"torch could not serialize its caches ({error_summary(e)})"
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
-        compiled = variants.VARIANTS.serialized()
+        compiled = self.scheduler.variants.serialized()
         if (not got or not got[0]) and not compiled:
             return
         try:

@@ -1,13 +1,13 @@
 """Background compile: region variants compiled in a daemon thread while calls run the bodies' own code.
 
 Warmup Shapes' ``background`` records every region call that has no variant yet (its module and its
-inputs' shapes, strides, dtypes and dispatch state); one daemon thread (``worker.BACKGROUND``, one per
-process) compiles those signatures on stand-in tensors. Until a variant is ready its calls run the
-model's own code (on CPU with prepacked convs); while a model is in background mode
-(``BackgroundMode``, held by its Accelerator) its misses are queued for the thread, never compiled
-in the sampling thread. A CPU job waits until nothing samples (``pacing.ACTIVITY``): beside sampling
-it would share the same cores and Python's GIL, slowing every image while it compiles. This module:
-one model's mode and its report line; the thread is worker.py's.
+inputs' shapes, strides, dtypes and dispatch state); one daemon thread (the scheduler's, one per
+process: scheduler.py, worker.py) compiles those signatures on stand-in tensors. Until a variant is
+ready its calls run the model's own code (on CPU with prepacked convs); while a model is in
+background mode (``BackgroundMode``, held by its Accelerator) its misses are queued for the thread,
+never compiled in the sampling thread. A CPU job waits until nothing samples (the scheduler's
+activity): beside sampling it would share the same cores and Python's GIL, slowing every image
+while it compiles. This module: one model's mode and its report line; the thread is worker.py's.
 """
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ import weakref
 
 from . import worker
 from .pacing import BESIDE_SHARE
-from .variants import guard_marks
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +29,10 @@ class BackgroundMode:
     seconds, first, marks) -> state`` (the accelerator counts and saves it: the first time as
     warmup's, later as compiles after warmup) and, the first time, ``tell_done(line, state)`` (the
     accelerator's ``background_done`` event) is told. Holds its accelerator only through ``account``
-    (a weak method)."""
+    (a weak method); ``scheduler``: the process's, whose thread compiles for it."""
 
-    def __init__(self, account, tell_done=None):
+    def __init__(self, account, scheduler, tell_done=None):
+        self.scheduler = scheduler
         self.owner = worker.Owner()
         self.t0 = time.perf_counter()
         self.done: float | None = None       # seconds from start to the first empty queue
@@ -52,7 +52,7 @@ class BackgroundMode:
         cannot be called outside sampling stays in background mode, and its report's background
         line ends with "done" once the thread compiled what its sampling calls queued)."""
         try:
-            with worker.BACKGROUND.record(self.owner):
+            with self.scheduler.thread.record(self.owner):
                 yield
         except BaseException:
             self.started(settle=False)
@@ -63,7 +63,8 @@ class BackgroundMode:
         """Warmup recorded the model's calls for the thread (again: its compiles are warmup's again).
         ``settle`` False: a warmup that stopped part way; the model stays in background mode and its
         first empty queue after this, once sampling's calls queued what warmup could not, is done."""
-        self._marks = guard_marks()
+        thread = self.scheduler.thread
+        self._marks = self.scheduler.guard_marks()
         if self.done is not None:
             self.t0, self.done = time.perf_counter(), None
         if self._listener is None:
@@ -72,18 +73,18 @@ class BackgroundMode:
             def listener():
                 mode = me()
                 if mode is None:
-                    worker.BACKGROUND.listeners[:] = [f for f in worker.BACKGROUND.listeners if f is not listener]
+                    thread.listeners[:] = [f for f in thread.listeners if f is not listener]
                     return
                 mode._queue_empty()
             self._listener = listener
-            worker.BACKGROUND.listeners.append(listener)
-        if settle and not worker.BACKGROUND.active:   # nothing was queued (all from the compile cache), or done already
+            thread.listeners.append(listener)
+        if settle and not thread.active:   # nothing was queued (all from the compile cache), or done already
             self._queue_empty()
 
     def end(self) -> None:
         """Leave background mode: the model's misses compile in the calling thread again."""
-        if self._listener in worker.BACKGROUND.listeners:
-            worker.BACKGROUND.listeners.remove(self._listener)
+        if self._listener in self.scheduler.thread.listeners:
+            self.scheduler.thread.listeners.remove(self._listener)
         self._listener = None
         self._account = None
 
@@ -99,7 +100,7 @@ class BackgroundMode:
             self._counted, self._seconds = self.owner.graphs, self.owner.seconds
             if first:
                 self.done = time.perf_counter() - self.t0
-            marks, self._marks = self._marks, guard_marks()
+            marks, self._marks = self._marks, self.scheduler.guard_marks()
         state = account(new, secs, first, marks)   # counted and saved first: "done" means nothing is left
         line = self.line()
         log.info("UNet Compiler: %s", line)
@@ -114,10 +115,10 @@ class BackgroundMode:
             failed = (f"; {sum(owner.unprimed.values())} variant(s) not called before sampling used them ("
                       f"{', '.join(owner.unprimed)}): their first sampling call loads their kernels{failed}")
         if self.done is None:
-            waiting = (", waiting until no prompt runs (on CPU it would slow sampling)" if worker.BACKGROUND.waiting
-                       else "")
+            thread = self.scheduler.thread
+            waiting = ", waiting until no prompt runs (on CPU it would slow sampling)" if thread.waiting else ""
             return (f"background compile: running{waiting}, {owner.variants} region variant(s) compiled "
-                    f"({owner.graphs} graph(s)), {worker.BACKGROUND.queued} to go, {time.perf_counter() - self.t0:.0f} s "
+                    f"({owner.graphs} graph(s)), {thread.queued} to go, {time.perf_counter() - self.t0:.0f} s "
                     f"so far; region calls not ready run the model's own code ({owner.eager_calls} so far){failed}")
         primed = f", {owner.primed} called once on the GPU" if owner.primed else ""
         if owner.paused >= 0.5:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import time
 
-from . import variants, worker
 
 
 def _graph_count() -> int:
@@ -14,41 +13,43 @@ def _graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def cache_hits() -> int:
-    """Graphs inductor took from its caches (the pack's compile cache fills them) so far."""
+def cache_hits(registry) -> int:
+    """Graphs inductor took from its caches (the pack's compile cache fills them) so far, with the
+    variants ``registry`` (a ``Variants``) loaded from the compile cache."""
     from torch._dynamo.utils import counters
 
-    return int(counters["inductor"]["fxgraph_cache_hit"]) + variants.VARIANTS.from_cache
+    return int(counters["inductor"]["fxgraph_cache_hit"]) + registry.from_cache
 
 
 class Ledger:
     """Counts into ``stats`` (the accelerator's: ``graphs_compiled``, ``graphs_from_cache``,
     ``compile_seconds``, ``recompiles_after_warmup``), tells ``recompiles`` what compiled after
     warmup and ``cache`` (a CompileCache, or None) that something new is there to keep.
-    ``compile_count``: the backend's own compiles so far (Triton kernel variants)."""
+    ``compile_count(scheduler)``: the backend's own compiles so far (Triton kernel variants);
+    ``scheduler``: the accelerator's (its variants and compile thread)."""
 
-    def __init__(self, stats, recompiles, cache, compile_count):
-        self.stats, self.recompiles, self.cache = stats, recompiles, cache
+    def __init__(self, stats, recompiles, cache, compile_count, scheduler):
+        self.stats, self.recompiles, self.cache, self.scheduler = stats, recompiles, cache, scheduler
         self._compile_count = compile_count
 
     def compiled(self) -> int:
         """Dynamo graphs plus the backend's own compiles, in this process so far."""
-        return _graph_count() + self._compile_count()
+        return _graph_count() + self._compile_count(self.scheduler)
 
     @contextlib.contextmanager
     def call(self, shape: str | None, warmed: bool, warmed_shapes: list):
         """One model call: what compiled inside it is counted when it ends (``shape``: its label,
         named in a recompile line; ``warmed``: compiles now are recompiles)."""
-        before, hits_before, loads_before = self.compiled(), cache_hits(), variants.VARIANTS.from_cache
-        bg = worker.BACKGROUND
+        registry, bg = self.scheduler.variants, self.scheduler.thread
+        before, hits_before, loads_before = self.compiled(), cache_hits(registry), registry.from_cache
         bg_before = (bg.epoch, bg.active)
-        marks = variants.guard_marks() if warmed else None
+        marks = self.scheduler.guard_marks() if warmed else None
         t0 = time.perf_counter()
         try:
             yield
         finally:
             new = self.compiled() - before
-            hits = cache_hits() - hits_before
+            hits = cache_hits(registry) - hits_before
             self.stats["calls"] += 1
             if bg_before[1] or bg.active or bg.epoch != bg_before[0]:
                 # the background thread compiled meanwhile: its graphs are counted when it is done
@@ -64,7 +65,7 @@ class Ledger:
                 # precompiled variants loaded from the compile cache entry are no recompile (a
                 # restart's warmup leaves the other listed shapes' variants to their first call);
                 # a graph dynamo traced again is one, even where inductor's cache had its code
-                loads = variants.VARIANTS.from_cache - loads_before
+                loads = registry.from_cache - loads_before
                 if warmed and new > loads:
                     self.stats["recompiles_after_warmup"] += new - loads
                     self.recompiles.record(new - loads, shape, time.perf_counter() - t0, marks, warmed_shapes)

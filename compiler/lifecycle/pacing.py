@@ -1,5 +1,5 @@
-"""When the compile thread works: whether anything samples now (``ACTIVITY``), how a job beside a
-GPU's sampling pauses to leave it most of Python's time (``pace``), and whether a CPU job waits
+"""When the compile thread works: whether anything samples now (:class:`Activity`, the scheduler's),
+how a job beside a GPU's sampling pauses to leave it most of Python's time (``pace``), and whether a CPU job waits
 until nothing samples (``waits_for_idle``)."""
 from __future__ import annotations
 
@@ -39,6 +39,12 @@ class Activity:
                 self.calls -= 1
                 self.busy_until = time.monotonic()
 
+    def watch(self, signal) -> None:
+        """Count ``signal`` (a callable, True while the host is busy) as activity from now on (once)."""
+        with self.lock:
+            if signal not in self.signals:
+                self.signals.append(signal)
+
     def _signalled(self) -> bool:
         for signal in list(self.signals):
             try:
@@ -57,28 +63,25 @@ class Activity:
             return not busy and now - self.busy_until >= QUIET_SECONDS
 
 
-ACTIVITY = Activity()
-
-
 #: the share of the Python interpreter (the GIL) the compile thread takes while it compiles beside
 #: sampling (a GPU's, whose host side is Python launching kernels): after each job it pauses for
 #: its CPU time x (1 - share) / share, or until sampling stops
 BESIDE_SHARE = 0.25
 
 
-def sampling_now() -> bool:
+def sampling_now(activity: Activity) -> bool:
     """A model call is in flight or ended less than ``QUIET_SECONDS`` ago (host signals not asked)."""
-    return ACTIVITY.calls > 0 or time.monotonic() - ACTIVITY.busy_until < QUIET_SECONDS
+    return activity.calls > 0 or time.monotonic() - activity.busy_until < QUIET_SECONDS
 
 
-def pace(cpu_seconds: float) -> float:
+def pace(cpu_seconds: float, activity: Activity) -> float:
     """After a job that took ``cpu_seconds`` of the thread's CPU beside sampling, with more queued:
     pause so the thread holds at most ``BESIDE_SHARE`` of the interpreter while sampling runs (a
     compile is Python through and through, and sampling beside it gets the GIL in turns, waiting for
     it each time it comes back from the GPU: ``bench beside``). Returns the seconds paused."""
     left = cpu_seconds * (1 - BESIDE_SHARE) / BESIDE_SHARE
     t0 = time.perf_counter()
-    while left > 0 and sampling_now():
+    while left > 0 and sampling_now(activity):
         step = min(0.05, left)
         time.sleep(step)
         left -= step

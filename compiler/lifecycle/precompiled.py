@@ -48,11 +48,13 @@ def _device_type(args: tuple) -> str:
 
 
 class Precompiled:
-    """One region body as precompiled variants (see the module docstring); ``fallback`` is the
-    same body under plain torch.compile, for regions this cannot serve."""
+    """One region body as precompiled variants (see the module docstring), kept in ``scheduler``'s
+    registry and compiled by its thread in background mode; ``fallback`` is the same body under plain
+    torch.compile, for regions this cannot serve."""
 
-    def __init__(self, body, backend, dynamic: bool | None, fallback, options: tuple):
+    def __init__(self, body, backend, dynamic: bool | None, fallback, options: tuple, scheduler):
         self.body, self.backend, self.dynamic, self.fallback, self.options = body, backend, dynamic, fallback, options
+        self.scheduler = scheduler
         self.__name__ = getattr(body, "__name__", "body")
         self._no_aot: set[str] = set()
         self._compilers: dict = {}
@@ -67,22 +69,23 @@ class Precompiled:
 
     def __call__(self, module, *args):
         args = _canonical(args)
+        registry, thread = self.scheduler.variants, self.scheduler.thread
         struct = structure(module, args, widths=self.dynamic is not True)
-        if struct is None or (key := variants.VARIANTS.key(self.body, struct, self.options)) in self._no_aot:
-            if worker.BACKGROUND.running:
+        if struct is None or (key := registry.key(self.body, struct, self.options)) in self._no_aot:
+            if thread.running:
                 # plain torch.compile would compile here, beside the thread (and a dynamo-compiled
                 # function called while the thread traces raises: FX's tracing flag is process-wide)
                 return self.uncompiled(module, *args)
             return self.fallback(module, *args)
         owner = worker.current_owner()
-        if (owner is not None or worker.BACKGROUND.active) and pacing.waits_for_idle(_device_type(args)) \
-                and variants.VARIANTS.waiting(key):
+        if (owner is not None or thread.active) and pacing.waits_for_idle(_device_type(args)) \
+                and registry.waiting(key):
             # a CPU model's code from the compile cache loads once nothing samples, as its compile would:
             # a restart's first image runs the body's own code (packed convs: near compiled speed on CPU)
             if owner is not None:
                 owner.deferred += 1
             return self._queued(key, module, args, struct[1], owner)
-        found = variants.VARIANTS.candidates(key)
+        found = registry.candidates(key)
         for fn in found:
             if fn.guard_check(module, *args):
                 if fn.from_cache and not getattr(fn, "used", False):
@@ -90,9 +93,8 @@ class Precompiled:
                 return fn.fn(module, *args)
         if found:
             f_locals = found[-1].prepare_f_locals(module, *args)
-            variants.VARIANTS.failures.extend(variants.failed_parts(found[-1], f_locals)
-                                              or ["no precompiled variant matched"])
-        if owner is not None or worker.BACKGROUND.active:
+            registry.failures.extend(variants.failed_parts(found[-1], f_locals) or ["no precompiled variant matched"])
+        if owner is not None or thread.active:
             # the daemon thread compiles it (never two compiling threads); this call runs the body's
             # own code meanwhile
             return self._queued(key, module, args, struct[1], owner)
@@ -102,7 +104,7 @@ class Precompiled:
         return self._compile(key, module, args, dynamic=dynamic)
 
     def _queued(self, key, module, args, struct_inputs, owner):
-        worker.BACKGROUND.add(self, key, module, args, struct_inputs, owner)
+        self.scheduler.thread.add(self, key, module, args, struct_inputs, owner)
         if owner is not None:
             owner.eager_calls += 1
         return self.uncompiled(module, *args)
@@ -112,7 +114,7 @@ class Precompiled:
         convs (``passes.prepack_conv.PackedConvs``), the packed copies compiled code uses too. Not
         while a warmup records for the thread: a copy is packed for one input size, and a range's
         probe sizes would each re-pack every weight that sampling packs again (docs/internals.md)."""
-        if self.options and self.options[0] and not worker.BACKGROUND.recording and \
+        if self.options and self.options[0] and not self.scheduler.thread.recording and \
                 any(isinstance(a, torch.Tensor) and a.device.type == "cpu" for a in args):
             from ..passes import prepack_conv
             with prepack_conv.PackedConvs():
@@ -128,16 +130,17 @@ class Precompiled:
         except Exception as e:
             if comfy_compat.is_cancel(e):
                 raise
-            with variants.VARIANTS.lock:
-                if fn in variants.VARIANTS.live[key]:
-                    variants.VARIANTS.live[key].remove(fn)
-                variants.VARIANTS.blobs[key].pop(getattr(fn, "digest", ""), None)   # not saved again
-                variants.VARIANTS.unusable += 1
+            registry = self.scheduler.variants
+            with registry.lock:
+                if fn in registry.live[key]:
+                    registry.live[key].remove(fn)
+                registry.blobs[key].pop(getattr(fn, "digest", ""), None)   # not saved again
+                registry.unusable += 1
             log.warning("UNet Compiler: a precompiled %s from the compile cache failed at its first call (%s); "
                         "it compiles again", self.__name__, error_summary(e))
             return self._compile(key, module, args, dynamic=bool(self.dynamic))
         fn.used = True
-        variants.VARIANTS.from_cache += 1
+        self.scheduler.variants.from_cache += 1
         return out
 
     def _compile(self, key, module, args, dynamic: bool):
@@ -209,18 +212,19 @@ class Precompiled:
                 if comfy_compat.is_cancel(e):
                     raise
                 if comfy_compat.is_oom(e):   # the variant is fine; its first call waits for the sampling thread
-                    variants.VARIANTS.add_compiled(key, fn, blob)
+                    self.scheduler.variants.add_compiled(key, fn, blob)
                     return fn
                 log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
                          self.__name__, error_summary(e))
                 self.missed = self.missed or f"its first call failed: {error_summary(e)}"
                 self._no_aot.add(key)
                 return None
-        variants.VARIANTS.add_compiled(key, fn, blob)
+        self.scheduler.variants.add_compiled(key, fn, blob)
         return fn
 
 
 @functools.lru_cache(maxsize=None)
-def body(raw_body, backend, dynamic: bool | None, fallback, options: tuple) -> Precompiled:
-    """The process-wide precompiled form of ``raw_body`` for these options (every clone shares it)."""
-    return Precompiled(raw_body, backend, dynamic, fallback, options)
+def body(raw_body, backend, dynamic: bool | None, fallback, options: tuple, scheduler) -> Precompiled:
+    """The precompiled form of ``raw_body`` for these options under ``scheduler`` (the process's:
+    every clone shares it)."""
+    return Precompiled(raw_body, backend, dynamic, fallback, options, scheduler)

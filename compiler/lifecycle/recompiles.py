@@ -7,9 +7,8 @@ from collections import Counter
 
 import torch
 
-from . import variants
 from ..compat import comfy as comfy_compat
-from ..compat.dynamo import plain_guard, rank
+from ..compat.dynamo import guard_reasons_since, plain_guard, rank
 from ..shapes import parse_shapes
 
 log = logging.getLogger(__name__)
@@ -18,10 +17,12 @@ log = logging.getLogger(__name__)
 class Recompiles:
     """One accelerator's compiles after warmup (``events``: the last 50; ``by_prompt``: graphs per
     prompt id); ``tell`` (optional ``callable(event)``: the accelerator's ``recompile`` event) is told
-    of each."""
+    of each; ``reasons(marks)``: the guard failures since ``marks`` (the scheduler's
+    ``guard_reasons_since``; default dynamo's records alone)."""
 
-    def __init__(self, arch: str = "unet", tell=None):
+    def __init__(self, arch: str = "unet", tell=None, reasons=None):
         self.events: list[dict] = []
+        self._reasons = reasons or (lambda marks: guard_reasons_since(marks, []))
         self.by_prompt: Counter = Counter()
         self._tell = tell
         #: the model's kind ("unet" or "dit"): the guard words name its dims
@@ -35,8 +36,7 @@ class Recompiles:
         if outside:   # warmup compiles under inference mode: a call outside it cannot use that code
             guards.append("this call ran outside torch.inference_mode, unlike warmup's")
         try:
-            for plain in (plain_guard(r, self.arch) for r in sorted(variants.guard_reasons_since(marks or {}),
-                                                                       key=rank)):
+            for plain in (plain_guard(r, self.arch) for r in sorted(self._reasons(marks or {}), key=rank)):
                 if plain not in guards and len(guards) < 3:
                     guards.append(plain)
         except Exception:

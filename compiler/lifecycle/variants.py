@@ -20,7 +20,6 @@ from collections import defaultdict
 import torch
 
 from .. import settings
-from ..compat import dynamo
 from ..reasons import error_summary
 
 log = logging.getLogger(__name__)
@@ -251,8 +250,6 @@ class Variants:
             return {k: list(v.values()) for k, v in self.blobs.items() if v}
 
 
-VARIANTS = Variants()
-
 def serialize(fn) -> bytes:
     """A variant's bytes: the pack's module name it was pickled under, a newline, torch's bytes."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
@@ -308,13 +305,3 @@ def failed_parts(fn, f_locals) -> list[str]:
     text = text.split("\nUser stack trace:", 1)[0]
     return [text[len("None: "):] if text.startswith("None: ") else text]
 
-
-
-def guard_marks() -> dict:
-    """A bookmark in the guard-failure records: dynamo's and the precompiled regions' misses."""
-    return dynamo.guard_marks(VARIANTS.failures)
-
-
-def guard_reasons_since(marks: dict) -> list[str]:
-    """The raw guard failures recorded after ``marks`` (``guard_marks``), oldest first, each once."""
-    return dynamo.guard_reasons_since(marks, VARIANTS.failures)

@@ -1,5 +1,5 @@
-"""The compile thread: one daemon thread per process (``BACKGROUND``) that compiles the region calls
-models in background mode recorded (their modules and inputs' specs), on stand-in inputs, while those
+"""The compile thread: one daemon thread per process (its scheduler's ``thread``) that compiles the
+region calls models in background mode recorded (their modules and inputs' specs), on stand-in inputs, while those
 calls run the bodies' own code; ``Owner`` counts what it did for one model. See background.py for
 the mode a model is in."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from .. import cast
 from ..compat.compile_thread import THREAD, before_the_thread
 from ..reasons import error_summary
-from . import pacing, variants
+from . import pacing
 from .priming import first_calls
 from .stand_ins import modes, modes_now, spec, stand_ins
 
@@ -62,13 +62,15 @@ def queueing(owner: Owner):
 
 class Background:
     """Region variants compiled in a daemon thread while calls run the bodies' own code (see the
-    module docstring). Process-wide, like ``VARIANTS``; ``listeners`` are told when the queue empties."""
+    module docstring), into ``scheduler``'s variants, pacing itself by its activity; ``listeners`` are
+    told when the queue empties."""
 
-    def __init__(self):
+    def __init__(self, scheduler):
+        self._scheduler = scheduler
         self.lock = threading.Lock()
         self.recording = False
         self.running = False
-        self.waiting = False             # a CPU job waits for sampling to stop (``pacing.ACTIVITY``)
+        self.waiting = False             # a CPU job waits for sampling to stop (the scheduler's activity)
         self.queue: list[tuple] = []
         self._seen: set = set()
         self._keys: set = set()          # keys with a job: a second signature of one compiles dynamic
@@ -117,7 +119,8 @@ class Background:
                     others.append(weakref.ref(module))
                 return
             self._seen.add(sig)
-            dyn = pre.dynamic if pre.dynamic is not None else (key in self._keys or bool(variants.VARIANTS.live.get(key)))
+            dyn = pre.dynamic if pre.dynamic is not None else \
+                (key in self._keys or bool(self._scheduler.variants.live.get(key)))
             self._keys.add(key)
             self.queue.append((owner, pre, key, weakref.ref(module), specs, struct_inputs, dyn,
                                modes_now(device.type), sig))
@@ -137,7 +140,7 @@ class Background:
         while True:
             with self.lock:
                 wait = bool(self.queue) and pacing.waits_for_idle(self.queue[0][7][2])
-            if wait and not pacing.ACTIVITY.idle():
+            if wait and not self._scheduler.activity.idle():
                 self.waiting = True
                 time.sleep(0.2)
                 continue
@@ -147,7 +150,7 @@ class Background:
                     # still running until the listeners have counted and saved what it compiled:
                     # ``wait()`` returning means that is done too
                     self.epoch += 1
-                    self._seen.clear()       # what was compiled is in VARIANTS now
+                    self._seen.clear()       # what was compiled is in the variants now
                     self._keys.clear()
                     self._instances.clear()
                     listeners = list(self.listeners)
@@ -165,7 +168,7 @@ class Background:
                 log.warning("UNet Compiler: background compile failed (%s)", error_summary(e), exc_info=True)
             owner.seconds += time.perf_counter() - t0
             if self.queue and pacing.paces(job[7][2]):
-                owner.paused += pacing.pace(time.thread_time() - cpu0)
+                owner.paused += pacing.pace(time.thread_time() - cpu0, self._scheduler.activity)
             with self.lock:
                 self.epoch += 1
         self._tell(listeners)
@@ -199,8 +202,9 @@ class Background:
                 # its leaves show ComfyUI's per-call cast only inside the sampling thread's call: this
                 # thread traces a copy that shows it (the variant serves the real module then)
                 module, others = cast.stand_in(module, args), []
-            loading = variants.VARIANTS.waiting(key)
-            serving = next((fn for fn in variants.VARIANTS.candidates(key) if fn.guard_check(module, *args)), None)
+            registry = self._scheduler.variants
+            loading = registry.waiting(key)
+            serving = next((fn for fn in registry.candidates(key) if fn.guard_check(module, *args)), None)
             if serving is not None:      # an earlier job's (dynamic) variant, or the compile cache's: prime its modules
                 first_calls(serving, [module, *others], args)
                 owner.loaded += loading if getattr(serving, "from_cache", False) else 0
@@ -220,6 +224,3 @@ class Background:
                 return False
             time.sleep(0.05)
         return True
-
-
-BACKGROUND = Background()

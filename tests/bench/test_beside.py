@@ -8,17 +8,18 @@ import time
 
 from unet_compiler.bench import beside
 from unet_compiler.compiler.lifecycle import pacing
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 
 def test_the_sampling_stand_in_is_sampling_to_the_compile_thread(monkeypatch):
-    monkeypatch.setattr(pacing, "ACTIVITY", pacing.Activity())
+    monkeypatch.setattr(process_scheduler(), "activity", pacing.Activity())
     n = beside._calibrate(2.0)
     t0 = time.perf_counter()
     beside._python_ms(n)
     took = (time.perf_counter() - t0) * 1e3
     assert 0.5 < took < 8, took                    # about the 2 ms asked (this machine's speed varies)
     seen = []
-    monkeypatch.setattr(beside, "_python_ms", lambda k: seen.append(pacing.ACTIVITY.calls))
+    monkeypatch.setattr(beside, "_python_ms", lambda k: seen.append(process_scheduler().activity.calls))
     rate = beside._loop(n, 1.0, 0.2)
     assert seen and all(c == 1 for c in seen) and 0 < rate <= 1000   # each step inside a model call
-    assert pacing.sampling_now()                        # just sampled: the compile thread would pause
+    assert pacing.sampling_now(process_scheduler().activity)    # just sampled: the compile thread would pause

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from unet_compiler.compiler.backends import lookup_backend, resolve
+from unet_compiler.compiler.lifecycle.scheduler import Scheduler
 
 
 def test_registry_reports_unavailable_backends_and_falls_back():
@@ -63,5 +64,5 @@ def test_free_standing_conv_regions_are_installed_only_where_they_fire(monkeypat
     monkeypatch.setattr(I, "_cpp_compiler_missing", lambda: None)
     assert cpu.available(torch.device("cpu"))[0]
     config = CompileConfig(backend="inductor")
-    assert not [k for k in cuda.impls(config) if k[1] == PROJECTION]
-    assert [k for k in cpu.impls(config) if k[1] == PROJECTION]
+    assert not [k for k in cuda.impls(config, Scheduler()) if k[1] == PROJECTION]
+    assert [k for k in cpu.impls(config, Scheduler()) if k[1] == PROJECTION]

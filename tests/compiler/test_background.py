@@ -21,6 +21,7 @@ from unet_compiler.compiler.lifecycle import background as B
 from unet_compiler.compiler.lifecycle import pacing, priming, worker
 from unet_compiler.compiler.lifecycle import precompiled as P
 from unet_compiler.compiler.lifecycle import variants as V
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
 
@@ -29,13 +30,13 @@ pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no preco
 def fresh(monkeypatch):
     """A fresh variant store and background queue (what a new process has), whose thread starts only
     at ``fresh.gate.set()`` (so a test sees the running state)."""
-    monkeypatch.setattr(V, "VARIANTS", V.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", V.Variants())
     monkeypatch.setattr(pacing, "QUIET_SECONDS", 0.2)     # (a CPU job waits this long after the last call)
-    bg = worker.Background()
+    bg = worker.Background(process_scheduler())
     bg.gate = threading.Event()
     work = bg._work
     bg._work = lambda: (bg.gate.wait(120), work())
-    monkeypatch.setattr(worker, "BACKGROUND", bg)
+    monkeypatch.setattr(process_scheduler(), "thread", bg)
     yield bg
     bg.gate.set()
     bg.wait(300)
@@ -93,7 +94,7 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     assert prepack_conv.stats["packed_mode_fired"] > packed
     # a CPU job waits while anything samples (here: a host's signal, as ComfyUI's queue with a prompt)
     busy = [True]
-    monkeypatch.setattr(pacing.ACTIVITY, "signals", [lambda: busy[0]])
+    monkeypatch.setattr(process_scheduler().activity, "signals", [lambda: busy[0]])
     fresh.gate.set()
     time.sleep(pacing.QUIET_SECONDS + 0.5)
     assert fresh.waiting and fresh.compiled == 0 and fresh.queue, "a CPU job must not start while sampling goes on"
@@ -108,7 +109,7 @@ def test_background_warmup_returns_first_and_compiles_behind(tiny_unet, fresh, m
     traced = _traced()
     assert traced - seen == owner.graphs
     _check(unet, _inputs(seed=1))                 # now the variants: nothing traced in this thread
-    assert _traced() == traced and V.VARIANTS.compiled == fresh.compiled
+    assert _traced() == traced and process_scheduler().variants.compiled == fresh.compiled
     assert accel.stats["recompiles_after_warmup"] == 0
 
 
@@ -372,7 +373,7 @@ def test_out_of_memory_while_compiling_is_never_for_good(monkeypatch):
     from unet_compiler.compiler.lifecycle import variants
     from unet_compiler.compiler.lifecycle.precompiled import Precompiled
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-    p = Precompiled(lambda m, x: x, "inductor", False, lambda m, x: x, ())
+    p = Precompiled(lambda m, x: x, "inductor", False, lambda m, x: x, (), process_scheduler())
     traced, added = [], []
 
     class Variant:
@@ -389,7 +390,7 @@ def test_out_of_memory_while_compiling_is_never_for_good(monkeypatch):
         return Variant()
     monkeypatch.setattr(p, "_trace", trace)
     monkeypatch.setattr(variants, "serialize", lambda fn: b"")
-    monkeypatch.setattr(variants.VARIANTS, "add_compiled", lambda key, fn, blob: added.append(key))
+    monkeypatch.setattr(process_scheduler().variants, "add_compiled", lambda key, fn, blob: added.append(key))
     m, x = torch.nn.Identity(), torch.zeros(2)
     assert p._aot("oom-key", m, (x,), False, first_call=True) is None and "oom-key" not in p._no_aot
     assert p._aot("oom-key", m, (x,), False, first_call=True) is not None   # its first call ran out: kept
@@ -456,7 +457,7 @@ def test_a_background_restart_loads_the_compile_cache_when_idle_and_counts_it(ti
     compiled = api.accelerator_of(unet).stats["graphs_compiled"]
     assert compiled > 0
     monkeypatch.setattr(C.entry, "_loaded", set())          # a new process: nothing loaded, nothing live
-    monkeypatch.setattr(V, "VARIANTS", V.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", V.Variants())
     again = tiny_unet(seed=3)
     api.compile_unet(again, "inductor")
     fresh.gate.clear()
@@ -478,7 +479,7 @@ def test_a_background_restart_loads_the_compile_cache_when_idle_and_counts_it(ti
 
 
 def test_activity_is_idle_after_a_quiet_second_and_only_cpu_jobs_wait_for_it(monkeypatch):
-    """``ACTIVITY.idle()``: no model call in flight, no host signal busy, for ``QUIET_SECONDS``.
+    """``Activity.idle()``: no model call in flight, no host signal busy, for ``QUIET_SECONDS``.
     Only a CPU model's jobs wait for it, unless ``UNET_COMPILER_BACKGROUND_CPU=beside``."""
     act = pacing.Activity()
     monkeypatch.setattr(pacing, "QUIET_SECONDS", 0.2)
@@ -559,7 +560,7 @@ def test_the_compile_thread_calls_a_cuda_variant_once_on_its_own_stream(monkeypa
         monkeypatch.setattr(priming.cast, "needs_cast", lambda m: True)
         priming.first_calls(variant, mods, args)
         assert len(calls) == 1 and owner.unprimed["its modules' weights are cast per call"] == 1
-    mode = B.BackgroundMode(lambda *a: None)
+    mode = B.BackgroundMode(lambda *a: None, process_scheduler())
     mode.owner, mode.done = owner, 1.0
     line = mode.line()
     assert "1 called once on the GPU" in line and "2 variant(s) not called before sampling used them" in line
@@ -574,17 +575,17 @@ def test_beside_sampling_the_thread_pauses_after_each_job_for_its_share(monkeypa
     assert pacing.paces("cuda") and not pacing.paces("cpu")
     slept = []
     monkeypatch.setattr(pacing.time, "sleep", lambda s: slept.append(s))
-    monkeypatch.setattr(pacing, "ACTIVITY", pacing.Activity())
-    assert pacing.pace(1.0) < 0.05 and not slept                       # nothing samples: no pause
-    with pacing.ACTIVITY.call():
-        pacing.pace(0.1)
+    activity = pacing.Activity()
+    assert pacing.pace(1.0, activity) < 0.05 and not slept             # nothing samples: no pause
+    with activity.call():
+        pacing.pace(0.1, activity)
     assert abs(sum(slept) - 0.1 * (1 - pacing.BESIDE_SHARE) / pacing.BESIDE_SHARE) < 1e-9 and max(slept) <= 0.05
     slept.clear()
     calls = []
 
-    def sampling_until_three_sleeps():
+    def sampling_until_three_sleeps(activity):
         calls.append(1)
         return len(slept) < 3
     monkeypatch.setattr(pacing, "sampling_now", sampling_until_three_sleeps)
-    pacing.pace(10.0)
+    pacing.pace(10.0, activity)
     assert len(slept) == 3, slept                                 # sampling stopped: the pause ends

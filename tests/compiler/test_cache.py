@@ -20,6 +20,7 @@ from unet_compiler.compiler import cache as C
 from unet_compiler.compiler.lifecycle import variants
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.tests import _cpu_isa
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 
 @pytest.fixture
@@ -31,7 +32,7 @@ def folder(tmp_path, monkeypatch):
 
 
 def _entry(unet, folder, config=None):
-    return C.CompileCache(unet, config or CompileConfig(backend="inductor"), "cpu")
+    return C.CompileCache(unet, config or CompileConfig(backend="inductor"), "cpu", process_scheduler())
 
 
 def test_key_covers_what_the_code_depends_on(tiny_unet, folder, monkeypatch):
@@ -41,7 +42,8 @@ def test_key_covers_what_the_code_depends_on(tiny_unet, folder, monkeypatch):
     assert _entry(unet, folder, CompileConfig(backend="inductor", prepack_conv=False)).key != base
     assert _entry(unet, folder, CompileConfig(backend="inductor", precision="bf16")).key != base
     assert _entry(tiny_unet(cross_attention_dim=48), folder).key != base, "another architecture"
-    assert C.CompileCache(unet, CompileConfig(backend="inductor"), "meta").key != base, "another device"
+    another = C.CompileCache(unet, CompileConfig(backend="inductor"), "meta", process_scheduler())
+    assert another.key != base, "another device"
     monkeypatch.setattr(torch, "__version__", torch.__version__ + ".other")
     assert _entry(unet, folder).key != base, "another torch"
     monkeypatch.undo()
@@ -85,12 +87,12 @@ def test_a_bad_entry_is_discarded_before_torch_sees_it(tiny_unet, folder, monkey
 def test_a_good_entry_is_loaded_once_per_process(tiny_unet, folder, monkeypatch):
     handed = []
     monkeypatch.setattr(C.megacache, "load", lambda data: handed.append(data))
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     entry = _entry(tiny_unet(), folder)
     _write(entry, C.pack_entry(b"x" * 2048, {"k1": [b"v1", b"v2"], "k2": [b"v3"]}))
     assert entry.load() and handed == [b"x" * 2048] and entry.state.startswith("hit")
     assert "3 precompiled region variant(s)" in entry.state, entry.state
-    pending = {k: [b for _, b in v] for k, v in variants.VARIANTS.pending.items()}
+    pending = {k: [b for _, b in v] for k, v in process_scheduler().variants.pending.items()}
     assert pending == {"k1": [b"v1", b"v2"], "k2": [b"v3"]}, "variants wait for first use"
     assert _entry(tiny_unet(), folder).load() and len(handed) == 1, "loaded once per process"
 
@@ -217,8 +219,9 @@ _STEPS = textwrap.dedent('''
     from torch._dynamo.utils import counters
     from unet_compiler.compiler import cache as C
     from unet_compiler.compiler.config import CompileConfig
+    from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
     fns = {"sin": lambda x: x.sin() + 1, "cos": lambda x: x.cos() * 2, "tanh": lambda x: x.tanh() - 3}
-    entry = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu")
+    entry = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu", process_scheduler())
     entry.load()
     for step in sys.argv[1:]:            # a name compiles and runs that function; "save" saves
         if step == "save":
@@ -283,7 +286,7 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     the listed shapes, every region from the cache, and a shape inside the box compiles nothing."""
     from unet_compiler.compiler import api
     from torch._dynamo.utils import counters
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     box = "2x64x64, 2x128x128"
     first = tiny_unet()
     api.compile_unet(first, "inductor", dynamic_shapes=True)
@@ -294,7 +297,7 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
     assert sorted(meta["primed"]) == sorted([label.split(" ")[0] for label in ran] + ["2x64x64", "2x128x128"])
 
     monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     second = tiny_unet(seed=4)
     api.compile_unet(second, "inductor", dynamic_shapes=True)
     traced = int(counters["stats"]["unique_graphs"])
@@ -311,7 +314,7 @@ def test_a_restart_runs_no_probe_shape_its_entry_holds_the_code_of(tiny_unet, fo
         second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
         second(torch.randn(2, 4, 16, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
     assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: warmup or the shapes inside the box"
-    assert accel.stats["recompiles_after_warmup"] == 0 and variants.VARIANTS.compiled == 0
+    assert accel.stats["recompiles_after_warmup"] == 0 and process_scheduler().variants.compiled == 0
 
 
 def test_probes_that_ran_no_compiled_code_are_not_claimed_by_the_entry(tiny_unet, folder, monkeypatch):
@@ -320,7 +323,7 @@ def test_probes_that_ran_no_compiled_code_are_not_claimed_by_the_entry(tiny_unet
     entry: a later warmup of the same model runs them and the eager reference again, and says
     nothing of code in the entry."""
     from unet_compiler.compiler import api
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     unet = tiny_unet()
     api.compile_unet(unet, "inductor", dynamic_shapes=True)
     accel = api.accelerator_of(unet)
@@ -339,7 +342,7 @@ def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_un
     of a CPU restart's warmup); UNET_COMPILER_COMPARE=always runs it; code compiled anew runs it too."""
     from unet_compiler.compiler import api
     monkeypatch.delenv("UNET_COMPILER_COMPARE", raising=False)
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     first = tiny_unet()
     api.compile_unet(first, "inductor")
     api.warmup(first, "2x64x64")
@@ -350,7 +353,7 @@ def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_un
 
     def restart(seed, compare=None):
         monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
-        monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+        monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
         if compare:
             monkeypatch.setenv("UNET_COMPILER_COMPARE", compare)
         unet = tiny_unet(seed=seed)
@@ -371,7 +374,7 @@ def test_a_restart_shows_the_compare_recorded_when_its_code_was_compiled(tiny_un
 def test_a_recorded_compare_is_not_shown_for_code_compiled_anew(tiny_unet, folder, monkeypatch):
     from unet_compiler.compiler import api
     monkeypatch.delenv("UNET_COMPILER_COMPARE", raising=False)
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     unet = tiny_unet(seed=6)
     api.compile_unet(unet, "inductor")
     accel = api.accelerator_of(unet)
@@ -523,6 +526,7 @@ _SAVER = textwrap.dedent('''
     import hashlib, sys, time, torch
     from unet_compiler.compiler import cache as C
     from unet_compiler.compiler.lifecycle import variants
+    from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
     from unet_compiler.compiler.config import CompileConfig
     name, rounds, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
     torch.compiler.save_cache_artifacts = lambda: (b"", None)     # only the variants: no compile needed
@@ -531,16 +535,16 @@ _SAVER = textwrap.dedent('''
         time.sleep(0.02)
         return pack(*a)
     C.entry.pack_entry = slow_pack
-    entry = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu")
+    entry = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu", process_scheduler())
     while time.time() < start:                                     # both start together
         time.sleep(0.001)
     for i in range(rounds):
-        variants.VARIANTS.blobs.clear()                            # each save adds one variant to what is on disk
+        process_scheduler().variants.blobs.clear()     # each save adds one variant to what is on disk
         blob = f"{name}-{i}".encode() * 50
-        variants.VARIANTS.blobs[f"key-{name}"][hashlib.sha256(blob).hexdigest()] = blob
+        process_scheduler().variants.blobs[f"key-{name}"][hashlib.sha256(blob).hexdigest()] = blob
         entry.save()
         assert not entry.problem, entry.problem
-        fresh = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu")
+        fresh = C.CompileCache(torch.nn.Linear(2, 2), CompileConfig(backend="inductor"), "cpu", process_scheduler())
         data, why = fresh._read()                                   # a reader while the other one saves
         assert not why, why
     print("ok")
@@ -575,7 +579,7 @@ def test_a_background_restart_of_a_range_runs_only_its_first_shape(tiny_unet, fo
     from unet_compiler.compiler import api
     from unet_compiler.compiler.lifecycle import pacing
     from torch._dynamo.utils import counters
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     monkeypatch.setattr(pacing, "QUIET_SECONDS", 0.2)
     box = "2x64x64, 2x128x128"
     first = tiny_unet()
@@ -583,7 +587,7 @@ def test_a_background_restart_of_a_range_runs_only_its_first_shape(tiny_unet, fo
     api.warmup(first, box)
 
     monkeypatch.setattr(C.entry, "_loaded", set())           # a new process: nothing loaded, nothing live
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     second = tiny_unet(seed=4)
     api.compile_unet(second, "inductor", dynamic_shapes=True)
     traced = int(counters["stats"]["unique_graphs"])

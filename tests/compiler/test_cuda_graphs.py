@@ -19,6 +19,7 @@ from unet_compiler.compiler import CompileConfig
 from unet_compiler.compiler.compat import triton as triton_compat
 from unet_compiler.compiler.graphs import RegionGraphs
 from unet_compiler.compiler.runtime import Accelerator
+from unet_compiler.compiler.lifecycle.scheduler import Scheduler
 
 CUDA = torch.cuda.is_available()
 
@@ -594,15 +595,15 @@ def test_release_frees_every_graph_and_the_next_call_captures_again(graph_standi
 def test_no_capture_while_a_background_compile_runs(graph_standin, monkeypatch):
     """While the compile thread runs (another model's background compile), a region call may run
     its body's own code in place of a variant still compiling: a graph would keep that for good."""
-    from unet_compiler.compiler.lifecycle import worker
     blk, fake = Block().eval(), graph_standin()
-    rg = RegionGraphs(graphs=fake)
+    thread = Scheduler().thread
+    rg = RegionGraphs(graphs=fake, thread=thread)
     x, e = _inputs()
-    monkeypatch.setattr(worker.BACKGROUND, "running", True)
+    monkeypatch.setattr(thread, "running", True)
     for _ in range(3):
         torch.testing.assert_close(rg.run(body, blk, (x, e)), body(blk, x, e))
     assert fake.captures == 0 and rg.skipped["a background compile was running"] == 3
-    monkeypatch.setattr(worker.BACKGROUND, "running", False)
+    monkeypatch.setattr(thread, "running", False)
     for _ in range(2):
         rg.run(body, blk, (x, e))
     assert fake.captures == 1

@@ -27,6 +27,7 @@ from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.graphs import RegionGraphs
 from unet_compiler.compiler.passes import prepack_conv, prepack_linear
 from unet_compiler.compiler.runtime import Accelerator
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 #: static shapes: tracing symbolic shapes costs ~25 s here, and lifetime does not depend on them
 CFG = CompileConfig(backend="inductor", dynamic_shapes=False)
@@ -81,11 +82,11 @@ def dynamo_entries(compiled_fns) -> int:
     precompiled region variants, where they are precompiled bodies)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from unet_compiler.compiler.lifecycle import precompiled, variants
+    from unet_compiler.compiler.lifecycle import precompiled
     n = sum(len(_debug_get_cache_entry_list(f._torchdynamo_orig_callable.__code__))
             for f in compiled_fns if hasattr(f, "_torchdynamo_orig_callable"))
     if any(isinstance(f, precompiled.Precompiled) for f in compiled_fns):
-        n += sum(len(v) for v in variants.VARIANTS.live.values())
+        n += sum(len(v) for v in process_scheduler().variants.live.values())
     return n
 
 
@@ -143,7 +144,7 @@ def test_a_dropped_unet_is_freed_with_its_prepacked_weights(tiny_unet, regions):
     assert held["prepack_conv"] and held["prepack_linear"], "the passes prepacked this UNet's weights"
     from unet_compiler.compiler import weights as W
     assert W.SCRATCH._buf is None, "the packing scratch buffer outlived the UNet call"
-    bodies = list(accel.backend.impls(accel.config).values())   # the compiled region bodies it ran
+    bodies = list(accel.backend.impls(accel.config, accel.scheduler).values())   # the compiled region bodies it ran
     graphs = dynamo_entries(bodies)
     assert graphs > 0
     unet_ref, accel_ref = weakref.ref(unet), weakref.ref(accel)

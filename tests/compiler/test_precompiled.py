@@ -12,6 +12,7 @@ import torch
 
 from unet_compiler.compiler import api
 from unet_compiler.compiler.lifecycle import variants as V
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no precompile API (torch >= 2.10)")
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.skipif(not V.enabled(), reason="this torch has no preco
 @pytest.fixture
 def store(monkeypatch):
     fresh = V.Variants()
-    monkeypatch.setattr(V, "VARIANTS", fresh)
+    monkeypatch.setattr(process_scheduler(), "variants", fresh)
     return fresh
 
 
@@ -62,7 +63,7 @@ def test_a_new_store_fed_only_bytes_serves_another_unet_without_tracing(tiny_une
     assert sum(map(len, blobs.values())) == store.compiled, "every variant compiled here can be saved"
 
     restarted = _fed(blobs)   # what a restart holds after loading the cache entry
-    monkeypatch.setattr(V, "VARIANTS", restarted)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
     second = tiny_unet(seed=3)   # other weights: they are inputs of the variants, read live
     api.compile_unet(second, "inductor", dynamic_shapes=False)
     traced = _traced()
@@ -150,7 +151,7 @@ def test_a_variant_pickled_under_another_install_path_loads(tiny_unet, store, mo
     other = "x" * len(V.PACKAGE)   # same length: pickle's strings are length-prefixed
     moved = _fed(blobs, lambda b: other.encode() + b"\n" + b.partition(b"\n")[2].replace(
         V.PACKAGE.encode(), other.encode()))
-    monkeypatch.setattr(V, "VARIANTS", moved)
+    monkeypatch.setattr(process_scheduler(), "variants", moved)
     second = tiny_unet(seed=5)
     api.compile_unet(second, "inductor", dynamic_shapes=False)
     out, ref = _both(second, _inputs(seed=4))
@@ -166,7 +167,7 @@ def test_a_cached_variant_that_fails_at_its_first_call_is_dropped_and_compiled_a
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     _both(first, _inputs())
     restarted = _fed(store.serialized())
-    monkeypatch.setattr(V, "VARIANTS", restarted)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
     key = next(iter(restarted.pending))
     with torch.inference_mode():   # where the UNet calls load it: guards keep the loading thread's dispatch state
         (broken,) = restarted.candidates(key)[:1]
@@ -221,7 +222,7 @@ def test_a_restart_deserializes_its_variants_beside_the_caller_and_calls_trace_n
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     _both(first, _inputs())
     restarted = _preloaded(store.serialized())
-    monkeypatch.setattr(V, "VARIANTS", restarted)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
     _wait_loaded(restarted)
     assert sum(map(len, restarted.live.values())) == store.compiled, "every variant loaded before any call"
     second = tiny_unet(seed=1)
@@ -246,7 +247,7 @@ def test_a_call_whose_variant_is_being_loaded_waits_for_it_rather_than_compiling
         return real(blob)
     monkeypatch.setattr(V, "_deserialize", slow)
     restarted = _fed(store.serialized())
-    monkeypatch.setattr(V, "VARIANTS", restarted)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
     key = next(iter(restarted.pending))
     restarted.preload(torch.inference_mode)
     assert started.wait(30) and key in restarted.loading
@@ -264,7 +265,7 @@ def test_a_variant_preloaded_under_another_dispatch_state_is_loaded_again_for_th
     api.compile_unet(first, "inductor", dynamic_shapes=False)
     first(*_inputs())          # grad on: the regions run outside inference mode
     restarted = _preloaded(store.serialized(), modes=torch.inference_mode)
-    monkeypatch.setattr(V, "VARIANTS", restarted)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
     _wait_loaded(restarted)
     second = tiny_unet(seed=1)
     api.compile_unet(second, "inductor", dynamic_shapes=False)
@@ -302,7 +303,7 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
 
     def body(module, x):
         return module(x)
-    p = precompiled.Precompiled(body, "eager", False, lambda m, *a: body(m, *a), ())
+    p = precompiled.Precompiled(body, "eager", False, lambda m, *a: body(m, *a), (), process_scheduler())
     monkeypatch.setattr(precompiled.Precompiled, "_trace",
                         lambda self, module, args, dynamic: (_ for _ in ()).throw(
                             AttributeError("'function' object has no attribute 'aot_compile'")))
@@ -312,7 +313,7 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     assert p.missed == "AttributeError: 'function' object has no attribute 'aot_compile'"
     b = inductor.InductorBackend()
     b.device_type = "cpu"
-    b.impls(CompileConfig(backend="inductor"))
+    b.impls(CompileConfig(backend="inductor"), process_scheduler())
     for body in b._bodies:   # the bodies are the process's: a model an earlier test compiled may have missed one
         monkeypatch.setattr(body, "missed", None)
     assert b.status_lines() == []
@@ -339,3 +340,22 @@ def test_precompiled_variants_serve_a_bf16_unet_on_cuda(tiny_unet, store):
     assert accel.stats["region_eager"] == 0 and "not precompiled" not in api.report(u), api.report(u)
     tol = TOLERANCE[torch.bfloat16] * max(1.0, ref.float().abs().max().item())
     assert (out.float() - ref.float()).abs().max().item() <= tol, api.report(u)
+
+
+def test_an_accelerator_keeps_its_variants_with_the_scheduler_it_was_handed(tiny_unet, monkeypatch):
+    """The scheduler is handed on, not read from module singletons: an accelerator made with a
+    scheduler of its own compiles its region variants into that one's registry (its region bodies
+    are that scheduler's), and the process's registry is left as it was."""
+    import functools
+
+    from unet_compiler.compiler.lifecycle.scheduler import Scheduler
+    own = Scheduler()
+    monkeypatch.setattr(api, "Accelerator", functools.partial(api.Accelerator, scheduler=own))
+    process = process_scheduler().variants
+    compiled, live = process.compiled, sum(map(len, process.live.values()))
+    unet = tiny_unet(seed=7)
+    api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    out, ref = _both(unet, _inputs(seed=7))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
+    assert api.accelerator_of(unet).scheduler is own and own.variants.compiled > 0
+    assert (process.compiled, sum(map(len, process.live.values()))) == (compiled, live)

@@ -11,6 +11,7 @@ import torch
 
 from unet_compiler.compiler import api
 from unet_compiler.compiler.backends import lookup_backend
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 
 def _inputs(seed=1):
@@ -27,7 +28,7 @@ def failing_resblocks(monkeypatch):
         calls.append(type(block).__name__)
         raise RuntimeError("backend: cannot lower this")
     monkeypatch.setattr(lookup_backend("inductor"), "impls",
-                        lambda self, config: {("diffusers", "resblock"): impl})
+                        lambda self, config, scheduler: {("diffusers", "resblock"): impl})
     return calls
 
 
@@ -63,7 +64,7 @@ def test_a_compile_error_names_the_compilers_own_error(tiny_unet, monkeypatch):
     def impl(block, *args):
         return body(args[0])
     monkeypatch.setattr(lookup_backend("inductor"), "impls",
-                        lambda self, config: {("diffusers", "resblock"): impl})
+                        lambda self, config, scheduler: {("diffusers", "resblock"): impl})
     unet = api.compile_unet(tiny_unet(), "inductor")
     with torch.no_grad():
         unet(*_inputs())
@@ -102,7 +103,7 @@ def test_interrupt_is_not_a_fallback(tiny_unet, monkeypatch):
     def impl(block, *args):
         raise InterruptProcessingException()
     monkeypatch.setattr(lookup_backend("inductor"), "impls",
-                        lambda self, config: {("diffusers", "resblock"): impl})
+                        lambda self, config, scheduler: {("diffusers", "resblock"): impl})
     unet = api.compile_unet(tiny_unet(), "inductor")
     with torch.no_grad(), pytest.raises(InterruptProcessingException):
         unet(*_inputs())
@@ -124,7 +125,7 @@ def test_out_of_memory_in_a_region_falls_back_after_freeing_the_attempt(tiny_une
         held.append(weakref.ref(workspace))
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
     monkeypatch.setattr(lookup_backend("inductor"), "impls",
-                        lambda self, config: {("diffusers", "resblock"): impl})
+                        lambda self, config, scheduler: {("diffusers", "resblock"): impl})
     original = ResnetBlock2D.forward
     alive_when_eager_ran = []
 
@@ -175,7 +176,7 @@ def test_a_recompile_names_its_prompt_shape_and_guard(tiny_unet, monkeypatch):
     from unet_compiler.compiler import regions as R
     from unet_compiler.compiler.compat import comfy as comfy_compat
 
-    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config: {
+    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config, scheduler: {
         key: torch.compile(body, backend="eager", dynamic=False) for key, body in R.BODIES.items()})
     monkeypatch.setattr(comfy_compat, "current_prompt", lambda: "prompt-7")
     unet = api.compile_unet(tiny_unet(), "inductor", dynamic_shapes=False)
@@ -256,12 +257,11 @@ def test_the_cache_preloads_for_the_device_the_model_runs_on(tiny_unet, monkeypa
     import functools
 
     from unet_compiler.compiler import runtime
-    from unet_compiler.compiler.lifecycle import variants
     from unet_compiler.compiler.cache import CompileCache
     monkeypatch.setattr(lookup_backend("inductor"), "available", lambda self, device: (True, "test"))
     monkeypatch.setattr(CompileCache, "load", lambda self: True)
     seen = []
-    monkeypatch.setattr(variants.VARIANTS, "preload", lambda modes: seen.append(modes))
+    monkeypatch.setattr(process_scheduler().variants, "preload", lambda modes: seen.append(modes))
     runtime.Accelerator(tiny_unet(), api.CompileConfig(backend="inductor", precision="bf16"),
                         device=torch.device("cuda", 0))
     (modes,) = seen
@@ -289,7 +289,8 @@ def test_a_machine_that_cannot_build_turns_every_kind_off_at_once(tiny_unet, mon
         except subprocess.CalledProcessError as e:
             raise RuntimeError("backend='inductor' raised:") from e
     monkeypatch.setattr(lookup_backend("inductor"), "impls",
-                        lambda self, config: {("diffusers", "resblock"): impl, ("diffusers", "attention"): impl})
+                        lambda self, config, scheduler: {("diffusers", "resblock"): impl,
+                                                         ("diffusers", "attention"): impl})
     unet = api.compile_unet(tiny_unet(), "inductor")
     accel = api.accelerator_of(unet)
     told = []

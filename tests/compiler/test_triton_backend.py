@@ -15,6 +15,7 @@ from unet_compiler.compiler.api import accelerator_of  # noqa: E402
 from unet_compiler.compiler.backends import _kernel_choice as KC  # noqa: E402
 from unet_compiler.compiler.backends import triton as TB  # noqa: E402
 from unet_compiler.compiler.config import CompileConfig  # noqa: E402
+from unet_compiler.compiler.lifecycle.scheduler import Scheduler  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -429,12 +430,12 @@ def test_the_backend_times_for_its_graphs(triton_here):
     refused), wall time otherwise and once they stop (tests/compiler/test_cuda_graphs.py wires it)."""
     from unet_compiler.compiler.backends import lookup_backend
     b = lookup_backend("triton")()
-    b.impls(CompileConfig(backend="triton"))
+    b.impls(CompileConfig(backend="triton"), Scheduler())
     assert b.ops.timing == "wall"
-    b.impls(CompileConfig(backend="triton", cuda_graphs=True))
+    b.impls(CompileConfig(backend="triton", cuda_graphs=True), Scheduler())
     assert b.ops.timing == "wall"
     b.graphs_replay = True
-    b.impls(CompileConfig(backend="triton", cuda_graphs=True))
+    b.impls(CompileConfig(backend="triton", cuda_graphs=True), Scheduler())
     assert b.ops.timing == "device"
     b.graphs_stopped()
     assert b.ops.timing == "wall" and not b.graphs_replay

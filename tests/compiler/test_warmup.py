@@ -80,25 +80,42 @@ def test_warmup_measures_kinds_only_for_auto_on_cuda(tiny_unet):
     assert not W.measures_kinds(accel)
 
 
+def _as_planned(steps: list) -> list:
+    """The steps warmup told, auto's repeated timing calls as the one step a plan lists."""
+    out = []
+    for s in steps:
+        if not (out and s.kind == "measure" and out[-1] == s):
+            out.append(s)
+    return out
+
+
 def test_warmup_tells_each_call_as_a_step_before_it_runs(tiny_unet, slowed, monkeypatch):
-    """``warmup_runs`` tells every UNet call it makes as a Step (what Warmup Shapes' node text shows):
-    a one-shape warmup compiles that shape exactly and tells no probe; a range tells its probes,
-    numbered, then each listed shape; the reference, and auto's timing of each kind, are told as such."""
-    steps = []
-    real = api.warmup_runs
-    monkeypatch.setattr(api, "warmup_runs", lambda *a, **k: real(*a, on_step=steps.append, **k))
+    """Warmup tells every UNet call it makes as a Step on the accelerator's events (what Warmup
+    Shapes' node text shows), the calls its plan listed before the first ran: a one-shape warmup
+    compiles that shape exactly and tells no probe; a range tells its probes, numbered, then each
+    listed shape; the reference, and auto's timing of each kind, are told as such."""
+    steps, plans = [], []
+    planned = W.plan_warmup
+    monkeypatch.setattr(W, "plan_warmup", lambda *a, **k: plans.append(planned(*a, **k)) or plans[-1])
     unet = tiny_unet()
     api.compile_unet(unet, "auto")
+    api.accelerator_of(unet).events.subscribe("warmup_step", steps.append)
     api.warmup(unet, "1x64x64", context_tokens=6)
     kinds = [s.kind for s in steps]
     assert kinds[:2] == ["reference", "shape"] and "probe" not in kinds and set(kinds[2:]) == {"measure"}, kinds
     assert (steps[1].index, steps[1].of) == (0, 1) and {s.shape.label for s in steps} == {"1x64x64"}
+    assert plans[-1].fixed and _as_planned(steps) == plans[-1].steps(), (steps, plans[-1].steps())
+    assert steps[1].text == "shape 1/1, 1x64x64: compiling"
     steps.clear()
     unet = tiny_unet()
     api.compile_unet(unet, "inductor")
+    api.accelerator_of(unet).events.subscribe("warmup_step", steps.append)
     api.warmup(unet, "1x64x64, 2x96x96", context_tokens=6)
     probes = [s for s in steps if s.kind == "probe"]
     assert probes and [(s.index, s.of) for s in probes] == [(k, len(probes)) for k in range(len(probes))], steps
     listed = [(s.shape.label, s.index, s.of) for s in steps if s.kind == "shape"]
     assert listed == [("1x64x64", 0, 2), ("2x96x96", 1, 2)], steps
     assert [s.kind for s in steps].index("probe") < [s.kind for s in steps].index("shape")
+    assert not plans[-1].fixed and _as_planned(steps) == plans[-1].steps(), (steps, plans[-1].steps())
+    assert [s.text for s in steps if s.kind == "shape"] == ["shape 1/2, 1x64x64: running",
+                                                            "shape 2/2, 2x96x96: running"]

@@ -25,6 +25,7 @@ from unet_compiler.compiler import plan as P
 from unet_compiler.compiler import regions as R
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.nodes import patcher, warmup as nodes_warmup
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 pytestmark = pytest.mark.comfy
 
@@ -326,12 +327,11 @@ def test_fp8_flux_runs_compiled_with_comfyuis_cast(comfy):
     assert accel.stats["region_cast_compiled"] > 0 and not accel.failed and not accel.cast_eager, accel.text()
     # the compile thread traces a stand-in showing the cast weights (Warmup Shapes' default: background)
     from unet_compiler.compiler import api
-    from unet_compiler.compiler.lifecycle import worker
-    failures = len(worker.BACKGROUND.failures)
+    failures = len(process_scheduler().thread.failures)
     bg, _ = patcher.compile_model(mp, CompileConfig(backend="inductor"))
     patcher.warmup_model(bg, "2x64x96", 7, background=True)
     assert api.wait_for_background(600)
-    assert len(worker.BACKGROUND.failures) == failures, worker.BACKGROUND.failures
+    assert len(process_scheduler().thread.failures) == failures, process_scheduler().thread.failures
     _close(F.dit_apply(bg, 2, 8, 12, seed=3), F.dit_apply(mp, 2, 8, 12, seed=3))
     assert not patcher.accelerator_of(bg).failed, patcher.accelerator_of(bg).text()
 

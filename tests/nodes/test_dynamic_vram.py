@@ -14,6 +14,7 @@ import torch
 
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.nodes import patcher, warmup as nodes_warmup
+from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 from .test_comfy_patcher import _apply, _close, _lora
 
@@ -171,7 +172,7 @@ def test_warmup_gate_refuses_a_wrong_kernel_and_names_it(make_comfy_model, monke
     monkeypatch.setattr(regions.Ops, "geglu", lambda self, h, approximate: real(self, h, approximate) * 1.5)
     # a fresh variant store: a variant an earlier test compiled for this structure would serve the
     # right feed-forward and hide the injected op (what the full lane's order showed)
-    monkeypatch.setattr(variants, "VARIANTS", variants.Variants())
+    monkeypatch.setattr(process_scheduler(), "variants", variants.Variants())
     mp = make_comfy_model("sd15")
     ref = _apply(mp, "sd15")
     cm, _ = patcher.compile_model(mp, CFG)

@@ -78,19 +78,19 @@ def test_unrelated_server_module_is_ignored(monkeypatch):
 def test_a_cpu_background_compile_is_told_when_comfyuis_queue_is_busy(server, monkeypatch):
     """``prompts_pending``: ComfyUI's queue has a prompt queued or running; ``watch_the_queue``
     makes it one of the background compile's activity signals, once."""
-    from unet_compiler.compiler.lifecycle import pacing
+    from unet_compiler.compiler.lifecycle.pacing import Activity
     assert feedback.prompts_pending() is False                     # a server without a queue
     remaining = [2]
     server.prompt_queue = SimpleNamespace(get_tasks_remaining=lambda: remaining[0])
     assert feedback.prompts_pending() is True
     remaining[0] = 0
     assert feedback.prompts_pending() is False
-    monkeypatch.setattr(pacing.ACTIVITY, "signals", [])
-    feedback.watch_the_queue()
-    feedback.watch_the_queue()
-    assert pacing.ACTIVITY.signals == [feedback.prompts_pending]
+    activity = Activity()
+    feedback.watch_the_queue(activity)
+    feedback.watch_the_queue(activity)
+    assert activity.signals == [feedback.prompts_pending]
     remaining[0] = 1
-    assert not pacing.ACTIVITY.idle()
+    assert not activity.idle()
 
 
 def test_compiled_event_text_and_target(server):
@@ -195,7 +195,8 @@ def test_each_call_is_named_by_the_step_warmup_tells(server):
     shape = parse_shapes("2x64x64")[0]
     fb = feedback.WarmupFeedback(accel, [shape], "12")
     run = fb.wrap(lambda s: None)
-    for step in (Step("reference", shape), Step("shape", shape, 0, 1), Step("check", shape), Step("measure", shape)):
+    for step in (Step("reference", shape), Step("shape", shape, 0, 1, compiles=True), Step("check", shape),
+                 Step("measure", shape)):
         fb.step(step)
         run(shape)
     run(shape)   # a call warmup told nothing of
@@ -268,7 +269,7 @@ def test_patcher_sends_compile_warmup_and_runtime_fallback(make_comfy_model, ser
         def get(self, key, default=None):
             return boom
 
-    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config: AllFail())
+    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config, scheduler: AllFail())
     mp = make_comfy_model("sd15")
     cm, text = patcher.compile_model(mp, CompileConfig(backend="inductor"), node_id="5")
     assert "status: inductor: planned, " in text

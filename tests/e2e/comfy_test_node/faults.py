@@ -107,8 +107,8 @@ def _wrap_impls(wrap) -> None:
             continue
         original = cls.__dict__["impls"]
 
-        def impls(self, config, _original=original):
-            return {key: wrap(key, impl) for key, impl in _original(self, config).items()}
+        def impls(self, config, scheduler, _original=original):
+            return {key: wrap(key, impl) for key, impl in _original(self, config, scheduler).items()}
         _patch(cls, "impls", impls)
 
 
