@@ -284,15 +284,14 @@ WORKERS_ENV = "UNET_COMPILER_TEST_WORKERS"
 
 
 def worker_args(rest: list[str], cores: int | None = None) -> list[str]:
-    """pytest-xdist's arguments for the quick lane (``test`` with no test named): ``-n N --dist
-    loadfile``, N one worker a CPU core up to :data:`MAX_WORKERS`, or ``$UNET_COMPILER_TEST_WORKERS``;
-    each module's tests run in one worker, so its compiled fixtures are made once. None (one
-    process) where N < 2, where tests are named, where the arguments choose (``-n``, ``-p no:xdist``)
-    and for the full lane (``--full``, ``--all``): its servers keep a second core busy already, and
-    its security test watches the checkout, which the browser test writes screenshots into."""
+    """pytest-xdist's arguments for a lane (``test`` with no test named; ``--full``, ``--all``):
+    ``-n N --dist loadfile``, N one worker a CPU core up to :data:`MAX_WORKERS`, or
+    ``$UNET_COMPILER_TEST_WORKERS``; each module's tests run in one worker, so its compiled fixtures
+    are made once. None (one process) where N < 2, where tests are named or where the arguments
+    choose (``-n``, ``-p no:xdist``)."""
     chosen = "no:xdist" in rest or any(a in ("-n", "--numprocesses", "--dist")
                                        or a.startswith(("-n", "--numprocesses=", "--dist=")) for a in rest)
-    if "--full" in rest or "--all" in rest or _names_tests(rest) or chosen:
+    if _names_tests(rest) or chosen:
         return []
     want = os.environ.get(WORKERS_ENV, "").strip()
     n = int(want) if want.isdigit() else min(cores or os.cpu_count() or 1, MAX_WORKERS)

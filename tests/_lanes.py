@@ -1,5 +1,5 @@
 """The two test lanes. The quick lane (``bin/test``, the README's command: every module's unit and
-in-process tests, about 15 minutes on a 2-core machine) is every test not marked ``full``; the full
+in-process tests, 6 to 9 minutes on a 2-core machine) is every test not marked ``full``; the full
 lane (``bin/test --full``) is the rest: every test under tests/e2e (real ComfyUI servers, the soak,
 the browser) and the in-process tests named here, each a minute or so of compile on such a machine
 whose module keeps quicker tests of the same code in the quick lane. ``.ci/run`` runs both; tests

@@ -499,13 +499,13 @@ def test_the_test_command_runs_the_quick_lane_and_full_the_rest(monkeypatch):
     assert dev.lane_args(["tests/e2e/test_soak.py"]) == ["tests/e2e/test_soak.py"]
     assert dev.lane_args(["-m", "e2e"]) == ["-m", "e2e"] and dev.lane_args(["-k", "soak"]) == ["-k", "soak"]
     assert dev.lane_args(["-p", "no:warnings"]) == ["-m", "not full", "-p", "no:warnings"]   # a value, not a test
-    # the quick lane runs in one pytest-xdist worker a core (at most MAX_WORKERS), a module to a worker;
-    # the full lane, named tests, an explicit -n / -p no:xdist, one core or UNET_COMPILER_TEST_WORKERS=1
-    # run in one process
+    # each lane runs in one pytest-xdist worker a core (at most MAX_WORKERS), a module to a worker;
+    # named tests, an explicit -n / -p no:xdist, one core or UNET_COMPILER_TEST_WORKERS=1 run in one
+    # process
     monkeypatch.delenv(dev.WORKERS_ENV, raising=False)
     lane_n = ["-n", "2", "--dist", "loadfile"]
     assert dev.worker_args([], cores=2) == lane_n and dev.worker_args(["-x"], cores=2) == lane_n
-    assert dev.worker_args(["--full"], cores=2) == [] and dev.worker_args(["--all"], cores=2) == []
+    assert dev.worker_args(["--full"], cores=2) == lane_n and dev.worker_args(["--all"], cores=2) == lane_n
     assert dev.worker_args([], cores=64) == ["-n", str(dev.MAX_WORKERS), "--dist", "loadfile"]
     assert dev.worker_args([], cores=1) == [] and dev.worker_args(["tests/e2e/test_soak.py"], cores=2) == []
     assert dev.worker_args(["-k", "soak"], cores=2) == [] and dev.worker_args(["-n", "3"], cores=2) == []

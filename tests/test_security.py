@@ -470,10 +470,13 @@ _WRITES = textwrap.dedent('''
 def _files(folder: Path) -> dict:
     """Every file under ``folder`` with its mtime and size, less git's and the editable install's
     metadata (``*.egg-info``: pip rewrites it when another env installs this checkout, as CI's newest
-    lane does beside the full lane; the pack never writes it)."""
+    lane does beside the full lane; the pack never writes it) and the tests' folder (the other tests,
+    in pytest-xdist workers beside this one, write there: the browser test's screenshots; the audit
+    hook still sees any write of the pack's own process under it)."""
     return {p: (p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*")
             if p.is_file() and not any(part == ".git" or part.endswith(".egg-info")
-                                       for part in p.relative_to(folder).parts)}
+                                       for part in p.relative_to(folder).parts)
+            and p.relative_to(folder).parts[0] != "tests"}
 
 
 def _under(path: str, root) -> bool:
