@@ -19,6 +19,8 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
+from .compat.comfy import is_interrupt
+
 log = logging.getLogger(__name__)
 
 KINDS = ("fallback", "recompile", "background_done", "note", "warmup_step", "warmup_shape")
@@ -26,7 +28,9 @@ KINDS = ("fallback", "recompile", "background_done", "note", "warmup_step", "war
 
 class Events:
     """One accelerator's listeners by kind. A listener that raises is logged (debug) and the others
-    are still told: no listener breaks a call, a warmup or the compile thread."""
+    are still told: no listener breaks a call, a warmup or the compile thread. ComfyUI's cancel (or
+    an out-of-memory error) raised in a listener propagates: a ProgressBar update is where ComfyUI
+    checks the Cancel button."""
 
     def __init__(self):
         self._listeners: dict[str, dict] = {kind: {} for kind in KINDS}
@@ -50,7 +54,9 @@ class Events:
         for listener in list(self._listeners[self._known(kind)].values()):
             try:
                 listener(*args)
-            except Exception:   # a listener must not turn what it is told of into a failure
+            except Exception as e:   # a listener must not turn what it is told of into a failure
+                if is_interrupt(e):
+                    raise
                 log.debug("UNet Compiler: a %s listener failed", kind, exc_info=True)
 
     @staticmethod

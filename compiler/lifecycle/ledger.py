@@ -7,7 +7,6 @@ import contextlib
 import time
 
 
-
 def _graph_count() -> int:
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])

@@ -1,6 +1,6 @@
 """When the compile thread works: whether anything samples now (:class:`Activity`, the scheduler's),
-how a job beside a GPU's sampling pauses to leave it most of Python's time (``pace``), and whether a CPU job waits
-until nothing samples (``waits_for_idle``)."""
+how a job beside a GPU's sampling pauses to leave it most of Python's time (``pace``), and whether a
+CPU job waits until nothing samples (``waits_for_idle``)."""
 from __future__ import annotations
 
 import contextlib

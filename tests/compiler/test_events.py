@@ -25,6 +25,23 @@ def test_listeners_by_kind_key_replaces_and_a_failing_one_breaks_nothing():
         events.subscribe("fallbacks", print)
 
 
+def test_comfyuis_cancel_in_a_listener_is_not_swallowed():
+    """ComfyUI checks its Cancel button in a ProgressBar update, which Warmup Shapes' listener of
+    ``warmup_shape`` makes: the cancel propagates to the warmup, a listener's other error does not."""
+    class InterruptProcessingException(Exception):   # (ComfyUI's, matched by name)
+        pass
+
+    def cancelled(*args):
+        raise InterruptProcessingException()
+    events, told = Events(), []
+    events.subscribe("warmup_shape", lambda *a: 1 / 0)
+    events.subscribe("warmup_shape", cancelled)
+    events.subscribe("warmup_shape", lambda *a: told.append(a))
+    with pytest.raises(InterruptProcessingException):
+        events.emit("warmup_shape", 0, "2x64x64", 1.0)
+    assert told == []
+
+
 def test_report_notes_and_recompiles_are_told_as_events():
     events, told = Events(), []
     for kind in ("note", "recompile"):
