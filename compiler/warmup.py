@@ -18,6 +18,7 @@ from . import shims
 from .lifecycle import variants
 from .lifecycle.background import BackgroundMode
 from .reasons import Slower
+from .report import Report
 from .runtime import Accelerator
 from .shapes import LATENT_SCALE, MIN_SIDE, Shape
 
@@ -217,12 +218,22 @@ class WarmupPlan:
     def steps(self) -> list[Step]:
         """The UNet calls planned, in order, each as the ``warmup_step`` event tells it."""
         out = [Step("reference", self.shapes[0])] if self.compare and self.kept is None else []
-        out += [Step("probe", p, k, len(self.probes)) for k, p in enumerate(self.probes)]
-        for i, shape in enumerate(self.shapes):
-            out.append(Step("shape", shape, i, len(self.shapes), self.compiles))
-            if self.captures:
-                out.append(Step("capture", shape, i, len(self.shapes)))
+        out += [self.probe(k) for k in range(len(self.probes))]
+        for i in range(len(self.shapes)):
+            out += [self.shape(i), self.capture(i)] if self.captures else [self.shape(i)]
         return out + ([Step("measure", self.shapes[0])] if self.measure else [])
+
+    def probe(self, k: int) -> Step:
+        """The step of probe shape ``k``."""
+        return Step("probe", self.probes[k], k, len(self.probes))
+
+    def shape(self, i: int) -> Step:
+        """The step of listed shape ``i``'s first call."""
+        return Step("shape", self.shapes[i], i, len(self.shapes), self.compiles)
+
+    def capture(self, i: int) -> Step:
+        """The step of listed shape ``i``'s second call, which captures its CUDA graphs."""
+        return Step("capture", self.shapes[i], i, len(self.shapes))
 
 
 def plan_warmup(accel: Accelerator, shapes: list[Shape], compare: bool = True,
@@ -284,7 +295,7 @@ def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
             (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()):
         served_from_entry = False
         for k, probe in enumerate(plan.probes):
-            timed(probe, f"{probe.label} (probe){recorded}", told(Step("probe", probe, k, len(plan.probes))))
+            timed(probe, f"{probe.label} (probe){recorded}", told(plan.probe(k)))
             if background:       # compiled later, maybe: recorded once the thread compiled it all
                 mode.primes.append(probe.label)
             elif accel.cache is not None and accel.ran_compiled_last():   # (no compiled code ran: none to keep)
@@ -300,10 +311,9 @@ def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
                 accel.events.emit("warmup_shape", i, shape, 0.0)
                 continue
             new0 = missed()
-            out, secs = timed(shape, shape.label + recorded, told(Step("shape", shape, i, len(shapes), plan.compiles)))
+            out, secs = timed(shape, shape.label + recorded, told(plan.shape(i)))
             if plan.captures:  # a region is captured on its second call at a shape
-                out, _ = timed(shape, f"{shape.label} (cuda graph capture)",
-                               told(Step("capture", shape, i, len(shapes))))
+                out, _ = timed(shape, f"{shape.label} (cuda graph capture)", told(plan.capture(i)))
             ran_compiled = accel.ran_compiled_last()     # (no compiled code ran: nothing of it to keep)
             if background:
                 mode.primes.append(shape.label)

@@ -1,7 +1,7 @@
 """The compile thread: one daemon thread per process (its scheduler's ``thread``) that compiles the
-region calls models in background mode recorded (their modules and inputs' specs), on stand-in inputs, while those
-calls run the bodies' own code; ``Owner`` counts what it did for one model. See background.py for
-the mode a model is in."""
+region calls models in background mode recorded (their modules and inputs' specs), on stand-in
+inputs, while those calls run the bodies' own code; ``Owner`` counts what it did for one model. See
+background.py for the mode a model is in."""
 from __future__ import annotations
 
 import contextlib

@@ -525,7 +525,6 @@ def test_a_long_cache_path_on_windows_gets_a_short_inductor_root(tmp_path, monke
 _SAVER = textwrap.dedent('''
     import hashlib, sys, time, torch
     from unet_compiler.compiler import cache as C
-    from unet_compiler.compiler.lifecycle import variants
     from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
     from unet_compiler.compiler.config import CompileConfig
     name, rounds, start = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
