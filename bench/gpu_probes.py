@@ -250,7 +250,7 @@ def host_ms_step(step) -> tuple[float, bool]:
 
 def prompt(size: str, lat: int, steps: int, prompts: int) -> None:
     """Prompts as ComfyUI runs them with graphs: eager, then triton + graphs and auto, each warmed; at
-    every prompt's end what ComfyUI's ON_CLEANUP calls (``idle_graphs``): the first step of the next
+    every prompt's end what ComfyUI's ON_CLEANUP calls (``prompt_ended``): the first step of the next
     prompt, the whole prompt, memory."""
     from ..compiler import compile_unet, report, warmup
     from ..compiler.api import accelerator_of, uncompile_unet
@@ -282,7 +282,7 @@ def prompt(size: str, lat: int, steps: int, prompts: int) -> None:
                 host, full = host_ms_step(step)
                 m1, per = mib(), []
                 for _ in range(prompts):
-                    freed = accel.idle_graphs("probe: end of prompt")
+                    freed = accel.prompt_ended("probe: end of prompt")
                     m2 = mib()
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()

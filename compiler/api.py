@@ -15,26 +15,25 @@ from .compat.comfy import (current_prompt, dit_context_width, dit_patch, dit_poo
                            is_interrupt, is_video, latent_frames, latent_scale, latent_time_scale)
 from .config import BACKENDS, PRECISIONS, CompileConfig
 from .inserted import frame_count
-from .lifecycle import pacing
 from .plan import build_plan
 from .reasons import error_summary, runtime_fallback
-from .report import compile_facts, compiled_and_loaded, status_line, warmup_facts
+from .report import compile_facts, status_line
 from .runtime import Accelerator
 from .shapes import (MAX_CONTEXT_TOKENS, ShapeError, as_shapes, check_context_tokens, check_frames, check_memory,
                      context_dim, device_free_bytes, first_level_channels, label_of, memory_name, parse_shapes,
                      unet_inputs, validate_shapes_input)
-from .warmup import plan_warmup, run_plan, warmup_runs
+from .warmup import warmup_runs
 
 __all__ = [
     # a plain PyTorch / diffusers user's (the package's top level)
     "compile_unet", "uncompile_unet", "accelerator_of", "report", "warmup", "wait_for_background",
     # the ComfyUI nodes' (nodes/)
     "Accelerator", "BACKENDS", "CompileConfig", "MAX_CONTEXT_TOKENS", "PRECISIONS", "ShapeError", "backend_tooltip",
-    "check_context_tokens", "check_frames", "check_memory", "compile_facts", "compiled_and_loaded", "context_dim",
+    "check_context_tokens", "check_frames", "check_memory", "compile_facts", "context_dim",
     "current_prompt", "dit_context_width", "dit_patch", "dit_pooled_width", "error_summary", "first_level_channels",
     "forget_compiler_recording", "frame_count", "is_interrupt", "is_video", "label_of", "latent_frames",
-    "latent_scale", "latent_time_scale", "memory_name", "pacing", "parse_shapes", "runtime_fallback", "status_line",
-    "unet_inputs", "validate_shapes_input", "warmup_facts", "plan_warmup", "run_plan", "warmup_runs",
+    "latent_scale", "latent_time_scale", "memory_name", "parse_shapes", "runtime_fallback", "status_line",
+    "unet_inputs", "validate_shapes_input", "warmup_runs",
 ]
 
 log = logging.getLogger(__name__)

@@ -13,6 +13,8 @@ Kinds, and what a listener of each is called with:
   words)
 - ``warmup_shape(index, shape, seconds)``: warmup ran listed shape ``index`` (0 seconds: not run, the
   compile cache entry holds its code)
+- ``warmup_done(outcome)``: a warmup ended (a ``warmup.Outcome``: its state, counts and words), also
+  when one of its calls raised
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from .compat.comfy import is_interrupt
 
 log = logging.getLogger(__name__)
 
-KINDS = ("fallback", "recompile", "background_done", "note", "warmup_step", "warmup_shape")
+KINDS = ("fallback", "recompile", "background_done", "note", "warmup_step", "warmup_shape", "warmup_done")
 
 
 class Events:

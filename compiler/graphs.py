@@ -497,7 +497,7 @@ class RegionGraphs:
             return
         self.reserved_for_comfy = reserve_vram(id(self), self.pool_bytes if self._entries() else 0)
 
-    def idle(self, why: str) -> int:
+    def prompt_ended(self, why: str) -> int:
         """The end of a prompt (ComfyUI's ON_CLEANUP): the graphs stay for the next prompt of this
         model and shapes while the card has room (the graphs object's ``short_of_room``; a stand-in
         without it holds no device memory); else they are freed like :meth:`release`, ``why`` and the

@@ -197,6 +197,19 @@ class Accelerator:
         """A context in which the inserted modules that take whole videos take ``frames`` a video."""
         return self.inserted.videos_of(frames)
 
+    def note(self, text: str, once: bool = False) -> bool:
+        """Add ``text`` to the report's notes (:meth:`Report.note`, told as a ``note`` event);
+        ``once``: not if it is there already. Returns whether it was added."""
+        return self.report.note(text, once=once)
+
+    def passed_by(self, why: str) -> bool:
+        """Count a UNet call that ran as given, not through this accelerator's regions (another node
+        swapped the diffusion model, or ComfyUI samples another copy of it), ``why`` noted once.
+        Returns whether the note is new."""
+        self.stats["eager_calls"] += 1
+        self.stats["calls_not_ours"] += 1
+        return self.note(why, once=True)
+
     def ran_compiled(self) -> tuple[int, int]:
         """(regions whose accelerated code ran at least once, regions with an accelerated path)."""
         return len(self.regions_ran), len(self._shims)
@@ -222,11 +235,11 @@ class Accelerator:
         """The UNet this accelerates (None once it is gone)."""
         return self._root()
 
-    def idle_graphs(self, why: str) -> int:
+    def prompt_ended(self, why: str) -> int:
         """A prompt ended: the CUDA graphs (the regions' and the whole calls') stay for the next prompt
         while the card has room, else they are freed (``why`` in the report). Returns how many graphs
         were freed."""
-        return sum(g.idle(why) for g in self._all_graphs())
+        return sum(g.prompt_ended(why) for g in self._all_graphs())
 
     def release_graphs(self, why: str) -> int:
         """Free the CUDA graphs (the regions' and the whole calls') and their static buffers (ComfyUI

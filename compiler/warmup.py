@@ -4,7 +4,8 @@
 compare, background mode); ``run_plan`` drives any caller's one-forward ``run_one(shape)`` (the
 diffusers API's inputs, ComfyUI's sampling-style call) through it, timing each call, counting the
 graphs it compiled (and those the compile cache supplied), comparing the first shape with the
-model's own code, and telling each call's :class:`Step` on the accelerator's events before it runs.
+model's own code, and telling each call's :class:`Step` on the accelerator's events before it runs;
+``warmup_runs`` does both and tells how the warmup ended (an :class:`Outcome`).
 """
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ from dataclasses import dataclass, replace
 import torch
 
 from . import shims
-from .lifecycle import variants
+from .compat.comfy import is_interrupt
+from .lifecycle import pacing, variants
 from .lifecycle.background import BackgroundMode
 from .reasons import Slower
-from .report import Report
+from .report import Report, compiled_and_loaded, warmup_facts
 from .runtime import Accelerator
 from .shapes import LATENT_SCALE, MIN_SIDE, Shape
 
@@ -291,8 +293,8 @@ def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
         # (``Variants.preload``) instead of before the first compiled call
         with accel.gate.bypass():
             ref = told(Step("reference", shapes[0]))(shapes[0])
-    with (mode.recording() if background else contextlib.nullcontext()), \
-            (accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()):
+    with (mode.recording() if background else contextlib.nullcontext(),
+          accel.cache.one_save() if accel.cache is not None else contextlib.nullcontext()):
         served_from_entry = False
         for k, probe in enumerate(plan.probes):
             timed(probe, f"{probe.label} (probe){recorded}", told(plan.probe(k)))
@@ -361,9 +363,87 @@ def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
     return rep
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How a warmup of ``shapes`` listed shapes ended, told (the ``warmup_done`` event) when it
+    ran to the end or a call of it raised: ``state`` "compiled", "fallback" (``reason``, ``fix``),
+    "eager" (nothing compiles: ``reason``) or "compiling" (a background compile not done yet;
+    ``waits_for_idle``: it waits until no prompt runs); ``ran`` of ``regions`` regions ran compiled
+    code; ``graphs`` compiled in this process and ``loaded`` from the compile cache in ``seconds``;
+    the compare's ``max_abs_diff`` (``diff_recorded``: when an earlier warmup measured it) against
+    ``tolerance``. ``text`` says it in words."""
+    backend: str
+    shapes: int
+    seconds: float
+    state: str
+    reason: str = ""
+    fix: str = ""
+    ran: int = 0
+    regions: int = 0
+    graphs: int = 0
+    loaded: int = 0
+    max_abs_diff: float | None = None
+    diff_recorded: str | None = None
+    tolerance: float | None = None
+    waits_for_idle: bool = False
+
+    @property
+    def text(self) -> str:
+        n = f"{self.shapes} shape(s)"
+        if self.state == "eager":
+            return f"eager: {n} in {self.seconds:.1f} s, no rewrites: {self.reason}."
+        if self.state == "compiling":
+            when = " once no prompt runs (on CPU, compiling beside sampling slows it)" if self.waits_for_idle else ""
+            return (f"{self.backend}: compiling in the background{when}, {n} recorded in {self.seconds:.1f} s; "
+                    f"until each region's code is ready it runs the model's own code")
+        diff = self.max_abs_diff
+        text = (f"{self.backend}: {self.state}, {self.ran} of {self.regions} regions ran compiled code, {n} in "
+                f"{self.seconds:.1f} s, {compiled_and_loaded(self.graphs, self.loaded)}"
+                + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
+                + (f" (as compiled, {self.diff_recorded})" if diff is not None and self.diff_recorded else ""))
+        return text + (f": {self.reason}. Fix: {self.fix}." if self.state == "fallback" else "")
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Where a warmup started: ``t0`` (perf_counter), graphs compiled and loaded by then."""
+    t0: float
+    graphs: int
+    loaded: int
+
+    @classmethod
+    def now(cls, accel: Accelerator) -> Counts:
+        return cls(time.perf_counter(), accel.stats["graphs_compiled"], accel.stats["graphs_from_cache"])
+
+
+def outcome(accel: Accelerator, shapes: int, since: Counts) -> Outcome:
+    """How the warmup of ``shapes`` listed shapes that started at ``since`` ended, from the
+    accelerator's report and counts now."""
+    loaded = accel.stats["graphs_from_cache"] - since.loaded
+    ran, regions = accel.ran_compiled()
+    facts = warmup_facts(accel.report, accel.backend.name, accel.failed, (ran, regions), accel.cast_eager)
+    state = facts["state"]
+    if state == "compiled" and accel.background is not None and accel.background.done is None:
+        state = "compiling"
+    rep = accel.report
+    return Outcome(backend=accel.backend.name, shapes=shapes, seconds=time.perf_counter() - since.t0, state=state,
+                   reason=facts["reason"], fix=facts["fix"], ran=ran, regions=regions,
+                   graphs=accel.stats["graphs_compiled"] - since.graphs - loaded, loaded=loaded,
+                   max_abs_diff=rep.max_abs_diff, diff_recorded=rep.diff_recorded, tolerance=rep.diff_tolerance,
+                   waits_for_idle=state == "compiling" and pacing.waits_for_idle(accel.device_type))
+
+
 def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, compare: bool = True,
                 background: bool = False) -> Report:
     """Plan the warmup of ``shapes`` and run it with ``run_one`` (:func:`plan_warmup`,
-    :func:`run_plan`). Returns the report."""
-    plan = plan_warmup(accel, shapes, compare, background)
-    return run_plan(accel, plan, run_one)
+    :func:`run_plan`), then tell its :class:`Outcome` (``warmup_done`` on ``accel.events``), also
+    when a call raised (a cancel or out of memory excepted: nothing is told). Returns the report."""
+    since = Counts.now(accel)
+    try:
+        rep = run_plan(accel, plan_warmup(accel, shapes, compare, background), run_one)
+    except BaseException as e:
+        if not is_interrupt(e):
+            accel.events.emit("warmup_done", outcome(accel, len(shapes), since))
+        raise
+    accel.events.emit("warmup_done", outcome(accel, len(shapes), since))
+    return rep

@@ -14,8 +14,7 @@ import sys
 import threading
 import time
 
-from ..compiler.api import (compile_facts, compiled_and_loaded, current_prompt, pacing, runtime_fallback, status_line,
-                            warmup_facts)
+from ..compiler.api import compile_facts, current_prompt, runtime_fallback, status_line
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +194,6 @@ class WarmupFeedback:
         self.total = len(self.shapes)
         self._next: str | None = None   # the text of the step warmup told it is about to run
         self._t0 = time.perf_counter()
-        self._graphs0 = accel.stats["graphs_compiled"]
-        self._loaded0 = accel.stats["graphs_from_cache"]
         self._lock = threading.Lock()
         self._label = None      # what is running now, for the ticker
         self._since = 0.0
@@ -212,10 +209,10 @@ class WarmupFeedback:
         """Around warmup's runs of ``call`` (a sampling-style call with a ``dropped`` note): yields the
         labelled call (:meth:`wrap`) and, while the block runs, renders the accelerator's warmup
         events: each ``warmup_step`` names the call about to run (:meth:`step`), each
-        ``warmup_shape`` ticks the node's ProgressBar and says the shape done. On the way out, even
-        when the block raised, the ticker stops, the listeners go and the end event and status go
-        out (``self.done``), naming ``self.problem`` (set inside: what warmup itself could not do) or
-        the patches warmup ran without."""
+        ``warmup_shape`` ticks the node's ProgressBar and says the shape done, ``warmup_done`` is
+        how it ended. On the way out, even when the block raised, the ticker stops and the listeners
+        go; then the end event and status go out (``self.done``, :meth:`finished`), naming
+        ``self.problem`` (set inside: what warmup itself could not do) or the patches warmup ran without."""
         import comfy.utils
         total = self.total + 1
         pbar = comfy.utils.ProgressBar(total, node_id=self.node_id)
@@ -227,20 +224,22 @@ class WarmupFeedback:
         if background:
             watch_the_queue(self.accel.scheduler.activity)
         events = self.accel.events
+        ended = []
         events.subscribe("warmup_step", self.step, key=_LISTENER)
         events.subscribe("warmup_shape", on_shape, key=_LISTENER)
+        events.subscribe("warmup_done", ended.append, key=_LISTENER)
         self.start()
         try:
             yield self.wrap(call)
         finally:
-            events.unsubscribe("warmup_step", _LISTENER)
-            events.unsubscribe("warmup_shape", _LISTENER)
+            for kind in ("warmup_step", "warmup_shape", "warmup_done"):
+                events.unsubscribe(kind, _LISTENER)
             self.close()
             for note in (call.dropped, call.random_conds):
                 if note:
-                    self.accel.report.note(note, once=True)
+                    self.accel.note(note, once=True)
         pbar.update_absolute(total, total)
-        self.done = self.finished(problem=self.problem or call.dropped)
+        self.done = self.finished(ended[0] if ended else None, problem=self.problem or call.dropped)
 
     def start(self) -> None:
         attach(self.accel, self.node_id)
@@ -281,40 +280,28 @@ class WarmupFeedback:
                    elapsed=round(time.perf_counter() - self._t0, 3))
         log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
 
-    def finished(self, problem: str | None = None) -> dict:
-        """The end event and status; ``problem``: what warmup itself could not do (the model
-        still runs: a patch left out of warmup, or a model warmup could not call)."""
-        accel = self.accel
-        secs = time.perf_counter() - self._t0
-        loaded = accel.stats["graphs_from_cache"] - self._loaded0
-        graphs = accel.stats["graphs_compiled"] - self._graphs0 - loaded   # compiled in this process
-        ran, regions = accel.ran_compiled()
-        facts = warmup_facts(accel.report, accel.backend.name, accel.failed, (ran, regions), accel.cast_eager)
-        state, reason, fix = facts["state"], facts["reason"], facts["fix"]
-        diff = accel.report.max_abs_diff
-        if state == "eager":
-            text = f"eager: {self.total} shape(s) in {secs:.1f} s, no rewrites: {reason}."
-        elif accel.background is not None and accel.background.done is None and state == "compiled":
-            state = "compiling"
-            when = (" once no prompt runs (on CPU, compiling beside sampling slows it)"
-                    if pacing.waits_for_idle(accel.device_type) else "")
-            text = (f"{accel.backend.name}: compiling in the background{when}, {self.total} shape(s) recorded in "
-                    f"{secs:.1f} s; until each region's code is ready it runs the model's own code")
-            accel.events.subscribe("background_done", _background_done(
-                backend=accel.backend.name, node_id=self.node_id, total=self.total, t0=self._t0), key=_LISTENER)
+    def finished(self, outcome, problem: str | None = None) -> dict:
+        """The end event and status of the warmup that ended as ``outcome`` (the compiler's
+        ``warmup_done`` event: an ``Outcome``, or None where warmup stopped before it told one);
+        ``problem``: what warmup itself could not do (the model still runs: a patch left out of
+        warmup, or a model warmup could not call)."""
+        backend = self.accel.backend.name
+        if outcome is None:
+            state, reason, fix = "fallback", problem or "warmup stopped before its first call", ""
+            text = f"{backend}: warmup stopped before its first call"
+            data = {"seconds": round(time.perf_counter() - self._t0, 3), "graphs": 0, "loaded": 0,
+                    "max_abs_diff": None, "tolerance": None}
         else:
-            text = (f"{accel.backend.name}: {state}, {ran} of {regions} regions ran compiled code, {self.total} "
-                    f"shape(s) in {secs:.1f} s, {compiled_and_loaded(graphs, loaded)}"
-                    + (f", max |compiled - eager| {diff:.2g}" if diff is not None else "")
-                    + (f" (as compiled, {accel.report.diff_recorded})"
-                       if diff is not None and accel.report.diff_recorded else ""))
-            if state == "fallback":
-                text += f": {reason}. Fix: {fix}."
+            state, reason, fix, text = outcome.state, outcome.reason, outcome.fix, outcome.text
+            data = {"seconds": round(outcome.seconds, 3), "graphs": outcome.graphs, "loaded": outcome.loaded,
+                    "max_abs_diff": outcome.max_abs_diff, "tolerance": outcome.tolerance,
+                    **({"ran": outcome.ran, "regions": outcome.regions} if state != "compiling" else {})}
+            if state == "compiling":
+                self.accel.events.subscribe("background_done", _background_done(
+                    backend=backend, node_id=self.node_id, total=self.total, t0=self._t0), key=_LISTENER)
         if problem:
             text += f"; {problem}"
-        self._send("end", text, state=state, seconds=round(secs, 3), graphs=graphs, loaded=loaded, max_abs_diff=diff,
-                   tolerance=accel.report.diff_tolerance,
-                   reason=reason, fix=fix, **({"ran": ran, "regions": regions} if state != "compiling" else {}))
+        self._send("end", text, state=state, reason=reason, fix=fix, **data)
         level = logging.WARNING if state == "fallback" else logging.INFO
         log.log(level, "UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
         return {"state": state, "text": text, "reason": reason, "fix": fix}

@@ -15,8 +15,7 @@ import weakref
 import torch
 
 from ..compiler.api import (Accelerator, CompileConfig, check_context_tokens, error_summary, is_interrupt, label_of,
-                            latent_scale, latent_time_scale, parse_shapes, plan_warmup, run_plan,
-                            warmup_runs)
+                            latent_scale, latent_time_scale, parse_shapes, warmup_runs)
 from . import feedback, warmup
 from .warmup import fn_name
 
@@ -156,10 +155,8 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
                 here = copies.adopt(copy)                  # a copy made where the callbacks did not run
         if here is None:
             # another node swapped the diffusion model, or ComfyUI samples another copy of it: as given
-            accel.stats["eager_calls"] += 1
-            accel.stats["calls_not_ours"] += 1
             why = not_ours(model, accel.root)
-            if accel.report.note(why, once=True):
+            if accel.passed_by(why):
                 log.warning("UNet Compiler: %s", why)
             return executor(*args, **kwargs)
         # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kw)
@@ -173,14 +170,14 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
         # mode) runs as warmup compiled for: in inference mode, on inference tensors (the inputs that
         # thread made, copied), its outputs handed back as normal tensors
         plain = not torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        with copies.turn(here, shape) if copies.several() else contextlib.nullcontext(), \
-                torch.inference_mode() if plain else contextlib.nullcontext(), \
-                here.active(weight_epoch=epoch, shape=shape):
+        with (copies.turn(here, shape) if copies.several() else contextlib.nullcontext(),
+              torch.inference_mode() if plain else contextlib.nullcontext(),
+              here.active(weight_epoch=epoch, shape=shape)):
             if plain:
                 args, kwargs = _as_inference(args, kwargs)
             out = executor(*args, **kwargs)
-        return torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out) \
-            if plain else out
+        return (torch.utils._pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out)
+                if plain else out)
     unet_compiler_apply_model.accelerator = accel
     unet_compiler_apply_model.copies = copies
     return unet_compiler_apply_model
@@ -290,7 +287,7 @@ def _graph_release(copies: DeviceCopies) -> list:
     def on_cleanup(patcher):
         a = copies.find(patcher)
         if a is not None:
-            a.idle_graphs("freed at the end of a prompt")
+            a.prompt_ended("freed at the end of a prompt")
     return [(CallbacksMP.ON_DETACH, on_detach), (CallbacksMP.ON_CLEANUP, on_cleanup)]
 
 
@@ -338,6 +335,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
     ProgressBar. Returns report text. Warmup is a cache primer: a model it
     cannot call outside sampling is reported and passed on, never a failed prompt."""
     shapes = parse_shapes(shapes_text)   # every size bounded before anything is allocated
+    background = bool(background)        # (a prompt sent to /prompt may give 0 / 1)
     context_tokens = check_context_tokens(context_tokens)
     accel = accelerator_of(model)
     if accel is None:
@@ -350,8 +348,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
         return accel.text() + f"\n  status: {done['text']}"
     with fb.running(job.call, background) as run_one:
         try:
-            plan = plan_warmup(accel, job.shapes, background=background)
-            run_plan(accel, plan, run_one)
+            warmup_runs(accel, job.shapes, run_one, background=background)
             _warm_copies(model, accel, shapes, context_tokens, background)
         except Exception as e:
             if is_interrupt(e):
@@ -359,7 +356,7 @@ def warmup_model(model, shapes_text: str, context_tokens: int, node_id=None, bac
             fb.problem = (f"warmup stopped: this model could not be called outside sampling ({error_summary(e)})"[:400]
                           + "; it compiles on its first KSampler step instead")
             log.warning("UNet Compiler: %s", fb.problem, exc_info=True)
-            accel.report.note(fb.problem)
+            accel.note(fb.problem)
     return accel.text() + f"\n  status: {fb.done['text']}"
 
 
@@ -374,7 +371,7 @@ def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) ->
     if not _existing_copies(model):
         return
     if background:
-        accel.report.note("the multi-GPU copies on other devices compile at their first call of each "
+        accel.note("the multi-GPU copies on other devices compile at their first call of each "
                           "shape: a background warmup warms this device's model only")
         return
     match = getattr(model, "match_multigpu_clones", None)
@@ -395,7 +392,7 @@ def _warm_copies(model, accel, shapes, context_tokens: int, background: bool) ->
             note = (f"warmup of the copy on {copy.load_device} stopped ({error_summary(e)})"[:300]
                     + ": it compiles at its first step instead")
             log.warning("UNet Compiler: %s", note, exc_info=True)
-            accel.report.note(note)
+            accel.note(note)
 
 
 def current_device(device: torch.device):

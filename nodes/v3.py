@@ -74,7 +74,7 @@ class WarmupShapes(io.ComfyNode):
         patcher.require_model(model, "Warmup Shapes")
         try:
             text = patcher.warmup_model(model, shapes, context_tokens, node_id=cls.hidden.unique_id,
-                                        background=bool(background))
+                                        background=background)
         except ShapeError as e:
             raise ValueError(f"Warmup Shapes: {e}") from e
         return io.NodeOutput(model, text, ui=ui.PreviewText(text))

@@ -290,7 +290,7 @@ def prepare(model, accel, shapes, context_tokens: int) -> Job:
         # every region's weights are made per call in a way the pack cannot serve (another pack's
         # dequantising ops): probes would only spend eager calls, so none run
         note = f"Warmup Shapes ran no calls: every region runs the model's own code ({why})"
-        accel.report.note(note, once=True)
+        accel.note(note, once=True)
         return Job(shapes, why=why)
     frames, kept = accel.whole_videos(shapes, window)
     if not kept:

@@ -61,7 +61,7 @@ class TritonOps(KernelChoice):
 
     def __init__(self, timing: str = "wall"):
         super().__init__(timing)
-        self.KA, self.KE, self.KG, self.KN = _kernels()
+        self.attention_kernel, self.epilogue_kernel, self.geglu_kernel, self.groupnorm_kernel = _kernels()
 
     def group_norm_silu(self, norm, x):
         if comfy_compat.has_cast_weights(norm):
@@ -74,7 +74,7 @@ class TritonOps(KernelChoice):
         def reference():
             return F.silu(F.group_norm(x, norm.num_groups, weight, bias, norm.eps))
         return self.pick("groupnorm_silu", (x,),
-                         lambda: self.KN.groupnorm(x, norm.num_groups, weight, bias, norm.eps, silu=True),
+                         lambda: self.groupnorm_kernel.groupnorm(x, norm.num_groups, weight, bias, norm.eps, silu=True),
                          reference)
 
     def conv_residual(self, conv, h, residual):
@@ -90,15 +90,15 @@ class TritonOps(KernelChoice):
 
         def kernel():
             y = F.conv2d(h, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
-            return self.KE.bias_residual(y, conv.bias, residual, dim=1, out=y)
+            return self.epilogue_kernel.bias_residual(y, conv.bias, residual, dim=1, out=y)
         return self.pick("bias_residual", (h, residual), kernel, reference)
 
     def attention(self, q, k, v):
-        return self.pick("attention", (q, k, v), lambda: self.KA.attention(q, k, v),
+        return self.pick("attention", (q, k, v), lambda: self.attention_kernel.attention(q, k, v),
                          functools.partial(super().attention, q, k, v))
 
     def geglu(self, hidden, approximate):
-        return self.pick("geglu", (hidden,), lambda: self.KG.geglu(hidden, approximate=approximate),
+        return self.pick("geglu", (hidden,), lambda: self.geglu_kernel.geglu(hidden, approximate=approximate),
                          functools.partial(super().geglu, hidden, approximate))
 
 

@@ -48,6 +48,6 @@ def modes_now(device_type: str) -> tuple:
 @contextlib.contextmanager
 def modes(state):
     grad, inference, device_type, autocast, dtype, dynamo = state
-    with torch.inference_mode(inference), torch.set_grad_enabled(grad), \
-            torch.autocast(device_type, dtype=dtype, enabled=autocast), torch._dynamo.config.patch(**dict(dynamo)):
+    with (torch.inference_mode(inference), torch.set_grad_enabled(grad),
+          torch.autocast(device_type, dtype=dtype, enabled=autocast), torch._dynamo.config.patch(**dict(dynamo))):
         yield

@@ -768,9 +768,9 @@ def test_the_production_cuda_graphs_over_a_faked_torch_cuda(tiny_unet, monkeypat
         assert cuda.log["capture_begin"] == cuda.log["capture_end"] == n == g.stats["captured"]
         assert cuda.log["replay"] == 3 * n and cuda.pools == 1 and len(G._SIDE_STREAMS) == 1
         assert g.budget == int((24 << 30) * G.BUDGET_SHARE)
-        assert g.idle("end of prompt") == 0 and g.bytes > 0            # room: kept
+        assert g.prompt_ended("end of prompt") == 0 and g.bytes > 0            # room: kept
         cuda.free = 1 << 30
-        assert g.idle("end of prompt") == n and g.bytes == 0           # short: freed
+        assert g.prompt_ended("end of prompt") == n and g.bytes == 0           # short: freed
         assert cuda.log["empty_cache"] == 1 and g.graphs.pool is None
         torch.testing.assert_close(_sample(u, 0), refs[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(_sample(u, 1), refs[1], rtol=1e-5, atol=1e-5)

@@ -93,7 +93,7 @@ def test_graph_memory_copies_and_captures_per_prompt_at_full_size(size, latent, 
     if size == "sdxl":   # the H100 held 2932 MiB for this shape (its two probe shapes add < 1 MiB)
         assert abs(static / 2**20 - 2932) <= 0.01 * 2932, static / 2**20
     # the prompt ends with room on the card (a stand-in holds no device memory): the next prompt replays
-    g.idle("end of prompt")
+    g.prompt_ended("end of prompt")
     step()
     step()
     assert fake.captures == regions and g.stats["kept across prompts"] == 1

@@ -83,12 +83,12 @@ def test_live_weights_and_irregular_tokens(tiny_unet, triton_here):
 
 
 def test_kernel_refusal_runs_the_models_own_code(tiny_unet, triton_here, monkeypatch):
-    from unet_compiler.kernels import attention as KA
+    from unet_compiler.kernels import attention as attention_kernels
     from unet_compiler.kernels._common import KernelUnsupported
 
     def refuse(*a, **k):
         raise KernelUnsupported("attention: test refusal")
-    monkeypatch.setattr(KA, "attention", refuse)
+    monkeypatch.setattr(attention_kernels, "attention", refuse)
     monkeypatch.setattr(KC, "_CHOICE", {})     # the refusal is remembered per signature: this test's only
     monkeypatch.setattr(KC, "_DECLINED", {})
     u = _unet(tiny_unet)
@@ -201,10 +201,10 @@ def test_kernel_compiles_count_as_compiles(tiny_unet, triton_here):
     accel = accelerator_of(u)
     hook = knobs.runtime.jit_post_compile_hook
     assert hook is not None and hook.__name__ == "unet_compiler_count_compiles"
-    from unet_compiler.kernels import attention as KA
+    from unet_compiler.kernels import attention as attention_kernels
 
     class Info:  # triton's JitFunctionInfo
-        module, name = KA._attn_fwd_kernel.fn.__module__, "_attn_fwd_kernel"
+        module, name = attention_kernels._attn_fwd_kernel.fn.__module__, "_attn_fwd_kernel"
     accel.warmed = True
     with torch.inference_mode(), accel.active():
         hook(key="k", repr="r", fn=Info(), compile={}, is_manual_warmup=False, already_compiled=False)

@@ -17,6 +17,7 @@ from unet_compiler.compiler.backends import inductor
 from unet_compiler.compiler.reasons import Slower
 from unet_compiler.compiler.report import warmup_facts
 from unet_compiler.compiler.runtime import Accelerator
+from unet_compiler.compiler.shapes import as_shapes
 
 W = importlib.import_module("unet_compiler.compiler.warmup")   # (the package's ``warmup`` is api.warmup)
 
@@ -119,3 +120,37 @@ def test_warmup_tells_each_call_as_a_step_before_it_runs(tiny_unet, slowed, monk
     assert not plans[-1].fixed and _as_planned(steps) == plans[-1].steps(), (steps, plans[-1].steps())
     assert [s.text for s in steps if s.kind == "shape"] == ["shape 1/2, 1x64x64: running",
                                                             "shape 2/2, 2x96x96: running"]
+
+
+def test_warmup_tells_how_it_ended(tiny_unet, slowed):
+    """Warmup tells its outcome once (``warmup_done``: what Warmup Shapes' end status renders): the
+    state, the regions that ran compiled code and the compare, in words; a warmup whose call raised
+    tells it too before the error goes on; ComfyUI's cancel is told nothing (it ends the prompt)."""
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor")
+    accel = api.accelerator_of(unet)
+    ended = []
+    accel.events.subscribe("warmup_done", ended.append)
+    api.warmup(unet, "1x64x64", context_tokens=6)
+    (done,) = ended
+    assert isinstance(done, W.Outcome) and (done.backend, done.state, done.shapes) == ("inductor", "compiled", 1)
+    assert done.ran == done.regions > 0 and done.max_abs_diff is not None and done.seconds > 0, done
+    assert done.text.startswith(f"inductor: compiled, {done.ran} of {done.regions} regions ran compiled code, "
+                                "1 shape(s) in "), done.text
+
+    def broken(shape):
+        raise RuntimeError("this model cannot be called outside sampling")
+    ended.clear()
+    with pytest.raises(RuntimeError, match="outside sampling"):
+        W.warmup_runs(accel, as_shapes("2x64x64"), broken, compare=False)
+    assert len(ended) == 1 and ended[0].shapes == 1 and ended[0].state == "compiled", ended
+
+    class InterruptProcessingException(Exception):   # (ComfyUI's cancel, by its name)
+        pass
+
+    def cancelled(shape):
+        raise InterruptProcessingException()
+    ended.clear()
+    with pytest.raises(InterruptProcessingException):
+        W.warmup_runs(accel, as_shapes("2x64x64"), cancelled, compare=False)
+    assert ended == []

@@ -18,7 +18,7 @@ from unet_compiler.compiler.events import Events
 from unet_compiler.compiler.lifecycle.recompiles import Recompiles
 from unet_compiler.compiler.report import Report
 from unet_compiler.compiler.shapes import parse_shapes
-from unet_compiler.compiler.warmup import Step, _probes
+from unet_compiler.compiler.warmup import Counts, Step, _probes, outcome
 from unet_compiler.nodes import feedback
 
 
@@ -55,7 +55,7 @@ def fake_accel(requested="auto", backend="inductor", why=(), regions=None, faile
     return SimpleNamespace(config=CompileConfig(backend=requested, dynamic_shapes=dynamic), report=rep,
                            backend=be, stats=Counter(), failed=dict(failed or {}), root=None, graphs=None,
                            warmed=False, bypassed=False, events=Events(), background=None,
-                           recompiles=Recompiles(), ran_compiled=lambda: (54, 54), cast_eager={},
+                           recompiles=Recompiles(), ran_compiled=lambda: (54, 54), cast_eager={}, device_type="cpu",
                            plan=SimpleNamespace(arch="unet"), inserted=SimpleNamespace(video_length=None))
 
 
@@ -136,6 +136,7 @@ def test_warmup_progress_and_ticker(server, monkeypatch):
     accel = fake_accel()
     shapes = parse_shapes("1x64x64, 2x64x64")
     fb = feedback.WarmupFeedback(accel, shapes, "12")
+    since = Counts.now(accel)     # (where warmup_runs starts counting)
     fb.start()
     calls = []
 
@@ -156,7 +157,7 @@ def test_warmup_progress_and_ticker(server, monkeypatch):
             fb.shape_done(i, shape, 0.25)
     finally:
         fb.close()
-    done = fb.finished()
+    done = fb.finished(outcome(accel, len(shapes), since))   # (the outcome warmup_runs tells at its end)
 
     phases = [(d["phase"], d["state"]) for d in server.named("warmup")]
     assert phases == [("start", "compiling"), ("shape", "compiling"), ("shape", "compiling"), ("end", "compiled")]
