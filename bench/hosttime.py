@@ -1,5 +1,5 @@
 """The pack's host time on the GPU path, measured on any machine: ``python -m unet_compiler.bench
-hosttime [--size sd15,sdxl] [--iters N] [--out DIR]``.
+hosttime [--size sd15,sdxl] [--iters N] [--out DIR] [--slots]``.
 
 The real SD1.5 / SDXL UNet architectures (diffusers, bf16, a CFG step: batch 2 at 512² / 1024²) on
 the meta device: every torch op dispatches with shapes and no data, and every Triton launch of the
@@ -13,7 +13,8 @@ the launches per step (the pack's kernels, and aten ops that launch work on a GP
 Per kernel call: each launcher alone on CPU tensors of the same shapes, its Python up to triton's
 launcher (stubbed), not profiled, and how many of its launches went through triton's JIT dispatch. A meta op's
 own dispatch runs Python meta functions, so a step's wall time here is no GPU host time and is not
-reported. Inductor's compiled code cannot run on meta: no row.
+reported. Inductor's compiled code cannot run on meta: no row. ``--slots``: per size, the host time a
+whole call's replay costs around it under Dynamic VRAM (:func:`slot_rows`).
 """
 from __future__ import annotations
 
@@ -369,6 +370,51 @@ def _dispatch_child(iters: int, only: str) -> list[dict]:
     return rows
 
 
+def slot_rows(sizes: list[str], iters: int) -> list[dict]:
+    """Per size: ComfyUI's own UNet (random weights, bf16, on the CPU) under the Dynamic VRAM double
+    (tests/_dynamic_vram.py) with every slot resident, the host time a whole call's graph replay
+    costs around it: each slot faulted in and pinned, its signature compared, its address read, and
+    unpinned after (``cast.slots_resident``, entered and left; the graph itself is not run). The
+    double's VBAR is Python where comfy-aimdo's is C: an upper bound for the faults. Least and median
+    of ``20 * iters`` runs."""
+    from ..compiler import cast
+    from ..compiler.compat import comfy as comfy_compat
+    from ..nodes import warmup as nodes_warmup
+    from ..tests._dynamic_vram import SMALL, DynamicVRAM, make_dynamic
+    from ..tests._families import make_inputs
+    from .dynamic import _comfy, build
+    device, dtype = torch.device("cpu"), torch.bfloat16
+    comfy = _comfy(device)
+    import comfy.model_management as mm
+    rows = []
+    for size in sizes:
+        with DynamicVRAM(comfy.ops).installed():
+            plain, fam = build(size, dtype, device)
+            dyn = make_dynamic(comfy, plain, budget=1.0, small=SMALL, reload=lambda s=size: build(s, dtype, device)[0])
+            x, sigma, kw = make_inputs(fam, plain, 2, 8, 8)
+            mm.load_models_gpu([dyn])
+            with torch.inference_mode():   # a load's first call fills the slots
+                dyn.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(dyn),
+                                      **kw)
+            root = dyn.model.diffusion_model
+            leaves = [m for m in root.modules() if next(m.children(), None) is None
+                      and comfy_compat.cast_flags_of(type(m))]
+            times, n = [], None
+            for _ in range(20 * iters):
+                t0 = time.perf_counter()
+                with cast.slots_resident(leaves, dtype, device) as resident:
+                    if resident is None:
+                        raise RuntimeError(f"{size}: a slot is not resident at room 100 %")
+                times.append(time.perf_counter() - t0)
+                n = len(resident[0])
+            times.sort()
+            rows.append(dict(size=size, leaves=len(leaves), weights=n, min_ms=times[0] * 1e3,
+                             median_ms=times[len(times) // 2] * 1e3))
+            del dyn, plain, root, leaves
+            mm.unload_all_models()
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m unet_compiler.bench hosttime", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -378,6 +424,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dispatch", action="store_true",
                     help="also time each kernel call with triton's own dispatch (kernels compiled for sm_90, "
                          "about a minute the first time), through triton's JIT and launched directly")
+    ap.add_argument("--slots", action="store_true",
+                    help="also time a whole call's slot checks under Dynamic VRAM (ComfyUI's own UNet of each size "
+                         "under the double, bf16, every slot resident; needs a ComfyUI tree)")
     ap.add_argument("--dispatch-child", default=None, help=argparse.SUPPRESS)
     o = ap.parse_args(argv)
     if o.dispatch_child is not None:
@@ -418,10 +467,19 @@ def main(argv=None) -> int:
           "launches per step; torch: aten ops that launch work (views excluded); regions: accelerated regions; "
           "wall ms: with graphs replaying, one step's region calls made again through the pack, not profiled "
           "(least of 20 runs, or 4 x --iters); with one graph per call, one whole step, not profiled")
+    slots = []
+    if o.slots:
+        slots = slot_rows(list(filter(None, o.size.split(","))), o.iters)
+        print(f"{'Dynamic VRAM, every slot resident':34s} {'leaves':>7s} {'weights':>8s} {'min ms':>7s} {'median':>7s}")
+        for r in slots:
+            print(f"{r['size']:34s} {r['leaves']:7d} {r['weights']:8d} {r['min_ms']:7.2f} {r['median_ms']:7.2f}")
+        print("ms: per UNet call, the host time around a whole call's replay: every slot faulted in, pinned, its "
+              "signature compared and its address read, then unpinned (the double's Python VBAR: comfy-aimdo's is C)")
     if o.out:
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"hosttime_{platform.machine()}.json"
-        path.write_text(json.dumps(dict(machine=machine, kernels=ks, dispatch=dispatch, steps=rows), indent=1))
+        path.write_text(json.dumps(dict(machine=machine, kernels=ks, dispatch=dispatch, steps=rows, slots=slots),
+                                    indent=1))
         print(f"wrote {path}")
     return 0

@@ -15,6 +15,7 @@ per-region graphs on. UNets only: a DiT's call builds positions and masks in Pyt
 """
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 
 import torch
@@ -130,7 +131,7 @@ class CallGraphs:
             with cast.slots_resident(self._leaves, dtype, device) as resident:
                 if resident is not None:
                     return self._whole(forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last,
-                                       shims, resident)
+                                       shims, *resident)
             why = "a weight ComfyUI casts per call is not resident (streamed, converted or patched per call)"
         if why is not None or self.graphs.off is not None:
             if why is not None:
@@ -139,9 +140,11 @@ class CallGraphs:
                 return forward(root, *args, **kwargs)
         return self._whole(forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last, shims)
 
-    def _whole(self, forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last, shims, weights=None):
+    def _whole(self, forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last, shims, weights=None,
+               show=contextlib.nullcontext):
         """The call through its whole-call graph (``weights``: the resident cast weights' addresses,
-        which the graph is captured with and must find again)."""
+        which the graph is captured with and must find again; ``show()``: the context in which the
+        model's code sees them, where the call runs it rather than replaying)."""
         extra = (tuple(fixed), tuple(sorted(failed)))
         options = {"transformer_options": kwargs["transformer_options"]} if "transformer_options" in kwargs else {}
         ran = []
@@ -154,7 +157,7 @@ class CallGraphs:
             # its launches instead (not kept, over budget), they use their own graphs
             self.regions.aside = self.graphs.recording
             try:
-                with shims():
+                with show(), shims():
                     out = forward(module, *a, **k, **options)
             finally:
                 self.regions.aside = False

@@ -98,21 +98,37 @@ def why_not(leaf) -> Reason | None:
     """Why ``leaf``'s per-call weights cannot be served by casting outside the graph (None: they can)."""
     ops = _ops()
     cls = type(leaf)
-    name = comfy_compat.class_name(cls)
-    if ops is None or not isinstance(leaf, getattr(ops, "CastWeightBiasOp", ())):
-        return _other_ops(name)
+    fn = getattr(cls, "forward_comfy_cast_weights", None)
+    kind = _op_kind(cls, ops, cls.forward, fn)
+    if kind == "foreign":
+        return _other_ops(comfy_compat.class_name(cls))
     if quantized(leaf):
         return Reason(f"quantized matmul ({getattr(leaf, 'quant_format', None) or leaf.layout_type}): ComfyUI's "
                       f"own kernel runs it", "none needed: that matmul is ComfyUI's fast path")
-    fn = getattr(cls, "forward_comfy_cast_weights", None)
-    if getattr(ops, "fp8_ops", None) is not None and fn is getattr(ops.fp8_ops.Linear, "forward_comfy_cast_weights", 0):
+    if kind == "fp8":
         return Reason("fp8 matmul (weight_dtype fp8_e4m3fn_fast): ComfyUI's scaled fp8 matmul runs it",
                       "to compile these regions, load with weight_dtype fp8_e4m3fn (same storage, cast per call)")
-    if fn is not None and own_cast(cls):
+    if kind == "own":
         return next((why for why in _OWN_CHECKED.get(leaf, {}).values() if why is not None), None)
-    if fn is None or not _stock(fn, ops) or getattr(cls.forward, "__module__", None) != ops.__name__:
-        return _other_ops(name)
-    return None
+    return _other_ops(comfy_compat.class_name(cls)) if kind == "other" else None
+
+
+@functools.lru_cache(maxsize=None)
+def _op_kind(cls, ops, forward, fn) -> str:
+    """What :func:`why_not` knows of a leaf from its class alone (and ComfyUI's ``ops`` module, the
+    class's ``forward`` and ``forward_comfy_cast_weights`` ``fn``, so a method patched later is a new
+    entry): "foreign" (not a ComfyUI cast op), "fp8" (the scaled fp8 matmul), "own" (a cast method of
+    its own: :func:`own_cast`), "other" (another pack's forward) or "stock" (ComfyUI's cast, then the
+    plain op)."""
+    if ops is None or not isinstance(cls, type) or not issubclass(cls, getattr(ops, "CastWeightBiasOp", ())):
+        return "foreign"
+    if getattr(ops, "fp8_ops", None) is not None and fn is getattr(ops.fp8_ops.Linear, "forward_comfy_cast_weights", 0):
+        return "fp8"
+    if fn is not None and own_cast(cls):
+        return "own"
+    if fn is None or not _stock(fn, ops) or getattr(forward, "__module__", None) != ops.__name__:
+        return "other"
+    return "stock"
 
 
 @functools.lru_cache(maxsize=None)
@@ -495,14 +511,15 @@ def _resident_now(leaf, dtype, device, vbar, pinned: list):
 
 @contextlib.contextmanager
 def slots_resident(leaves, dtype, device):
-    """Inside: each of ``leaves`` (a model's leaves whose weights ComfyUI casts per call) shows as plain
-    parameters what ComfyUI's cast would hand it, when that is resident memory for every one
-    (:func:`_resident_now`: a Dynamic VRAM slot faulted in and pinned until the block ends, as
-    ComfyUI's own cast of a resident slot does, or the leaf's own weights), so a whole UNet call can
-    replay one CUDA graph reading them in place. Yields their addresses (``(data_ptr, dtype)`` each),
-    or None with nothing shown when one is not (no room, refilled, converted or patched per call:
-    that call casts region by region)."""
-    vbar, pinned, saved, shown = _vbar(), [], [], []
+    """Inside: each of ``leaves`` (a model's leaves whose weights ComfyUI casts per call) has what
+    ComfyUI's cast would hand it checked to be resident memory (:func:`_resident_now`: a Dynamic VRAM
+    slot faulted in and pinned until the block ends, as ComfyUI's own cast of a resident slot does,
+    or the leaf's own weights), so a whole UNet call can replay one CUDA graph reading them in place.
+    Yields ``(addresses, show)`` when every one is: their ``(data_ptr, dtype)`` each, and ``show()``,
+    a context in which the leaves show them as plain parameters and take their plain forward (for a
+    call that runs the model's code, a capture or its launches; a replay reads the addresses only);
+    else None (no room, refilled, converted or patched per call: that call casts region by region)."""
+    vbar, pinned, resident = _vbar(), [], []
     with _BUSY_LOCK:
         _BUSY.add(_ALL)
     try:
@@ -512,20 +529,30 @@ def slots_resident(leaves, dtype, device):
             got = _resident_now(leaf, dtype, device, vbar, pinned)
             if got is None:
                 break
-            shown.append(got)
-            saved += _show(leaf, *got)
+            resident.append((leaf, *got))
         else:
-            yield tuple((t.data_ptr(), t.dtype) for w, b in shown for t in (w, b) if t is not None)
+            yield (tuple((t.data_ptr(), t.dtype) for _, w, b in resident for t in (w, b) if t is not None),
+                   functools.partial(_shown, resident))
             return
-        _restore(saved)
-        saved = []
         yield None
     finally:
-        _restore(saved)
         with _BUSY_LOCK:
             _BUSY.discard(_ALL)
         for leaf in pinned:
             vbar.vbar_unpin(leaf.__dict__["_v"])
+
+
+@contextlib.contextmanager
+def _shown(resident):
+    """Inside: each ``(leaf, weight, bias)`` of ``resident`` shows them as plain parameters
+    (:func:`_show`); put back after, also on an error."""
+    saved = []
+    try:
+        for leaf, w, b in resident:
+            saved += _show(leaf, w, b)
+        yield
+    finally:
+        _restore(saved)
 
 
 @contextlib.contextmanager

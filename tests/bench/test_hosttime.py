@@ -52,3 +52,12 @@ def test_direct_launches_skip_tritons_dispatch():
     rows = {r["path"]: r for r in H.dispatch_rows(3, "bias_residual")}
     assert set(rows) == set(H.DISPATCH_PATHS) and all(r["launches"] == 1 for r in rows.values()), rows
     assert rows["direct"]["host_us"] < rows["through triton's JIT"]["host_us"], rows
+
+
+def test_slot_checks_of_a_whole_call_under_dynamic_vram(comfy):
+    """``hosttime --slots``: ComfyUI's own tiny UNet under the Dynamic VRAM double, every slot
+    resident: a whole call's slot checks are timed, each leaf's weights counted once."""
+    from unet_compiler.bench import hosttime as H  # noqa: N812
+    (row,) = H.slot_rows(["tiny"], 1)
+    assert row["size"] == "tiny" and row["leaves"] > 0 and row["weights"] >= row["leaves"] // 2, row
+    assert 0 < row["min_ms"] <= row["median_ms"], row

@@ -559,22 +559,27 @@ def test_a_resident_call_is_one_graph(comfy, make_comfy_model, dynamic_vram, mon
     slot does) and read in place. A LoRA strength change refills the slots in place: that call goes
     region by region, the next replays the same graph. Room taken by another model sends calls
     region by region, counted, until the slots are back. == ComfyUI's eager every call, no pin left.
+    A replay reads the slots' addresses only: no leaf is shown its weights (host time per call).
     (Before: every call under Dynamic VRAM went region by region, "ComfyUI casts or patches weights
     per call".)"""
+    from unet_compiler.compiler import cast
     from unet_compiler.compiler.call_graph import CallGraphs
+    show, shown = cast._show, Counter()
+    monkeypatch.setattr(cast, "_show", lambda leaf, w, b: shown.update(["leaves"]) or show(leaf, w, b))
     fake = strict_graph_standin()
     cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
     accel.call_graphs = c = CallGraphs(accel.root, accel.graphs, accel.stats)
     patches = _lora(comfy, base, 0.05)
-    seen = []
+    seen, shows = [], []
     for strength, room, calls in ((None, 1.0, 4), (1.0, 1.0, 2), (0.5, 1.0, 2), (0.5, 0.3, 2), (0.5, 1.0, 3)):
         p = cm.clone()
         if strength is not None:
             p.add_patches(patches, strength)
         p.budget = room
         for _ in range(calls):
-            before, skipped = Counter(c.graphs.stats), sum(c.skipped.values())
+            before, skipped, leaves = Counter(c.graphs.stats), sum(c.skipped.values()), shown["leaves"]
             _graphed_call(accel, p)
+            shows.append(shown["leaves"] - leaves)
             after = Counter(c.graphs.stats)
             after.subtract(before)
             seen.append("regions" if sum(c.skipped.values()) > skipped else "capture" if after["captured"] else
@@ -590,8 +595,10 @@ def test_a_resident_call_is_one_graph(comfy, make_comfy_model, dynamic_vram, mon
     assert c.skipped["a weight ComfyUI casts per call is not resident (streamed, converted or patched per "
                      "call)"] == seen.count("regions")
     assert "one graph per UNet call: 1 captured, 6 replays" in accel.text()
-    # while a whole call shows the slots, every region counts as busy (the priming thread keeps off)
-    from unet_compiler.compiler import cast
+    # the model's code sees the slots as parameters where a whole call runs it (its first run, capture)
+    assert all(n == 0 for kind, n in zip(seen, shows, strict=True) if kind == "replay"), (seen, shows)
+    assert all(n > 0 for kind, n in zip(seen, shows, strict=True) if kind in ("whole", "capture")), (seen, shows)
+    # while a whole call holds the slots, every region counts as busy (the priming thread keeps off)
     region = accel.plan.regions[0].module
     with cast.slots_resident(c._leaves, torch.float32, torch.device("cpu")) as resident:
         assert resident and cast.busy(region) and p.vbar().pinned() > 0
