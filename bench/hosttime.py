@@ -372,47 +372,70 @@ def _dispatch_child(iters: int, only: str) -> list[dict]:
 
 def slot_rows(sizes: list[str], iters: int) -> list[dict]:
     """Per size: ComfyUI's own UNet (random weights, bf16, on the CPU) under the Dynamic VRAM double
-    (tests/_dynamic_vram.py) with every slot resident, the host time a whole call's graph replay
-    costs around it: each slot faulted in and pinned, its signature compared, its address read, and
-    unpinned after (``cast.slots_resident``, entered and left; the graph itself is not run). The
-    double's VBAR is Python where comfy-aimdo's is C: an upper bound for the faults. Least and median
-    of ``20 * iters`` runs."""
-    from ..compiler import cast
-    from ..compiler.compat import comfy as comfy_compat
-    from ..nodes import warmup as nodes_warmup
-    from ..tests._dynamic_vram import SMALL, DynamicVRAM, make_dynamic
-    from ..tests._families import make_inputs
-    from .dynamic import _comfy, build
-    device, dtype = torch.device("cpu"), torch.bfloat16
-    comfy = _comfy(device)
+    (tests/_dynamic_vram.py) with every slot resident, the host time the casts cost a UNet call whose
+    graphs replay (the graphs themselves not run): one graph per call, each slot faulted in and
+    pinned, its signature compared, its address read, and unpinned after (``cast.slots_resident``,
+    entered and left); region by region, each region's leaves cast by ComfyUI's cast and released
+    (``cast.streams`` and ``cast.applied``, as a region call whose graph replays). The double's
+    VBAR is Python where comfy-aimdo's is C: an upper bound for the faults. Least and median of
+    ``20 * iters`` runs each."""
+    from ..tests._dynamic_vram import DynamicVRAM
+    from .dynamic import _comfy
+    comfy = _comfy(torch.device("cpu"))
     import comfy.model_management as mm
     rows = []
     for size in sizes:
         with DynamicVRAM(comfy.ops).installed():
-            plain, fam = build(size, dtype, device)
-            dyn = make_dynamic(comfy, plain, budget=1.0, small=SMALL, reload=lambda s=size: build(s, dtype, device)[0])
-            x, sigma, kw = make_inputs(fam, plain, 2, 8, 8)
-            mm.load_models_gpu([dyn])
-            with torch.inference_mode():   # a load's first call fills the slots
-                dyn.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(dyn),
-                                      **kw)
-            root = dyn.model.diffusion_model
-            leaves = [m for m in root.modules() if next(m.children(), None) is None
-                      and comfy_compat.cast_flags_of(type(m))]
-            times, n = [], None
-            for _ in range(20 * iters):
-                t0 = time.perf_counter()
-                with cast.slots_resident(leaves, dtype, device) as resident:
-                    if resident is None:
-                        raise RuntimeError(f"{size}: a slot is not resident at room 100 %")
-                times.append(time.perf_counter() - t0)
-                n = len(resident[0])
-            times.sort()
-            rows.append(dict(size=size, leaves=len(leaves), weights=n, min_ms=times[0] * 1e3,
-                             median_ms=times[len(times) // 2] * 1e3))
-            del dyn, plain, root, leaves
+            rows.append(_slot_row(comfy, size, iters))
             mm.unload_all_models()
     return rows
+
+
+def _slot_row(comfy, size: str, iters: int) -> dict:
+    from ..compiler import cast
+    from ..compiler.compat import comfy as comfy_compat
+    from ..compiler.plan import build_plan
+    from ..nodes import warmup as nodes_warmup
+    from ..tests._dynamic_vram import SMALL, make_dynamic
+    from ..tests._families import make_inputs
+    from .dynamic import build
+    device, dtype = torch.device("cpu"), torch.bfloat16
+    plain, fam = build(size, dtype, device)
+    dyn = make_dynamic(comfy, plain, budget=1.0, small=SMALL, reload=lambda: build(size, dtype, device)[0])
+    x, sigma, kw = make_inputs(fam, plain, 2, 8, 8)
+    comfy.model_management.load_models_gpu([dyn])
+    with torch.inference_mode():   # a load's first call fills the slots
+        dyn.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(dyn), **kw)
+    root = dyn.model.diffusion_model
+    leaves = [m for m in root.modules() if next(m.children(), None) is None and comfy_compat.cast_flags_of(type(m))]
+    args, stats = (torch.zeros(1, dtype=dtype, device=device),), Counter()
+    regions = [(r.module, cast.plan(r.leaves, args)[0]) for r in build_plan(root).regions]
+    regions = [(m, todo) for m, todo in regions if todo]
+
+    def whole():
+        with cast.slots_resident(leaves, dtype, device) as resident:
+            if resident is None:
+                raise RuntimeError(f"{size}: a slot is not resident at room 100 %")
+        return len(resident[0])
+
+    def by_region():
+        for module, todo in regions:
+            if cast.streams(todo, args):
+                raise RuntimeError(f"{size}: a region's weights stream at room 100 %")
+            with cast.applied(module, todo, args, stats) as (resident, _):
+                if resident is None or resident is cast.STREAMED:
+                    raise RuntimeError(f"{size}: a region's weights are not resident at room 100 %")
+    row = dict(size=size, leaves=len(leaves), weights=whole(), regions=len(regions))
+    with torch.inference_mode():
+        for name, fn in (("whole", whole), ("regions", by_region)):
+            times = []
+            for _ in range(20 * iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            times.sort()
+            row[f"{name}_min_ms"], row[f"{name}_median_ms"] = times[0] * 1e3, times[len(times) // 2] * 1e3
+    return row
 
 
 def main(argv=None) -> int:
@@ -470,11 +493,14 @@ def main(argv=None) -> int:
     slots = []
     if o.slots:
         slots = slot_rows(list(filter(None, o.size.split(","))), o.iters)
-        print(f"{'Dynamic VRAM, every slot resident':34s} {'leaves':>7s} {'weights':>8s} {'min ms':>7s} {'median':>7s}")
+        print(f"{'Dynamic VRAM, every slot resident':34s} {'leaves':>7s} {'weights':>8s} {'whole ms':>9s} "
+              f"{'regions':>8s} {'by region ms':>13s}")
         for r in slots:
-            print(f"{r['size']:34s} {r['leaves']:7d} {r['weights']:8d} {r['min_ms']:7.2f} {r['median_ms']:7.2f}")
-        print("ms: per UNet call, the host time around a whole call's replay: every slot faulted in, pinned, its "
-              "signature compared and its address read, then unpinned (the double's Python VBAR: comfy-aimdo's is C)")
+            print(f"{r['size']:34s} {r['leaves']:7d} {r['weights']:8d} {r['whole_min_ms']:4.2f}/{r['whole_median_ms']:4.2f} "
+                  f"{r['regions']:8d} {r['regions_min_ms']:6.2f}/{r['regions_median_ms']:6.2f}")
+        print("ms (least/median): the casts' host time per UNet call whose graphs replay; whole: one graph per call, "
+              "every slot faulted in, pinned, its signature compared and its address read, then unpinned; by region: "
+              "each region's leaves cast by ComfyUI's cast and released (the double's Python VBAR: comfy-aimdo's is C)")
     if o.out:
         out = Path(o.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -429,17 +429,18 @@ STREAMED = "streamed"
 
 @contextlib.contextmanager
 def applied(module, leaves, args, stats: Counter):
-    """Inside: each of ``leaves`` (the region ``module``'s, from :func:`plan`) shows ComfyUI's cast of
-    its weights for this call (to the dtype and device of ``args``' first tensor) and takes its plain
-    forward; everything is put back after, also on an error. Yields the cast weights' addresses
-    (``(data_ptr, dtype)`` each) when every one is resident (:func:`_resident`: what a CUDA graph may
-    read in place, pinned until this block ends), else None; or :data:`STREAMED`, showing nothing,
-    when a leaf's weights streamed after all (evicted since :func:`streams` read them): the caller
-    runs the region op by op, and what was cast is released here (counted in
-    ``stats["cast_stopped_at_stream"]``). For the thread that runs the model (the compile thread
-    builds a :func:`stand_in` instead)."""
+    """Inside: each of ``leaves`` (the region ``module``'s, from :func:`plan`) has ComfyUI's cast of its
+    weights for this call (to the dtype and device of ``args``' first tensor). Yields ``(resident,
+    show)``: ``resident`` the cast weights' addresses (``(data_ptr, dtype)`` each) when every one is
+    resident (:func:`_resident`: what a CUDA graph may read in place, pinned until this block ends),
+    else None, or :data:`STREAMED` when a leaf's weights streamed after all (evicted since
+    :func:`streams` read them: the caller runs the region op by op, and what was cast is released
+    here, counted in ``stats["cast_stopped_at_stream"]``); ``show()`` a context in which the leaves
+    show the cast weights as plain parameters and take their plain forward (what the region's code
+    reads; a graph's replay reads the addresses only), put back after, also on an error. For the
+    thread that runs the model (the compile thread builds a :func:`stand_in` instead)."""
     dtype, device = compute_of(args)
-    casts, saved = [], []
+    casts = []
     resident = True
     with _BUSY_LOCK:
         _BUSY.add(id(module))
@@ -456,16 +457,12 @@ def applied(module, leaves, args, stats: Counter):
             w, b = _held(leaf, w, "weight", fresh, stats), _held(leaf, b, "bias", fresh, stats)
             casts[-1] = (leaf, w, b, handle)
             resident = resident and _resident(leaf, w, "weight") and _resident(leaf, b, "bias")
-            saved += _show(leaf, w, b)
         else:
-            yield (tuple((t.data_ptr(), t.dtype) for _, w, b, _ in casts for t in (w, b) if t is not None)
-                   if resident else None)
+            yield ((tuple((t.data_ptr(), t.dtype) for _, w, b, _ in casts for t in (w, b) if t is not None)
+                    if resident else None), functools.partial(_shown, [(leaf, w, b) for leaf, w, b, _ in casts]))
             return
-        _restore(saved)
-        saved = []
-        yield STREAMED
+        yield STREAMED, contextlib.nullcontext
     finally:
-        _restore(saved)
         with _BUSY_LOCK:
             _BUSY.discard(id(module))
         ops = _ops()

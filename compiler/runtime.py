@@ -50,6 +50,14 @@ def _release(error: BaseException, args) -> None:
         torch.cuda.empty_cache()
 
 
+def _showing(show, impl):
+    """``impl(module, *args)`` run inside ``show()`` (the cast weights shown to the region's code)."""
+    def run(module, *args):
+        with show():
+            return impl(module, *args)
+    return run
+
+
 def _call_modes(device_type: str, autocast: torch.dtype | None):
     """The dispatch state sampling calls run under (ComfyUI and ``warmup`` run inference mode;
     autocast for fp16 / bf16 precision): what a preloaded variant's guards should keep."""
@@ -290,16 +298,18 @@ class Accelerator:
                 if not streamed:
                     # ComfyUI's per-call cast outside the graph: a CUDA graph where every cast weight is
                     # resident (a VBAR slot or the leaf's own, pinned until the block ends), read in place
-                    with cast.applied(module, casts, args, self.stats) as resident:
+                    with cast.applied(module, casts, args, self.stats) as (resident, show):
                         if resident is cast.STREAMED:   # evicted since: op by op after all (below)
                             streamed = True
                         elif self.graphs is None:
-                            out = impl(module, *args)
+                            with show():
+                                out = impl(module, *args)
                         elif resident is None:
                             self.graphs.skipped["a weight patched or converted per call (not resident)"] += 1
-                            out = impl(module, *args)
-                        else:
-                            out = self.graphs.run(impl, module, args, weights=resident)
+                            with show():
+                                out = impl(module, *args)
+                        else:   # (a replay reads the resident weights where they are: nothing shown)
+                            out = self.graphs.run(_showing(show, impl), module, args, weights=resident)
                             self.stats["region_cast_resident"] += 1
                 if streamed and self.backend.streams_op_by_op:
                     # weights not resident: each op casts its own where it runs, on ComfyUI's offload

@@ -56,8 +56,10 @@ def test_direct_launches_skip_tritons_dispatch():
 
 def test_slot_checks_of_a_whole_call_under_dynamic_vram(comfy):
     """``hosttime --slots``: ComfyUI's own tiny UNet under the Dynamic VRAM double, every slot
-    resident: a whole call's slot checks are timed, each leaf's weights counted once."""
+    resident: a whole call's slot checks and each region's casts are timed, each leaf's weights counted
+    once."""
     from unet_compiler.bench import hosttime as H  # noqa: N812
     (row,) = H.slot_rows(["tiny"], 1)
     assert row["size"] == "tiny" and row["leaves"] > 0 and row["weights"] >= row["leaves"] // 2, row
-    assert 0 < row["min_ms"] <= row["median_ms"], row
+    assert row["regions"] > 0 and 0 < row["whole_min_ms"] <= row["whole_median_ms"], row
+    assert 0 < row["regions_min_ms"] <= row["regions_median_ms"], row

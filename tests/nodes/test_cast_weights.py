@@ -174,7 +174,7 @@ def test_a_failed_call_puts_the_weights_back(comfy, make_comfy_model):
     assert why is None and len(todo) == 2
     x = torch.zeros(1, 4, 32)
     with pytest.raises(RuntimeError, match="boom"):
-        with cast.applied(attn, todo, (x,), Counter()):
+        with cast.applied(attn, todo, (x,), Counter()) as (_, show), show():
             assert attn.to_q.weight.dtype == torch.float32 and not attn.to_q.comfy_cast_weights
             assert attn.to_q.weight_function == [] and cast.busy(attn)
             torch.testing.assert_close(attn.to_q.weight, before[0][0].float() * 2)

@@ -384,21 +384,26 @@ def test_resident_regions_replay_their_graphs(comfy, make_comfy_model, dynamic_v
     LoRA, then strength 1.0, then 0.5: a prompt's first call refills every slot (ComfyUI resets their
     signatures when the patches change), so it streams op by op; its later calls replay the graphs
     captured in the first prompt (the slots refilled in place, at the addresses captured). Compiled
-    == ComfyUI's eager on every call; no pin left. (Before: every region under Dynamic VRAM took
+    == ComfyUI's eager on every call; no pin left. A replay reads the resident weights in place: no
+    leaf is shown them (host time per region call). (Before: every region under Dynamic VRAM took
     the cast path, which never replayed.)"""
+    from unet_compiler.compiler import cast
+    show, shown = cast._show, Counter()
+    monkeypatch.setattr(cast, "_show", lambda leaf, w, b: shown.update(["leaves"]) or show(leaf, w, b))
     fake = strict_graph_standin()
     cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, room)
     n = _regions(accel)
     patches = _lora(comfy, base, 0.05)
-    per_call, resident, streamed = [], [], []
+    per_call, resident, streamed, shows = [], [], [], []
     for strength in (None, 1.0, 0.5):
         p = cm.clone()
         if strength is not None:
             p.add_patches(patches, strength)
         p.budget = room
         for _ in range(3):
-            before = accel.stats["region_streamed"]
+            before, leaves = accel.stats["region_streamed"], shown["leaves"]
             replayed, here = _graphed_call(accel, p)
+            shows.append(shown["leaves"] - leaves)
             per_call.append(replayed)
             resident.append(here)
             streamed.append(accel.stats["region_streamed"] - before)
@@ -413,6 +418,8 @@ def test_resident_regions_replay_their_graphs(comfy, make_comfy_model, dynamic_v
     assert [per_call[i] for i in (2, 4, 5, 7, 8)] == [resident[i] for i in (2, 4, 5, 7, 8)], (per_call, resident)
     assert all(streamed[i] == n - resident[i] for i in (4, 5, 7, 8)), (streamed, resident)
     assert fake.captures == captures, (fake.captures, captures)
+    # those calls show no leaf its weights; the first prompt's, which record and capture, do
+    assert [shows[i] for i in (4, 5, 7, 8)] == [0] * 4 and (shows[1] + shows[2] > 0) == (room > 0), shows
     if room == 1.0:
         assert resident[2] == n and per_call[-1] == n, (per_call, resident, n)
         assert f"{accel.stats['region_cast_resident']} of them with every weight resident" in accel.text()
