@@ -1,9 +1,10 @@
 """One CUDA graph per UNet call, where nothing inside the call needs Python between its regions.
 
-A UNet call whose body is the same launches every time (no ComfyUI patch, wrapper, ControlNet or
-attention override in the call, no forward hook on the model, every weight ComfyUI casts per call
-resident: a Dynamic VRAM slot, pinned for the call, or the leaf's own, every input a tensor, None,
-a flag or a name) is captured whole on its second call at an input
+A UNet call whose body is the same launches every time (no ComfyUI patch, wrapper or attention
+override in the call, no forward hook on the model, every weight ComfyUI casts per call resident: a
+Dynamic VRAM slot, pinned for the call, or the leaf's own, every input a tensor, None, a flag or a
+name; a ControlNet's residuals are tensor inputs, added where the capture added them, the graph
+keyed by which are given) is captured whole on its second call at an input
 signature and replayed from the third: the regions' compiled code and ComfyUI's dispatch between
 them in one graph (as stable-fast does), where per-region graphs leave that dispatch to Python. Any
 other call runs as before, through the per-region graphs, and the report counts why. A replay
@@ -65,9 +66,8 @@ def _rebuild(value, it):
 
 def call_problem(kwargs: dict) -> str | None:
     """Why this ComfyUI UNet call's keyword arguments need Python between its regions (None: they
-    do not): ControlNet's residuals, a patch, a diffusion-model wrapper or an attention override."""
-    if kwargs.get("control") is not None:
-        return "ControlNet adds its residuals inside the call"
+    do not): a patch, a diffusion-model wrapper or an attention override. (A ControlNet's residuals,
+    ``control``, are inputs: the UNet adds each at a fixed place, which the capture records.)"""
     to = kwargs.get("transformer_options") or {}
     if any(to.get("patches", {}).values()) or any(to.get("patches_replace", {}).values()):
         return "a model patch runs inside the call"

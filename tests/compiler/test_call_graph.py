@@ -126,6 +126,47 @@ def test_comfyuis_call_is_one_graph_unless_a_patch_runs(make_comfy_model, strict
 
 
 @pytest.mark.comfy
+def test_a_controlnet_call_is_one_graph(make_comfy_model, strict_graph_standin):
+    """A ControlNet's residuals (ComfyUI's ``control`` dict: input and middle lists, a None where a
+    block gets none) are tensor inputs of the whole call's graph, which adds each where the capture
+    added it: residuals that change every call replay one graph; a call without them (a ControlNet
+    outside its step range) is its own graph; every call == ComfyUI's eager. (Before: every call with
+    a ControlNet ran region by region, "ControlNet adds its residuals inside the call".)"""
+    from unet_compiler.nodes import patcher
+
+    from ..nodes.test_comfy_patcher import _apply, _close
+    base = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(base, CompileConfig(backend="inductor"))
+    unet = cm.model.diffusion_model
+    shapes = {}
+    hooks = [b[-1].register_forward_hook(lambda m, i, o, n=n: shapes.__setitem__(n, o.shape))
+             for n, b in list(enumerate(unet.input_blocks)) + [("mid", unet.middle_block)]]
+    plain = _apply(cm, "sd15")
+    for h in hooks:
+        h.remove()
+    accel = _graphed(patcher.accelerator_of(cm), strict_graph_standin())
+
+    def control(seed):   # a fresh dict per call, as ComfyUI's ControlNet makes (the UNet pops what it adds)
+        g = torch.Generator().manual_seed(seed)
+        ins = [torch.randn(shapes[i], generator=g) if i % 3 else None for i in range(len(unet.input_blocks))]
+        return {"input": list(reversed(ins)), "middle": [torch.randn(shapes["mid"], generator=g)], "output": []}
+    c = accel.call_graphs
+    for seed in range(4):
+        got = _apply(cm, "sd15", control=control(seed))
+        with accel.bypass():
+            _close(got, _apply(cm, "sd15", control=control(seed), load=False))
+        assert (got - plain).abs().max() > 1e-3, "the residuals must have mattered"
+    # the first call runs, the second captures (and replays), the others replay
+    assert c.graphs.stats["captured"] == 1 and c.graphs.stats["replays"] == 3, accel.text()
+    assert not c.skipped and accel.graphs.stats["captured"] == 0, accel.text()
+    for _ in range(3):
+        got = _apply(cm, "sd15")
+        with accel.bypass():
+            _close(got, _apply(cm, "sd15", load=False))
+    assert c.graphs.stats["captured"] == 2 and c.graphs.stats["replays"] == 5, accel.text()
+
+
+@pytest.mark.comfy
 def test_no_call_graph_while_comfyuis_compiler_keeps_a_recording(make_comfy_model, strict_graph_standin):
     """A model ComfyUI's compiler records (its forward in ``malloc_graph_scope``): between two
     forwards the recording is kept, not active; a graph captured around the forward would hold
@@ -152,14 +193,14 @@ def test_no_call_graph_while_comfyuis_compiler_keeps_a_recording(make_comfy_mode
 
 
 def test_what_in_a_comfyui_call_needs_python_between_regions():
-    """ControlNet's residuals, a patch or replace patch, a diffusion-model wrapper and an attention
-    override each keep the call region by region; empty tables, ComfyUI's sampling entries and a
-    wrapper of another kind do not."""
+    """A patch or replace patch, a diffusion-model wrapper and an attention override each keep the call
+    region by region; empty tables, ComfyUI's sampling entries, a wrapper of another kind and
+    ControlNet's residuals do not."""
     from unet_compiler.compiler.call_graph import call_problem
     plain = dict(patches={}, patches_replace={}, wrappers={"outer_sample": {"k": [print]}}, sigmas=torch.ones(1),
                  cond_or_uncond=[0, 1])
     assert call_problem(dict(control=None, transformer_options=plain)) is None
-    assert call_problem(dict(control={"middle": [torch.zeros(1)]})) == "ControlNet adds its residuals inside the call"
+    assert call_problem(dict(control={"middle": [torch.zeros(1)]})) is None   # (tensor inputs: see below)
     assert "patch" in call_problem(dict(transformer_options=dict(plain, patches={"output_block_patch": [print]})))
     assert "patch" in call_problem(dict(transformer_options=dict(plain, patches_replace={"attn1": {("input", 1): print}})))
     assert "wrapper" in call_problem(dict(transformer_options=dict(plain, wrappers={"diffusion_model": {"k": [print]}})))
