@@ -203,8 +203,9 @@ def warmup_facts(rep: Report, backend: str, failed: dict, ran: tuple[int, int] |
 def accelerator_text(accel) -> str:
     """The whole report of one accelerator: the Report's text, then what its backend, CUDA graphs,
     compile cache, patches, recompiles and background compile add."""
-    extra = accel.backend.status_lines() + (accel.graphs.status_lines() if accel.graphs is not None else []) \
-        + (accel.call_graphs.status_lines() if accel.call_graphs is not None else [])
+    extra = (accel.backend.status_lines([r.module for r in accel.plan.regions])
+             + (accel.graphs.status_lines() if accel.graphs is not None else [])
+             + (accel.call_graphs.status_lines() if accel.call_graphs is not None else []))
     ran, total = accel.ran_compiled()
     if total and accel.stats.get("calls"):
         last = accel.ran_compiled_last()

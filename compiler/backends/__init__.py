@@ -126,8 +126,9 @@ class Backend:
             return "free-standing convs: prepacking is off" if not config.prepack_conv else "no rewrite"
         return f"{self.name} has no rewrite for this region"
 
-    def status_lines(self) -> list[str]:
-        """Extra report lines about what the backend did so far."""
+    def status_lines(self, modules=()) -> list[str]:
+        """Extra report lines about what the backend did so far for the model whose region modules are
+        ``modules``."""
         return []
 
     def extra_probes(self, shapes, levels: int) -> list:

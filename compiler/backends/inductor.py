@@ -133,8 +133,8 @@ class InductorBackend(Backend):
             out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = prepack_conv.conv_module_forward
         return out
 
-    def status_lines(self) -> list[str]:
-        missed = {b.__name__: b.missed for b in getattr(self, "_bodies", ()) if b.missed}
+    def status_lines(self, modules=()) -> list[str]:
+        missed = {b.__name__: why for b in getattr(self, "_bodies", ()) if (why := b.missed_for(modules))}
         if not missed:
             return []
         return ["  not precompiled (plain torch.compile serves these bodies: compiled at their calls, again after "

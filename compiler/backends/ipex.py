@@ -116,7 +116,7 @@ class IpexBackend(Backend):
         out[("comfy", PROJECTION)] = out[("diffusers", PROJECTION)] = wrap(lambda conv, x: conv(x))
         return out
 
-    def status_lines(self) -> list[str]:
+    def status_lines(self, modules=()) -> list[str]:
         s, live = self.stats, self._copies.values()
         if not live:
             return ["  ipex: regions are prepared on the first call"]

@@ -165,7 +165,7 @@ class TritonBackend(Backend):
             return run
         return {key: guarded(key, body) for key, body in regions.bodies(ops).items()}
 
-    def status_lines(self) -> list[str]:
+    def status_lines(self, modules=()) -> list[str]:
         b = self.ops
         if b is None or not (b.fired or b.declined or b.torch_faster):
             return []

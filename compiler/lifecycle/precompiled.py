@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 
@@ -58,8 +59,23 @@ class Precompiled:
         self.__name__ = getattr(body, "__name__", "body")
         self._no_aot: set[str] = set()
         self._compilers: dict = {}
-        #: why a variant of this body could not be precompiled (the first reason; the report's line)
-        self.missed: str | None = None
+        #: variant key -> (why it could not be precompiled, the region modules whose calls met that key):
+        #: the report's line, for the models whose regions met it (:meth:`missed_for`)
+        self._misses: dict = {}
+
+    def _missed(self, key, module, why: str | None = None) -> None:
+        """``module``'s call met ``key``, which is not precompiled (``why``: the reason, the first time)."""
+        entry = self._misses.get(key)
+        if entry is None and why is not None:
+            entry = self._misses[key] = (why, weakref.WeakSet())
+        if entry is not None:
+            entry[1].add(module)
+
+    def missed_for(self, modules) -> str | None:
+        """Why a variant that a call of one of ``modules`` (a model's region modules) met could not be
+        precompiled (the first such reason), or None: one model's miss is not another's."""
+        ids = {id(m) for m in modules}
+        return next((why for why, met in self._misses.values() if any(id(m) in ids for m in met)), None)
 
     def _compiler(self, dynamic: bool):
         if dynamic not in self._compilers:
@@ -72,6 +88,8 @@ class Precompiled:
         registry, thread = self.scheduler.variants, self.scheduler.thread
         struct = structure(module, args, widths=self.dynamic is not True)
         if struct is None or (key := registry.key(self.body, struct, self.options)) in self._no_aot:
+            if struct is not None:
+                self._missed(key, module)
             if thread.running:
                 # plain torch.compile would compile here, beside the thread (and a dynamo-compiled
                 # function called while the thread traces raises: FX's tracing flag is process-wide)
@@ -197,7 +215,7 @@ class Precompiled:
             # this key runs under plain torch.compile from now on
             log.info("UNet Compiler: %s is not precompiled for this region (%s); plain torch.compile",
                      self.__name__, error_summary(e))
-            self.missed = self.missed or error_summary(e)
+            self._missed(key, module, error_summary(e))
             self._no_aot.add(key)
             return None
         blob = None
@@ -216,7 +234,7 @@ class Precompiled:
                     return fn
                 log.info("UNet Compiler: a precompiled %s failed its first call (%s); plain torch.compile",
                          self.__name__, error_summary(e))
-                self.missed = self.missed or f"its first call failed: {error_summary(e)}"
+                self._missed(key, module, f"its first call failed: {error_summary(e)}")
                 self._no_aot.add(key)
                 return None
         self.scheduler.variants.add_compiled(key, fn, blob)

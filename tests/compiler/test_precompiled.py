@@ -296,7 +296,8 @@ def test_a_torch_without_the_precompile_api_is_seen_before_any_region_tries(monk
 def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     """A body whose precompile fails (a graph break, a torch without the API, a first call that
     raises) is served by plain torch.compile, and the report names it with the reason: never a
-    log line alone."""
+    log line alone; only in the report of a model whose regions met it (the bodies are the
+    process's: another model's report says nothing of it)."""
     from unet_compiler.compiler.lifecycle import precompiled
     from unet_compiler.compiler.backends import inductor
     from unet_compiler.compiler.config import CompileConfig
@@ -310,17 +311,21 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     lin = torch.nn.Linear(4, 4)
     with torch.inference_mode():
         torch.testing.assert_close(p(lin, torch.ones(2, 4)), lin(torch.ones(2, 4)))
-    assert p.missed == "AttributeError: 'function' object has no attribute 'aot_compile'"
+    assert p.missed_for([lin]) == "AttributeError: 'function' object has no attribute 'aot_compile'"
+    other = torch.nn.Linear(4, 4)   # another model's region: none of its calls met the key
+    assert p.missed_for([other]) is None
     b = inductor.InductorBackend()
     b.device_type = "cpu"
     b.impls(CompileConfig(backend="inductor"), process_scheduler())
-    for body in b._bodies:   # the bodies are the process's: a model an earlier test compiled may have missed one
-        monkeypatch.setattr(body, "missed", None)
-    assert b.status_lines() == []
+    assert b.status_lines([lin]) == []
     b._bodies.append(p)
-    assert b.status_lines() == ["  not precompiled (plain torch.compile serves these bodies: compiled at their calls, "
-                                "again after a restart): body (AttributeError: 'function' object has no attribute "
-                                "'aot_compile')"]
+    assert b.status_lines([other]) == []
+    with torch.inference_mode():
+        p(other, torch.ones(2, 4))   # its call meets the key that could not be precompiled: now its line too
+    for modules in ([lin], [other]):
+        assert b.status_lines(modules) == [
+            "  not precompiled (plain torch.compile serves these bodies: compiled at their calls, again after a "
+            "restart): body (AttributeError: 'function' object has no attribute 'aot_compile')"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: precompiled variants on CUDA are checked on "
