@@ -59,23 +59,26 @@ class Precompiled:
         self.__name__ = getattr(body, "__name__", "body")
         self._no_aot: set[str] = set()
         self._compilers: dict = {}
-        #: variant key -> (why it could not be precompiled, the region modules whose calls met that key):
-        #: the report's line, for the models whose regions met it (:meth:`missed_for`)
-        self._misses: dict = {}
 
     def _missed(self, key, module, why: str | None = None) -> None:
-        """``module``'s call met ``key``, which is not precompiled (``why``: the reason, the first time)."""
-        entry = self._misses.get(key)
-        if entry is None and why is not None:
-            entry = self._misses[key] = (why, weakref.WeakSet())
-        if entry is not None:
-            entry[1].add(module)
+        """``module``'s call met ``key``, which is not precompiled (``why``: the reason, the first time);
+        kept in the scheduler's registry (``Variants.misses``) for the report's line."""
+        registry = self.scheduler.variants
+        with registry.lock:
+            entry = registry.misses.get(key)
+            if entry is None and why is not None:
+                entry = registry.misses[key] = (why, weakref.WeakSet())
+            if entry is not None:
+                entry[1].add(module)
 
     def missed_for(self, modules) -> str | None:
-        """Why a variant that a call of one of ``modules`` (a model's region modules) met could not be
-        precompiled (the first such reason), or None: one model's miss is not another's."""
+        """Why a variant of this body that a call of one of ``modules`` (a model's region modules) met
+        could not be precompiled (the first such reason), or None: one model's miss is not another's."""
         ids = {id(m) for m in modules}
-        return next((why for why, met in self._misses.values() if any(id(m) in ids for m in met)), None)
+        registry = self.scheduler.variants
+        with registry.lock:
+            met = [registry.misses[k] for k in list(self._no_aot) if k in registry.misses]
+            return next((why for why, seen in met if any(id(m) in ids for m in list(seen))), None)
 
     def _compiler(self, dynamic: bool):
         if dynamic not in self._compilers:

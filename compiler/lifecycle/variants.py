@@ -131,6 +131,9 @@ class Variants:
         self.from_cache = 0        # variants loaded from the compile cache and used
         self.unusable = 0          # cached variants torch could not load (compiled again)
         self.failures: list[str] = []   # why a call matched no variant (guard parts), oldest first
+        #: key -> (why it could not be precompiled, a WeakSet of the region modules whose calls met it):
+        #: here, not on the region body, which dynamo pickles into later variants' guard state
+        self.misses: dict[str, tuple] = {}
         self._names: dict = {}     # structure -> its stable text digest
         self.loading: set[str] = set()       # keys the preload thread is deserializing now
         self._loaded = threading.Condition(self.lock)

@@ -293,18 +293,26 @@ def test_a_torch_without_the_precompile_api_is_seen_before_any_region_tries(monk
         V._api_present.cache_clear()
 
 
+def _linear_body(module, x):
+    return module(x)
+
+
+def _linear_fallback(module, *args):
+    return _linear_body(module, *args)
+
+
 def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     """A body whose precompile fails (a graph break, a torch without the API, a first call that
     raises) is served by plain torch.compile, and the report names it with the reason: never a
     log line alone; only in the report of a model whose regions met it (the bodies are the
-    process's: another model's report says nothing of it)."""
+    process's: another model's report says nothing of it). The body still pickles (dynamo pickles it
+    into later variants' guard state): what it met is kept in the scheduler's registry."""
+    import pickle
     from unet_compiler.compiler.lifecycle import precompiled
     from unet_compiler.compiler.backends import inductor
     from unet_compiler.compiler.config import CompileConfig
 
-    def body(module, x):
-        return module(x)
-    p = precompiled.Precompiled(body, "eager", False, lambda m, *a: body(m, *a), (), process_scheduler())
+    p = precompiled.Precompiled(_linear_body, "eager", False, _linear_fallback, (), process_scheduler())
     monkeypatch.setattr(precompiled.Precompiled, "_trace",
                         lambda self, module, args, dynamic: (_ for _ in ()).throw(
                             AttributeError("'function' object has no attribute 'aot_compile'")))
@@ -314,6 +322,7 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     assert p.missed_for([lin]) == "AttributeError: 'function' object has no attribute 'aot_compile'"
     other = torch.nn.Linear(4, 4)   # another model's region: none of its calls met the key
     assert p.missed_for([other]) is None
+    assert pickle.loads(pickle.dumps(p)).missed_for([lin]) == p.missed_for([lin])   # (the process's registry)
     b = inductor.InductorBackend()
     b.device_type = "cpu"
     b.impls(CompileConfig(backend="inductor"), process_scheduler())
@@ -325,7 +334,7 @@ def test_a_body_that_cannot_be_precompiled_is_a_report_line(monkeypatch):
     for modules in ([lin], [other]):
         assert b.status_lines(modules) == [
             "  not precompiled (plain torch.compile serves these bodies: compiled at their calls, again after a "
-            "restart): body (AttributeError: 'function' object has no attribute 'aot_compile')"]
+            "restart): _linear_body (AttributeError: 'function' object has no attribute 'aot_compile')"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU: precompiled variants on CUDA are checked on "
