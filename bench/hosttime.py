@@ -13,8 +13,8 @@ the launches per step (the pack's kernels, and aten ops that launch work on a GP
 Per kernel call: each launcher alone on CPU tensors of the same shapes, its Python up to triton's
 launcher (stubbed), not profiled, and how many of its launches went through triton's JIT dispatch. A meta op's
 own dispatch runs Python meta functions, so a step's wall time here is no GPU host time and is not
-reported. Inductor's compiled code cannot run on meta: no row. ``--slots``: per size, the host time a
-whole call's replay costs around it under Dynamic VRAM (:func:`slot_rows`).
+reported. Inductor's compiled code cannot run on meta: no row. ``--slots``: per size, the host time the
+casts cost around a replaying UNet call under Dynamic VRAM (:func:`slot_rows`).
 """
 from __future__ import annotations
 
@@ -393,7 +393,7 @@ def slot_rows(sizes: list[str], iters: int) -> list[dict]:
 
 def _slot_row(comfy, size: str, iters: int) -> dict:
     from ..compiler import cast
-    from ..compiler.compat import comfy as comfy_compat
+    from ..compiler.call_graph import cast_leaves
     from ..compiler.plan import build_plan
     from ..nodes import warmup as nodes_warmup
     from ..tests._dynamic_vram import SMALL, make_dynamic
@@ -407,7 +407,7 @@ def _slot_row(comfy, size: str, iters: int) -> dict:
     with torch.inference_mode():   # a load's first call fills the slots
         dyn.model.apply_model(x, sigma, transformer_options=nodes_warmup.sampling_transformer_options(dyn), **kw)
     root = dyn.model.diffusion_model
-    leaves = [m for m in root.modules() if next(m.children(), None) is None and comfy_compat.cast_flags_of(type(m))]
+    leaves = cast_leaves(root)
     args, stats = (torch.zeros(1, dtype=dtype, device=device),), Counter()
     regions = [(r.module, cast.plan(r.leaves, args)[0]) for r in build_plan(root).regions]
     regions = [(m, todo) for m, todo in regions if todo]
@@ -448,8 +448,9 @@ def main(argv=None) -> int:
                     help="also time each kernel call with triton's own dispatch (kernels compiled for sm_90, "
                          "about a minute the first time), through triton's JIT and launched directly")
     ap.add_argument("--slots", action="store_true",
-                    help="also time a whole call's slot checks under Dynamic VRAM (ComfyUI's own UNet of each size "
-                         "under the double, bf16, every slot resident; needs a ComfyUI tree)")
+                    help="also time the casts around a replaying UNet call under Dynamic VRAM, one graph per call and "
+                         "region by region (ComfyUI's own UNet of each size under the double, bf16, every slot "
+                         "resident; needs a ComfyUI tree)")
     ap.add_argument("--dispatch-child", default=None, help=argparse.SUPPRESS)
     o = ap.parse_args(argv)
     if o.dispatch_child is not None:

@@ -78,6 +78,12 @@ def call_problem(kwargs: dict) -> str | None:
     return None
 
 
+def cast_leaves(root: torch.nn.Module) -> list:
+    """The leaves of ``root`` ComfyUI can make cast or patch per call: those of classes with its cast
+    flags (what a whole call's slots are checked over, ``cast.slots_resident``)."""
+    return [m for m in root.modules() if next(m.children(), None) is None and comfy_compat.cast_flags_of(type(m))]
+
+
 class CallGraphs:
     """The whole-call graphs of one UNet (``root``) beside its per-region graphs (``regions``, which
     step aside while a whole call runs). ``stats``: the accelerator's, whose region counts a replay
@@ -88,9 +94,7 @@ class CallGraphs:
         self.graphs = RegionGraphs(max_shapes=regions.max_shapes, graphs=regions.graphs, measured=regions.measured,
                                    copies=True, thread=regions.thread)
         self.skipped: Counter = Counter()
-        # the leaves ComfyUI can make cast or patch per call: those of classes with its cast flags
-        self._leaves = [m for m in root.modules() if next(m.children(), None) is None
-                        and comfy_compat.cast_flags_of(type(m))]
+        self._leaves = cast_leaves(root)
         self._watched = cast.watch(self._leaves)
         self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         #: set while warmup times region kinds against each other: calls go region by region, uncounted
