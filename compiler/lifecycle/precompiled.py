@@ -64,6 +64,9 @@ class Precompiled:
         """``module``'s call met ``key``, which is not precompiled (``why``: the reason, the first time);
         kept in the scheduler's registry (``Variants.misses``) for the report's line."""
         registry = self.scheduler.variants
+        entry = registry.misses.get(key)
+        if entry is not None and module in entry[1]:
+            return   # (every later call of a region on a key left to plain torch.compile: no lock)
         with registry.lock:
             entry = registry.misses.get(key)
             if entry is None and why is not None:
