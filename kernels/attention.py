@@ -170,10 +170,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
     plan = _PLANS.find(key)
     if plan is None:
         plan = _PLANS.put(key, _plan(q, k, v, scale, prec))
-    squeeze, out_shape, launch = plan
+    squeeze, out_size, out_stride, launch = plan
     if squeeze:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    out = torch.empty(out_shape, dtype=q.dtype, device=q.device).transpose(1, 2)
+    out = torch.empty_strided(out_size, out_stride, dtype=q.dtype, device=q.device)
     if launch is not None:
         lkey, configs, grid, args, kw, fit = launch
         if fit:   # the config that fitted this GPU at this signature before: launched as is
@@ -188,7 +188,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
 
 def _plan(q, k, v, scale, prec) -> tuple:
     """The checks (KernelUnsupported for inputs the kernel cannot take), then (whether 3-D inputs
-    get a batch dim, the output's [B, Nq, H, d] shape, the launch: None when there is nothing to
+    get a batch dim, the output's [B, H, Nq, d] size and the strides that lay it out as [B, Nq, H, d]
+    (one allocation, no transposed view made per call), the launch: None when there is nothing to
     compute, else (config key, configs, grid of a config, scalar arguments, strides and constexprs,
     [the launch of the config that fitted], filled at the first launch))."""
     name = "attention"
@@ -225,9 +226,9 @@ def _plan(q, k, v, scale, prec) -> tuple:
     if align == 1 and capability is not None:
         raise KernelUnsupported(f"{name}: q/k/v strides or head dim {D} are not 16-byte multiples; the kernel "
                                 f"runs such views under the interpreter only, SDPA runs it on the GPU.")
-    out_shape = (B, NQ, H, D)
+    out_size, out_stride = (B, H, NQ, D), (NQ * H * D, D, H * D, 1)
     if B * NQ * H * D == 0:
-        return squeeze, out_shape, None
+        return squeeze, out_size, out_stride, None
     if scale is None:
         scale = D ** -0.5
     block_d, block_dt = head_dim_blocks(D, capability)
@@ -246,7 +247,7 @@ def _plan(q, k, v, scale, prec) -> tuple:
               svb=v.stride(0), svh=v.stride(1), svn=v.stride(2), svd=v.stride(3),
               D=D, ALIGN=align, PREC=prec, UPCAST=dot_upcast(_attn_fwd_kernel, q.dtype), BLOCK_D=block_d,
               BLOCK_DT=block_dt)
-    return squeeze, out_shape, ((D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
+    return squeeze, out_size, out_stride, ((D, q.dtype, configs[0]["BLOCK_M"]), configs, grid,
                                 (float(scale) * LOG2E, H, NQ, NK), kw, [])
 
 

@@ -160,7 +160,7 @@ def test_each_launcher_checks_a_signature_once(monkeypatch):
         monkeypatch.setattr(_common, "tf32_matmuls_allowed", lambda: True)
         attention.attention(q, q, q)
         assert len(attention._PLANS) == n + 1
-        assert {p[2][4]["PREC"] for p in attention._PLANS.values() if p[2] is not None} == {"ieee", "tf32"}
+        assert {p[3][4]["PREC"] for p in attention._PLANS.values() if p[3] is not None} == {"ieee", "tf32"}
 
 
 def _fake_cuda(monkeypatch, allocator="cudaMallocAsync"):
