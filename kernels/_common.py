@@ -2,6 +2,8 @@
 catch :class:`KernelUnsupported` without triton installed."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -121,6 +123,7 @@ class NotBound(KernelUnsupported):
 #: through triton's JIT; set by :func:`bound_launch_problem` when the check below fails)
 BIND = [True]
 _BIND_CHECKED: list = []   # [None] once the check passed, [why] once it failed
+_BIND_LOCK = threading.RLock()
 
 
 def _capturing() -> bool:
@@ -189,7 +192,10 @@ class Launch:
                 return   # bound at a launch outside the capture (the check below synchronizes)
         except (AssertionError, RuntimeError):
             pass
-        if bound_launch_problem(tensors[0].device) is not None:
+        dev = tensors[0].device
+        if dev.type == "cuda" and dev.index is not None and dev.index != torch.cuda.current_device():
+            return   # the JIT compiled and loaded it for the current device, not the tensors': not bound
+        if bound_launch_problem(dev) is not None:
             return
         import triton
         rt = getattr(getattr(triton, "knobs", None), "runtime", None)
@@ -206,17 +212,19 @@ def bound_launch_problem(device) -> str | None:
     """Why planned launches cannot launch their compiled kernel directly here (None: they can):
     checked once per process on ``device`` by launching a small kernel both ways and comparing
     (a triton whose launcher takes other arguments fails it); on failure every launch goes
-    through the JIT (:data:`BIND`) and captures run the torch ops instead of the kernels."""
-    if not _BIND_CHECKED:
-        _BIND_CHECKED.append(None)   # the check's own launches bind without checking again
-        try:
-            from . import _launch_check
-            _BIND_CHECKED[0] = _launch_check.run(device, Launch)
-        except Exception as e:   # anything: the JIT stays the way kernels launch
-            _BIND_CHECKED[0] = f"the direct launch check failed ({type(e).__name__}: {e})"
-        if _BIND_CHECKED[0] is not None:
-            BIND[0] = False
-    return _BIND_CHECKED[0]
+    through the JIT (:data:`BIND`) and captures run the torch ops instead of the kernels. Another
+    thread asking while the check runs (a device's pool thread) waits for its answer."""
+    with _BIND_LOCK:   # reentrant: the check's own launches come back here and bind without checking again
+        if not _BIND_CHECKED:
+            _BIND_CHECKED.append(None)
+            try:
+                from . import _launch_check
+                _BIND_CHECKED[0] = _launch_check.run(device, Launch)
+            except Exception as e:   # anything: the JIT stays the way kernels launch
+                _BIND_CHECKED[0] = f"the direct launch check failed ({type(e).__name__}: {e})"
+            if _BIND_CHECKED[0] is not None:
+                BIND[0] = False
+        return _BIND_CHECKED[0]
 
 
 def tf32_matmuls_allowed() -> bool:

@@ -14,8 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (KernelUnsupported, Launch, Plans, cdiv, check_dot_dtype, check_row_block, check_tensor, dot_upcast,
-                      gpu_capability, launch_first_fitting, matmul_precision, next_pow2, tensor_key)
+from ._common import (KernelUnsupported, Launch, NotBound, Plans, _capturing, cdiv, check_dot_dtype, check_row_block,
+                      check_tensor, dot_upcast, gpu_capability, launch_first_fitting, matmul_precision, next_pow2,
+                      tensor_key)
 
 MAX_HEAD_DIM = 256
 LOG2E = 1.4426950408889634
@@ -179,6 +180,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | 
         if fit:   # the config that fitted this GPU at this signature before: launched as is
             fit[0](q, k, v, out)
         else:
+            if _capturing():   # the fitting config is found through triton's JIT, refused in such a capture
+                raise NotBound("attention: its first launch at this signature inside a CUDA graph capture")
             i, compiled = launch_first_fitting(_attn_fwd_kernel, lkey, configs, grid, (q, k, v, out, *args), kw,
                                                "attention", q.device)
             fit.append(Launch(_attn_fwd_kernel, grid(configs[i]), args, {**kw, **configs[i]}))

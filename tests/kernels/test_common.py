@@ -206,8 +206,10 @@ def test_a_launch_the_compiled_kernel_cannot_take_goes_through_the_jit(monkeypat
     """A pointer that breaks the 16-byte alignment the compiled kernel was specialised for, or a
     launch hook (a profiler's) registered with triton: the call goes through the JIT, which
     specialises again or calls the hooks. Inside a capture such a call launches nothing and raises
-    NotBound (a JIT launch there may abort the process); a signature never launched before does too."""
+    NotBound (a JIT launch there may abort the process); a signature never launched before does too,
+    attention's first launch (the config that fits the GPU is found through the JIT) included."""
     import triton
+    attention = load("attention")
     x = rand(4 * 64 + 1, seed=5)
     with _fake_cuda(monkeypatch) as cuda, torch.inference_mode():
         epilogue.bias_residual(x[:-1].view(4, 64), residual=x[:-1].view(4, 64), dim=1)   # aligned: binds
@@ -228,7 +230,7 @@ def test_a_launch_the_compiled_kernel_cannot_take_goes_through_the_jit(monkeypat
             finally:
                 hook.remove(seen)
             assert cuda.jit_launches == n + 2
-        n, new = cuda.jit_launches, rand(3, 32, seed=6)
+        n, new, q = cuda.jit_launches, rand(3, 32, seed=6), rand(1, 2, 16, 16, seed=7).half()
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin()
         try:
@@ -236,6 +238,8 @@ def test_a_launch_the_compiled_kernel_cannot_take_goes_through_the_jit(monkeypat
                 epilogue.bias_residual(shifted, residual=shifted, dim=1)
             with pytest.raises(_common.NotBound):
                 epilogue.bias_residual(new, dim=1)                               # never planned
+            with pytest.raises(_common.NotBound):
+                attention.attention(q, q, q)                                     # never planned either
         finally:
             graph.capture_end()
         assert cuda.jit_launches == n and cuda.aborted is None and cuda.log["kernel_captured"] == 0
@@ -262,3 +266,60 @@ def test_direct_launches_are_checked_once_and_turned_off_when_wrong(monkeypatch)
         assert cuda.jit_launches == 3 + 1   # the check's own JIT launch, then the kernel's three
         why = triton_compat.kernels_in_captures_problem(triton_compat.Facts(allocator_backend="cudaMallocAsync"))
         assert "different result" in why and "--disable-cuda-malloc" in why
+
+
+def test_a_thread_asking_while_the_launch_check_runs_waits_for_its_answer(monkeypatch):
+    """The direct-launch check runs once per process; a second thread asking while it runs (a device's
+    pool thread binding its first kernel) waits for the check's answer instead of taking the
+    placeholder the check's own launches bind with, so it never launches directly through a launcher
+    the check is about to turn off."""
+    import threading
+
+    from unet_compiler.kernels import _launch_check
+    started, go = threading.Event(), threading.Event()
+
+    def slow_check(device, launch):
+        started.set()
+        go.wait(10)
+        return "the launcher computed a different result"
+    monkeypatch.setattr(_launch_check, "run", slow_check)
+    monkeypatch.setattr(_common, "_BIND_CHECKED", [])
+    monkeypatch.setattr(_common, "BIND", [True])
+    answers = {}
+
+    def ask(name):
+        answers[name] = _common.bound_launch_problem(DEV)
+    first = threading.Thread(target=ask, args=("first",))
+    first.start()
+    assert started.wait(10)
+    second = threading.Thread(target=ask, args=("second",))
+    second.start()
+    second.join(0.3)
+    assert "second" not in answers, "a thread took the check's placeholder while the check ran"
+    go.set()
+    first.join(10)
+    second.join(10)
+    assert answers == {"first": "the launcher computed a different result",
+                       "second": "the launcher computed a different result"} and not _common.BIND[0]
+
+
+def test_a_kernel_is_bound_only_for_the_current_device(monkeypatch):
+    """triton's JIT compiles and loads a kernel for the current device: a first launch whose tensors
+    are on another GPU is not bound (later calls go through the JIT as before), one on the current
+    device is."""
+    from types import SimpleNamespace
+
+    class OnDevice:   # a tensor's address on cuda:<index> (this machine has no GPU)
+        def __init__(self, index):
+            self.device, self.t = torch.device("cuda", index), torch.empty(4)
+
+        def data_ptr(self):
+            return self.t.data_ptr()
+    kernel = SimpleNamespace(arg_names=["x"], __name__="k")
+    compiled = SimpleNamespace(run=lambda *a: None, function=0, packed_metadata=0)
+    with _fake_cuda(monkeypatch):
+        torch.cuda.set_device(0)
+        other, here = _common.Launch(kernel, (1,)), _common.Launch(kernel, (1,))
+        other.bind(compiled, (OnDevice(1),))
+        here.bind(compiled, (OnDevice(0),))
+        assert other.compiled is None and here.compiled is compiled and here.device == 0
