@@ -208,6 +208,22 @@ class Launch:
         self.compiled = compiled
 
 
+#: the newest triton whose launcher's arguments were read (3.4-3.9 take the same call); a newer one
+#: may read them differently, where a wrong argument count is an out-of-bounds read, not an error
+LAUNCHER_READ = (3, 9)
+
+
+def _unread_launcher() -> str | None:
+    """Why this triton's compiled kernels are not launched directly without being read first."""
+    import triton
+    v = triton.__version__
+    mm = tuple(int(p) if p.isdigit() else 0 for p in v.split("+")[0].split(".")[:2])
+    if mm > LAUNCHER_READ:
+        return (f"triton {v} is newer than the launchers the direct launch was built for "
+                f"(up to {'.'.join(map(str, LAUNCHER_READ))}), so its kernels launch through its JIT")
+    return None
+
+
 def bound_launch_problem(device) -> str | None:
     """Why planned launches cannot launch their compiled kernel directly here (None: they can):
     checked once per process on ``device`` by launching a small kernel both ways and comparing
@@ -218,8 +234,10 @@ def bound_launch_problem(device) -> str | None:
         if not _BIND_CHECKED:
             _BIND_CHECKED.append(None)
             try:
-                from . import _launch_check
-                _BIND_CHECKED[0] = _launch_check.run(device, Launch)
+                _BIND_CHECKED[0] = _unread_launcher()
+                if _BIND_CHECKED[0] is None:
+                    from . import _launch_check
+                    _BIND_CHECKED[0] = _launch_check.run(device, Launch)
             except Exception as e:   # anything: the JIT stays the way kernels launch
                 _BIND_CHECKED[0] = f"the direct launch check failed ({type(e).__name__}: {e})"
             if _BIND_CHECKED[0] is not None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unet_compiler.tests.kernels._helpers import DEV, TOL, KernelUnsupported, _common, close, load, rand
+from unet_compiler.tests.kernels._helpers import DEV, TOL, KernelUnsupported, _common, close, load, rand, triton
 
 groupnorm = load("groupnorm")
 layernorm = load("layernorm")
@@ -323,3 +323,21 @@ def test_a_kernel_is_bound_only_for_the_current_device(monkeypatch):
         other.bind(compiled, (OnDevice(1),))
         here.bind(compiled, (OnDevice(0),))
         assert other.compiled is None and here.compiled is compiled and here.device == 0
+
+
+def test_a_triton_newer_than_the_launchers_read_launches_through_its_jit(monkeypatch):
+    """Direct launches pass the arguments triton 3.4-3.9's launchers take; a newer triton's may differ,
+    and there a wrong argument count reads past the end (a crash, not an error): direct launches are
+    off without running a kernel, and the reason names the version."""
+    from unet_compiler.kernels import _launch_check
+    ran = []
+    monkeypatch.setattr(_launch_check, "run", lambda device, launch: ran.append(1))
+    monkeypatch.setattr(_common, "_BIND_CHECKED", [])
+    monkeypatch.setattr(_common, "BIND", [True])
+    monkeypatch.setattr(triton, "__version__", "3.10.0")
+    why = _common.bound_launch_problem(DEV)
+    assert "triton 3.10.0" in why and not _common.BIND[0] and not ran
+    monkeypatch.setattr(_common, "_BIND_CHECKED", [])
+    monkeypatch.setattr(_common, "BIND", [True])
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    assert _common.bound_launch_problem(DEV) is None and _common.BIND[0] and ran
