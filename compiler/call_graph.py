@@ -10,18 +10,19 @@ them in one graph (as stable-fast does), where per-region graphs leave that disp
 other call runs as before, through the per-region graphs, and the report counts why. A replay
 serves a copy of the output (a sampler may hold one call's result while it makes the next), and
 counts for each region what its capture counted. The graph is keyed by the inputs' signature, the
-fixed values and which region kinds run the model's own code; a moved or replaced weight drops it
-(``RegionGraphs.begin_call``); a failed capture turns these graphs off for the model and leaves the
+fixed values and which region kinds run the model's own code; a moved or replaced weight or a
+changed module tree drops it (``RegionGraphs.begin_call``); a failed capture turns these graphs off for the model and leaves the
 per-region graphs on. UNets only: a DiT's call builds positions and masks in Python per call.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 
 import torch
 
-from . import cast
+from . import cast, graphs
 from .compat import comfy as comfy_compat
 from .graphs import RegionGraphs
 
@@ -94,19 +95,32 @@ class CallGraphs:
         self.graphs = RegionGraphs(max_shapes=regions.max_shapes, graphs=regions.graphs, measured=regions.measured,
                                    copies=True, thread=regions.thread)
         self.skipped: Counter = Counter()
-        self._leaves = cast_leaves(root)
-        self._watched = cast.watch(self._leaves)
-        self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._root = weakref.ref(root)
+        self._survey(root)
         #: set while warmup times region kinds against each other: calls go region by region, uncounted
         #: (a trial state captured whole would take a shape's place)
         self.held_back = False
         self._counted: dict = {}   # graph key -> (region counts, region ids) its capture counted
         self._wrap: dict = {}      # graph key -> (output class, field names): a diffusers output, rebuilt
 
+    def _survey(self, root) -> None:
+        """What a call checks of the UNet's modules: the leaves ComfyUI casts, their cast flags and every
+        module's hooks; read again when the module tree changed (:data:`graphs.STRUCTURE`)."""
+        self._structure, self._tree = graphs.STRUCTURE[0], graphs.tree(root)
+        self._leaves = cast_leaves(root)
+        self._watched = cast.watch(self._leaves)
+        self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        graphs.track(root.modules())
+
     def problem(self, kwargs: dict) -> str | None:
         """Why this call runs through the per-region graphs (None: it can be one graph)."""
         if self.graphs.off is not None:
             return None   # said by the graphs' own status line
+        if self._structure != graphs.STRUCTURE[0]:
+            root = self._root()
+            if root is not None and graphs.tree(root) != self._tree:
+                self._survey(root)   # (the whole call's graphs went in begin_call)
+            self._structure = graphs.STRUCTURE[0]
         why = call_problem(kwargs)
         if why:
             return why

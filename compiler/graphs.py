@@ -4,8 +4,8 @@ Graphs here are per leaf region: ComfyUI's dispatch between regions stays eager 
 UNet call captured as one graph is call_graph.py's, on this class with the UNet as its region).
 Weights are live: each UNet call starts by reading the addresses of
 every region's parameters and buffers (``begin_call``), so an in-place update is seen by the next
-replay and a moved or replaced parameter drops the region's graphs; the region calls themselves
-read no weights. A graph copies its result into output buffers allocated outside any capture and
+replay and a moved or replaced parameter drops the region's graphs, as does a change of its module
+tree (a submodule swapped, inserted or taken out); the region calls themselves read no weights. A graph copies its result into output buffers allocated outside any capture and
 serves aliases of them, not copies; a replay that would write a buffer a caller still holds (an
 earlier result kept, or a view of it) runs the region's own launches instead. An input that is
 exactly another graph's output buffer (the previous region's result) is read in place, not copied.
@@ -273,16 +273,21 @@ class _Graph:
 
 
 class _Region:
-    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept", "_dicts", "_names", "_none")
+    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept", "_dicts", "_names", "_none", "tree")
 
     def __init__(self, module, cast: bool = False):
+        # the module tree as captured: a submodule swapped in (an object patch), inserted or removed makes
+        # the graphs stale, however the weights stand (``begin_call`` compares it after STRUCTURE moved)
+        mods = list(module.modules())
+        self.tree = tuple(map(id, mods))
+        track(mods)
         # (parameter or buffer dict of its owner module, name) for every parameter/buffer: read live
         # at each UNet call, so a replaced Parameter (ComfyUI's set_attr_param) or moved data is noticed.
         # The dicts, not their modules, are held: a region's entry must not keep its own key (the
         # region module) alive. Made during a cast call (its leaves show the call's cast weights): read
         # at the next UNet call, outside the casts (the cast weights are checked per call).
-        self.slots = [(m._parameters, n) for m in module.modules() for n in m._parameters] + \
-                     [(m._buffers, n) for m in module.modules() for n in m._buffers]
+        self.slots = [(m._parameters, n) for m in mods for n in m._parameters] + \
+                     [(m._buffers, n) for m in mods for n in m._buffers]
         # read in C (map) where a tensor is: the slots holding None (a bias=False) apart
         held = [(d, n) for d, n in self.slots if d.get(n) is not None]
         self._dicts, self._names = [d for d, _ in held], [n for _, n in held]
@@ -309,6 +314,39 @@ class _Region:
 _DATA_PTR = torch.Tensor.data_ptr
 
 
+#: moves when a module a region holds registers a submodule (torch's global registration hook:
+#: ComfyUI's object patches set through ``setattr``, another pack's ``append``) or a region container
+#: holds other children (:func:`structure_moved`); graphs compare their regions' module trees, and
+#: a call graph its leaves, only after it moved
+STRUCTURE = [0]
+_TRACKED: weakref.WeakSet = weakref.WeakSet()
+_HOOK: list = []
+
+
+def structure_moved() -> None:
+    """A module tree the graphs may hold changed (a region container found longer or shorter)."""
+    STRUCTURE[0] += 1
+
+
+def _registered(module, name, submodule):
+    if module in _TRACKED:
+        STRUCTURE[0] += 1
+
+
+def track(modules) -> None:
+    """Watch ``modules`` for a submodule set on them (once per process: the registration hook)."""
+    if not _HOOK:
+        hook = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
+        _HOOK.append(hook(_registered) if hook is not None else None)
+    for m in modules:
+        _TRACKED.add(m)
+
+
+def tree(module) -> tuple:
+    """What a region's graphs captured of its module tree: every module in it, by identity."""
+    return tuple(map(id, module.modules()))
+
+
 #: a measured graph is kept when its replay takes at most this share of the launches it replaces
 KEEP_BELOW = 0.9
 
@@ -333,6 +371,7 @@ class RegionGraphs:
         #: the module replaced) takes its graphs and static buffers with it, and a new module that
         #: happens to get the dead one's id() never finds the dead one's graphs
         self.regions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._structure = STRUCTURE[0]
         #: storage -> the live graphs' output buffer in it: a later capture whose input is exactly that
         #: buffer reads it in place (no copy in)
         self._buffers: dict = {}
@@ -374,8 +413,18 @@ class RegionGraphs:
     def begin_call(self) -> None:
         """A UNet call starts (``Accelerator.active``; region calls happen only inside one): each region
         whose parameters or buffers moved or were replaced since its graphs were captured loses them,
-        so the region calls of this UNet call read no weights."""
-        for reg in list(self.regions.values()):
+        so the region calls of this UNet call read no weights; so does each region whose module tree
+        changed (a submodule swapped, inserted or removed), which is planned again."""
+        moved, self._structure = STRUCTURE[0] != self._structure, STRUCTURE[0]
+        for module, reg in list(self.regions.items()):
+            if moved and tree(module) != reg.tree:
+                if reg.graphs:
+                    self.stats["dropped for changed modules"] += len(reg.graphs)
+                    self._drop(reg.graphs.values())
+                    reg.graphs.clear()
+                    self._account()
+                self.regions[module] = _Region(module)   # between calls: its weights as they stand
+                continue
             ptrs = reg.weight_ptrs()
             if reg.ptrs is None:   # made during a cast call: its addresses as they stand between calls
                 reg.ptrs = ptrs

@@ -28,14 +28,15 @@ class Inserted:
         self.found: Counter = Counter()
 
     def check(self) -> bool:
-        """Whether a container holds other children than last time (then ``found`` is brought up to
-        date); a length per container, cheap enough for every call."""
+        """Whether a container holds more or fewer children than last time (a module inserted or taken
+        out; ``found`` is brought up to date); a length per container, cheap enough for every call."""
         changed = False
         for i, (ref, n) in enumerate(self._containers):
             c = ref()
             if c is not None and len(c._modules) != n:
                 self._containers[i] = (ref, len(c._modules))
-                changed |= self._scan(c)
+                self._scan(c)
+                changed = True
         return changed
 
     def _new(self, container) -> list:
@@ -92,14 +93,11 @@ class Inserted:
             for m, length, full in held:
                 m.set_video_length(length, full)
 
-    def _scan(self, container) -> bool:
-        new = False
+    def _scan(self, container) -> None:
         for m in self._new(container):
             if id(m) not in self._seen:
                 self._seen.add(id(m))
                 self.found[class_name(type(m))] += 1
-                new = True
-        return new
 
     def line(self) -> str | None:
         """The report's line, or None when nothing was inserted."""

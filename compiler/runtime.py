@@ -22,7 +22,7 @@ from collections import Counter
 
 import torch
 
-from . import cast, settings, shims, weights
+from . import cast, graphs, settings, shims, weights
 from .lifecycle import background, pacing, worker
 from .lifecycle.ledger import Ledger
 from .lifecycle.scheduler import Scheduler, process_scheduler
@@ -436,7 +436,8 @@ class Accelerator:
     @contextlib.contextmanager
     def _through_regions(self, weight_epoch, shape):
         weights.set_epoch(weight_epoch)
-        self.inserted.check()
+        if self.inserted.check():
+            graphs.structure_moved()
         for g in self._all_graphs():
             g.begin_call()
         installed = []

@@ -241,3 +241,66 @@ def test_warmups_kind_timing_captures_no_whole_call(tiny_unet, strict_graph_stan
     replays = c.graphs.stats["replays"]
     _sample(u, 1)
     assert c.graphs.stats["replays"] == replays + 1
+
+
+class _Motion(torch.nn.Module):   # a module another pack puts into a block (AnimateDiff's motion module)
+    def forward(self, x, *a, **k):
+        return x * 1.5
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("whole", [True, False], ids=["one graph per call", "region graphs"])
+def test_graphs_follow_modules_swapped_inserted_or_taken_out(make_comfy_model, strict_graph_standin, whole):
+    """Graphs captured before a module of the UNet changed are not replayed after it: a module inserted
+    into a block (AnimateDiff injects its motion modules), taken out again, the same one put back,
+    and ComfyUI's object patch swapping a submodule for a prompt (``add_object_patch``, set with
+    ``setattr``), each checked against ComfyUI's eager after graphs were captured. (Before: the whole
+    call's graph replayed over every change, 1.6 to 5.9 off an output of scale 5; the region graphs
+    over the swap.)"""
+    import copy
+
+    from unet_compiler.compiler import graphs as graphs_module
+    from unet_compiler.compiler import regions as R
+    from unet_compiler.nodes import patcher
+
+    from ..nodes.test_comfy_patcher import _apply, _close
+    base = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(base, CompileConfig(backend="inductor"))
+    accel = patcher.accelerator_of(cm)
+    if whole:
+        _graphed(accel, strict_graph_standin())
+    else:
+        accel.graphs, accel.call_graphs = RegionGraphs(graphs=strict_graph_standin()), None
+        accel._install(R.BODIES)
+    graphs = accel.call_graphs.graphs if whole else accel.graphs
+    block, motion = cm.model.diffusion_model.input_blocks[1], _Motion()
+
+    def calls(mp, n=3):
+        for _ in range(n):
+            got = _apply(mp, "sd15")
+            with accel.bypass():
+                _close(got, _apply(mp, "sd15", load=False))
+
+    calls(cm)
+    for change in ("insert", "take out", "put back", "swap"):
+        before = graphs.stats["replays"]
+        mp = cm
+        if change in ("insert", "put back"):
+            block.append(motion)
+        elif change == "take out":
+            del block[len(block) - 1]
+        else:
+            new = copy.deepcopy(cm.model.diffusion_model.out[2])
+            with torch.no_grad():
+                new.weight.mul_(-1.0)
+            mp = cm.clone()
+            mp.add_object_patch("diffusion_model.out.2", new)
+        calls(mp)
+        assert graphs.stats["replays"] > before, f"{change}: the graphs were captured again and replayed"
+    moved = graphs_module.STRUCTURE[0]   # (a load moves it: ComfyUI sets its object patches again)
+    for _ in range(2):
+        _apply(mp, "sd15", load=False)
+    assert graphs_module.STRUCTURE[0] == moved, "a call that changed nothing must not make the graphs look again"
+    # the whole call's graph at each change; of the regions only the one the swapped module is in (a
+    # module inserted between regions runs as it is)
+    assert graphs.stats["dropped for changed modules"] == (4 if whole else 1), graphs.stats
