@@ -27,6 +27,11 @@ from .compat import comfy as comfy_compat
 from .graphs import RegionGraphs
 
 
+#: why a call runs region by region after its whole call ran out of memory with every slot pinned
+OUT_OF_MEMORY_PINNED = ("out of memory with every weight pinned for one graph (ComfyUI's own casts pin one "
+                        "op's weights at a time)")
+
+
 def _flatten(value, path, tensors: list, fixed: list) -> str | None:
     """``value``'s tensors appended to ``tensors`` and its other parts to ``fixed`` (with ``path``);
     why the graph cannot hold it, or None."""
@@ -96,6 +101,7 @@ class CallGraphs:
                                    copies=True, thread=regions.thread)
         self.skipped: Counter = Counter()
         self._root = weakref.ref(root)
+        self._pinned_oom: set = set()   # (signature, fixed inputs) whose whole call ran out of memory
         self._survey(root)
         #: set while warmup times region kinds against each other: calls go region by region, uncounted
         #: (a trial state captured whole would take a shape's place)
@@ -143,14 +149,27 @@ class CallGraphs:
         tensors, fixed = [], []
         why = self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
         if why is None and self.graphs.off is None and not cast.none_per_call(self._watched):
-            # ComfyUI casts per call (Dynamic VRAM flags every op): one graph where every cast weight
-            # is resident, its slots pinned for the call, as ComfyUI's own block graphs replay
+            # ComfyUI casts per call (Dynamic VRAM flags every op): one graph where every cast weight is
+            # resident, its slots pinned for the call, as ComfyUI's own block graphs replay
             dtype, device = cast.compute_of(tensors) or (None, None)
-            with cast.slots_resident(self._leaves, dtype, device) as resident:
-                if resident is not None:
-                    return self._whole(forward, root, args, plain, kwargs, tensors, fixed, failed, ran_last,
-                                       shims, *resident)
-            why = "a weight ComfyUI casts per call is not resident (streamed, converted or patched per call)"
+            oom = self._pinned_oom and (graphs._sig(tensors), tuple(fixed)) in self._pinned_oom
+            why = OUT_OF_MEMORY_PINNED if oom else None
+            try:
+                if why is None:
+                    with cast.slots_resident(self._leaves, dtype, device) as resident:
+                        if resident is not None:
+                            return self._whole(forward, root, args, plain, kwargs, tensors, fixed, failed,
+                                               ran_last, shims, *resident)
+                    why = "a weight ComfyUI casts per call is not resident (streamed, converted or patched per call)"
+            except Exception as e:
+                if not comfy_compat.is_oom(e):
+                    raise
+                # the call's first run or capture needs room its pinned slots keep aimdo from making (the
+                # model's own code pins one op's): region by region from now on at this signature, where
+                # ComfyUI casts each op; an out of memory there too is the model's (it propagates)
+                comfy_compat.release_failed(e, tensors)
+                self._pinned_oom.add((graphs._sig(tensors), tuple(fixed)))
+                why = OUT_OF_MEMORY_PINNED
         if why is not None or self.graphs.off is not None:
             if why is not None:
                 self.skipped[why] += 1

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import traceback
 import weakref
 from collections import Counter
 
@@ -39,15 +38,6 @@ from .reasons import Reason, Slower, build_failure, error_summary
 from .report import Report, accelerator_text
 
 log = logging.getLogger(__name__)
-
-
-def _release(error: BaseException, args) -> None:
-    """Let go of what a failed accelerated call allocated: the locals of its frames (kept alive by
-    the error's traceback) and, on CUDA, the cached blocks they leave behind."""
-    traceback.clear_frames(error.__traceback__)
-    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-    if device is not None and device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _showing(show, impl):
@@ -331,7 +321,7 @@ class Accelerator:
                 # attention splits itself on OOM); the failed attempt's frames hold its tensors,
                 # so they go first. If the model's code runs out of memory too, that error is the
                 # model's and propagates to ComfyUI untouched (below).
-                _release(e, args)
+                comfy_compat.release_failed(e, args)
         else:
             if streamed and not self.backend.streams_op_by_op:
                 return self._streamed_eager(kind, module, original, args, eager_kwargs)

@@ -224,6 +224,18 @@ def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError)
 
 
+def release_failed(error: BaseException, args) -> None:
+    """Let go of what a failed accelerated call allocated: the locals of its frames (kept alive by
+    the error's traceback) and, on CUDA, the cached blocks they leave behind."""
+    import traceback
+
+    import torch
+    traceback.clear_frames(error.__traceback__)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def _compiler_graphs():
     """(``comfy.model_prefetch`` or None, its per-thread recordings or None): ``MALLOC_GRAPHS``, or an
     older build's ``ACTIVE_MALLOC_GRAPHS``."""

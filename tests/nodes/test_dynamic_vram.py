@@ -793,6 +793,31 @@ def test_allocations_take_the_weights_room(comfy, make_comfy_model, dynamic_vram
           f"replays {accel.graphs.stats['replays']}, regions streamed {accel.stats['region_streamed']}")
 
 
+def test_a_whole_call_out_of_memory_with_its_slots_pinned_runs_region_by_region(
+        comfy, make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin):
+    """One graph per UNet call pins every slot for the call; its first run and capture allocate, and on
+    a card where ComfyUI's eager fits only by evicting weights (the card above) that runs out of memory
+    where ComfyUI's own casts, one op's slot pinned at a time, do not. That call runs region by region
+    (ComfyUI casting each op), == eager on the same card, no pin left, and so does every later call at
+    that signature without trying again; the report says why. (Before: the error reached ComfyUI.)"""
+    from unet_compiler.compiler import call_graph
+    fake = strict_graph_standin()
+    cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, fake, 1.0)
+    accel.call_graphs = call_graph.CallGraphs(accel.root, accel.graphs, accel.stats)
+    card, slotted, activations = _on_card(cm, base, accel)
+    card.size = slotted + activations * 3 // 4
+    p = cm.clone()
+    _counted_call(accel, p, card)
+    first = card.ooms
+    assert first > 0, "the card must be too small for a call with every slot pinned"
+    for _ in range(3):
+        _counted_call(accel, p, card)
+    assert card.ooms == first, "a later call at that signature tried one graph again"
+    assert accel.call_graphs.skipped[call_graph.OUT_OF_MEMORY_PINNED] == 4, accel.call_graphs.skipped
+    assert accel.call_graphs.graphs.stats["captured"] == 0
+    assert "out of memory with every weight pinned" in accel.text(), accel.text()
+
+
 def test_accelerated_code_out_of_memory_runs_the_models_own(comfy, make_comfy_model, dynamic_vram, monkeypatch):
     """Compiled region bodies that need more memory than the card has (a scratch as large as the
     card): each region call runs out of memory in the accelerated code and runs the model's own code
