@@ -95,9 +95,16 @@ def _other_ops(name: str) -> Reason:
 
 
 def why_not(leaf) -> Reason | None:
-    """Why ``leaf``'s per-call weights cannot be served by casting outside the graph (None: they can)."""
+    """Why ``leaf``'s per-call weights cannot be served by casting outside the graph (None: they can):
+    what its class decides (once per class, :func:`_op_kind`), and a forward set on the leaf itself."""
     ops = _ops()
     cls = type(leaf)
+    d = leaf.__dict__
+    own = d.get("forward")
+    if "forward_comfy_cast_weights" in d or (own is not None and not getattr(own, "region_shim", False)):
+        # a forward set on the op itself, not its class's (a region's shim, the pack's own, aside)
+        return Reason(f"a forward another pack set on one op ({comfy_compat.class_name(cls)}), which the cast "
+                      f"weights shown to the region would bypass", "none needed: the model's own code runs that region")
     fn = getattr(cls, "forward_comfy_cast_weights", None)
     kind = _op_kind(cls, ops, cls.forward, fn)
     if kind == "foreign":

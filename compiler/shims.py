@@ -196,7 +196,7 @@ def install(plan, impls: dict, run, gate: Gate) -> list:
         impl = impls.get((region.family, region.kind))
         if impl is not None:
             shim = make_shim(region, impl, run, gate)
-            shim.hook = region.hook
+            shim.hook, shim.region_shim = region.hook, True   # (cast.why_not tells it from another pack's)
             out.append((region.module, shim))
     return out
 

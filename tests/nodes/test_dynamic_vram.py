@@ -793,6 +793,36 @@ def test_allocations_take_the_weights_room(comfy, make_comfy_model, dynamic_vram
           f"replays {accel.graphs.stats['replays']}, regions streamed {accel.stats['region_streamed']}")
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["region graphs", "one graph per call"])
+def test_a_forward_set_on_one_op_runs(comfy, make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin,
+                                      whole):
+    """Another pack's forward set on one op instance (its ``forward_comfy_cast_weights``, here adding 1),
+    under Dynamic VRAM: showing the region its cast weights takes the op's plain forward, which would
+    skip it, so the regions holding it run the model's own code: compiled == eager, the override
+    called in every call. (Before: the class's kind was read, the override never ran: 1.9 off.)"""
+    import types
+
+    from unet_compiler.compiler import call_graph
+    cm, base, accel = _graphed(make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin(), 1.0)
+    if whole:
+        accel.call_graphs = call_graph.CallGraphs(accel.root, accel.graphs, accel.stats)
+    leaf = cm.model.diffusion_model.input_blocks[1][0].out_layers[3]   # a ResBlock's last conv
+    own, calls = type(leaf).forward_comfy_cast_weights, []
+
+    def plus_one(self, x):
+        calls.append(1)
+        return own(self, x) + 1.0
+    leaf.forward_comfy_cast_weights = types.MethodType(plus_one, leaf)
+    for i in range(3):
+        p = cm.clone()
+        n = len(calls)
+        got = _apply(p, "sd15")
+        assert len(calls) == n + 1, f"call {i}: the op's own forward did not run"
+        with accel.bypass():
+            _close(got, _apply(p, "sd15", load=False))
+        assert p.vbar().pinned() == 0
+
+
 def test_a_whole_call_out_of_memory_with_its_slots_pinned_runs_region_by_region(
         comfy, make_comfy_model, dynamic_vram, monkeypatch, strict_graph_standin):
     """One graph per UNet call pins every slot for the call; its first run and capture allocate, and on
