@@ -329,8 +329,14 @@ def structure_moved() -> None:
 
 
 def _registered(module, name, submodule):
-    if module in _TRACKED:
-        STRUCTURE[0] += 1
+    try:
+        if module in _TRACKED:
+            STRUCTURE[0] += 1
+    except TypeError:   # a module class that is not hashable: never tracked
+        pass
+
+
+_registered.counts_only = True   # (it changes no module: precompiled variants stay on, lifecycle/variants.py)
 
 
 def track(modules) -> None:
@@ -339,7 +345,10 @@ def track(modules) -> None:
         hook = getattr(torch.nn.modules.module, "register_module_module_registration_hook", None)
         _HOOK.append(hook(_registered) if hook is not None else None)
     for m in modules:
-        _TRACKED.add(m)
+        try:
+            _TRACKED.add(m)
+        except TypeError:   # not hashable (its class defines __eq__ alone): a change there is not seen
+            pass
 
 
 def tree(module) -> tuple:

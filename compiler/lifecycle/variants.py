@@ -103,8 +103,8 @@ def structure(module: torch.nn.Module, args, widths: bool = True) -> tuple | Non
     would make the first key's code dynamic)."""
     from torch.nn.modules import module as nn_module
     if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-            or nn_module._global_module_registration_hooks):
-        return None
+            or any(not getattr(h, "counts_only", False) for h in nn_module._global_module_registration_hooks.values())):
+        return None   # (a registration hook that only counts, the graphs' structure watch, changes nothing)
     parts = []
     for name, m in module.named_modules():
         d = m.__dict__

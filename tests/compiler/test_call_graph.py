@@ -304,3 +304,24 @@ def test_graphs_follow_modules_swapped_inserted_or_taken_out(make_comfy_model, s
     # the whole call's graph at each change; of the regions only the one the swapped module is in (a
     # module inserted between regions runs as it is)
     assert graphs.stats["dropped for changed modules"] == (4 if whole else 1), graphs.stats
+
+
+def test_the_structure_watch_keeps_precompiled_variants_and_other_modules_working():
+    """The graphs' structure watch is a global module-registration hook: it only counts, so precompiled
+    region variants (which refuse hooks that could change a module) stay on, and a module class that
+    is not hashable still takes submodules. (Before the mark: any variant key read None once a model
+    with graphs had run, and every background compile went to the calling thread.)"""
+    from unet_compiler.compiler import graphs as graphs_module
+    from unet_compiler.compiler.lifecycle import variants
+
+    graphs_module.track([])
+    lin = torch.nn.Linear(2, 2)
+    assert variants.structure(lin, (torch.zeros(1, 2),)) is not None
+
+    class Unhashable(torch.nn.Module):
+        def __eq__(self, other):
+            return self is other
+    u = Unhashable()
+    u.child = torch.nn.Linear(2, 2)      # the hook sees it, and lets it be
+    graphs_module.track([u])
+    assert isinstance(u.child, torch.nn.Linear)
