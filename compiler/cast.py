@@ -36,9 +36,23 @@ from .reasons import Reason, error_summary
 #: the leaf attributes that make ComfyUI's forward take its cast path, and the values that don't
 _PLAIN = (("comfy_cast_weights", False), ("_full_precision_mm", False), ("layout_type", None))
 _MISSING = object()
-_BUSY: set[int] = set()          # region modules whose leaves show cast weights now (the sampling thread)
-_ALL = -1                        # in _BUSY: every leaf of the model shows them (a whole call's resident slots)
+#: region modules whose leaves show cast weights now (a sampling thread), by id, with how many calls
+#: show them (several sampling threads, one per GPU, may at once)
+_BUSY: Counter = Counter()
+_ALL = -1                        # in _BUSY: every leaf of a model shows them (a whole call's resident slots)
 _BUSY_LOCK = threading.Lock()
+
+
+def _busy_add(key: int) -> None:
+    with _BUSY_LOCK:
+        _BUSY[key] += 1
+
+
+def _busy_end(key: int) -> None:
+    with _BUSY_LOCK:
+        _BUSY[key] -= 1
+        if _BUSY[key] <= 0:
+            del _BUSY[key]
 #: per own-cast leaf: {(dtype, device, weight functions?, bias functions?): None (checked) or the Reason it failed}
 _OWN_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -449,8 +463,7 @@ def applied(module, leaves, args, stats: Counter):
     dtype, device = compute_of(args)
     casts = []
     resident = True
-    with _BUSY_LOCK:
-        _BUSY.add(id(module))
+    _busy_add(id(module))
     try:
         for leaf in leaves:
             w, b, handle = _cast(leaf, dtype, device)
@@ -470,8 +483,7 @@ def applied(module, leaves, args, stats: Counter):
             return
         yield STREAMED, contextlib.nullcontext
     finally:
-        with _BUSY_LOCK:
-            _BUSY.discard(id(module))
+        _busy_end(id(module))
         ops = _ops()
         for leaf, w, b, handle in casts:
             if handle is not None:
@@ -524,8 +536,7 @@ def slots_resident(leaves, dtype, device):
     call that runs the model's code, a capture or its launches; a replay reads the addresses only);
     else None (no room, refilled, converted or patched per call: that call casts region by region)."""
     vbar, pinned, resident = _vbar(), [], []
-    with _BUSY_LOCK:
-        _BUSY.add(_ALL)
+    _busy_add(_ALL)
     try:
         for leaf in leaves:
             if not per_call(leaf) or not _has_weights(leaf):
@@ -540,10 +551,15 @@ def slots_resident(leaves, dtype, device):
             return
         yield None
     finally:
-        with _BUSY_LOCK:
-            _BUSY.discard(_ALL)
-        for leaf in pinned:
-            vbar.vbar_unpin(leaf.__dict__["_v"])
+        _busy_end(_ALL)
+        failed = None
+        for leaf in pinned:   # every one, even when one raises (the first error raised after)
+            try:
+                vbar.vbar_unpin(leaf.__dict__["_v"])
+            except Exception as e:
+                failed = failed or e
+        if failed is not None:
+            raise failed
 
 
 @contextlib.contextmanager

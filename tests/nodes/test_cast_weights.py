@@ -316,3 +316,43 @@ def test_the_regions_quick_check_finds_what_the_planner_would(comfy, make_comfy_
         from unet_compiler.compiler import plan as P    # noqa: N812
         for region in P.build_plan(mp.model.diffusion_model).regions:
             assert cast.none_per_call(cast.watch(region.leaves)) == (cast.plan(region.leaves) == ((), None)), region.path
+
+
+def test_a_model_stays_busy_until_its_own_whole_call_ends():
+    """Two sampling threads (one per GPU, each its own model copy) whose whole calls overlap: when one
+    call ends first, the other's leaves still show their weights, so every region stays busy (the
+    priming thread keeps off it) until that call ends too. (Before: one shared token, removed by the
+    first call to end.)"""
+    region = torch.nn.Linear(2, 2)
+    a = cast.slots_resident([], torch.float32, torch.device("cpu"))
+    a.__enter__()
+    with cast.slots_resident([], torch.float32, torch.device("cpu")):
+        a.__exit__(None, None, None)
+        assert cast.busy(region), "the other call's leaves still show their weights"
+    assert not cast.busy(region)
+
+
+def test_every_slot_is_unpinned_when_one_unpin_raises(monkeypatch):
+    """comfy-aimdo's unpin raising for one slot at the end of a whole call leaves none of the others
+    pinned; its error is raised after. (Before: the slots after it stayed pinned.)"""
+    leaves = [torch.nn.Linear(2, 2) for _ in range(3)]
+    for i, leaf in enumerate(leaves):
+        leaf.__dict__["_v"] = i
+    monkeypatch.setattr(cast, "per_call", lambda leaf: True)
+
+    def resident_now(leaf, dtype, device, vbar, pinned):
+        pinned.append(leaf)
+        return leaf.weight, leaf.bias
+    monkeypatch.setattr(cast, "_resident_now", resident_now)
+    unpinned = []
+
+    class VBAR:
+        def vbar_unpin(self, v):
+            unpinned.append(v)
+            if v == 0:
+                raise RuntimeError("vbar_unpin failed")
+    monkeypatch.setattr(cast, "_vbar", VBAR)
+    with pytest.raises(RuntimeError, match="vbar_unpin"):
+        with cast.slots_resident(leaves, torch.float32, torch.device("cpu")) as resident:
+            assert resident is not None
+    assert unpinned == [0, 1, 2]
