@@ -39,7 +39,11 @@ def before_the_thread() -> None:
     meanwhile: a module called in the sampling thread in that window raised ``NameError: module is
     not installed as a submodule`` (found by the starts bench). The other traces a compile makes
     (make_fx's ``PythonKeyTracer``) pass module calls straight through. And torch's
-    ``set_rng_state`` is made a no-op in the compile thread (``not_in_the_thread``)."""
+    ``set_rng_state`` is made a no-op in the compile thread (``not_in_the_thread``). FX's tracing
+    flag is process-wide: while the thread traces, a function another node torch.compile'd
+    (TorchCompileModel on another model, a compiled VAE) called in this thread raised "Detected that
+    you are using FX to symbolically trace a dynamo-optimized function"; here it runs its own code
+    for that call instead (dynamo's ``error_on_nested_fx_trace``, a per-thread setting)."""
     try:
         from torch._inductor.loop_body import InterpreterShim
         InterpreterShim._dummy_gm()
@@ -48,3 +52,7 @@ def before_the_thread() -> None:
     for module in (torch.random, torch.cuda):
         if not getattr(module.set_rng_state, "_unet_compiler", False):
             module.set_rng_state = not_in_the_thread(module.set_rng_state)
+    try:
+        torch._dynamo.config.error_on_nested_fx_trace = False
+    except AttributeError:   # a torch without the setting
+        log.debug("no error_on_nested_fx_trace in this torch", exc_info=True)

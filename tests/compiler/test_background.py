@@ -589,3 +589,31 @@ def test_beside_sampling_the_thread_pauses_after_each_job_for_its_share(monkeypa
     monkeypatch.setattr(pacing, "sampling_now", sampling_until_three_sleeps)
     pacing.pace(10.0, activity)
     assert len(slept) == 3, slept                                 # sampling stopped: the pause ends
+
+
+def test_another_nodes_compiled_code_runs_while_the_thread_traces():
+    """FX's tracing flag is process-wide: while the compile thread traces, a function another node
+    torch.compile'd (TorchCompileModel on a second model, a compiled VAE), called in the thread that
+    queued the background compile, runs its own code for that call instead of raising "using FX to
+    symbolically trace a dynamo-optimized function". (The flag is set here as the compile thread
+    sets it; the prompt thread runs in its own thread: dynamo's settings are per thread.)"""
+    import torch.fx._symbolic_trace as fx_trace
+    other = torch.compile(lambda x: torch.sin(x) + 1, backend="eager")
+    x = torch.randn(8)
+    other(x)
+    got, errors = [], []
+
+    def prompt_thread():
+        compile_thread.before_the_thread()
+        fx_trace._is_fx_tracing_flag = True   # the compile thread is tracing
+        try:
+            got.append(other(x))
+        except RuntimeError as e:
+            errors.append(str(e))
+        finally:
+            fx_trace._is_fx_tracing_flag = False
+    t = threading.Thread(target=prompt_thread)
+    t.start()
+    t.join(60)
+    assert not errors and len(got) == 1, errors
+    torch.testing.assert_close(got[0], torch.sin(x) + 1)
