@@ -202,7 +202,8 @@ class Accelerator:
 
     def passed_by(self, why: str) -> bool:
         """Count a UNet call that ran as given, not through this accelerator's regions (another node
-        swapped the diffusion model, or ComfyUI samples another copy of it), ``why`` noted once.
+        swapped the diffusion model, ComfyUI samples another copy of it, autograd is on), ``why``
+        noted once.
         Returns whether the note is new."""
         self.stats["eager_calls"] += 1
         self.stats["calls_not_ours"] += 1

@@ -144,8 +144,18 @@ def _multigpu_copy(base):
     return patcher if getattr(patcher, "is_multigpu_base_clone", False) else None
 
 
+#: why a UNet call with autograd on runs the model's own code (said once in the report)
+GRAD_ON = ("a UNet call with autograd on (training, or guidance by gradients) ran the model's own code: "
+           "the compiled code is for inference only")
+
+
 def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCopies):
     def unet_compiler_apply_model(executor, *args, **kwargs):
+        if torch.is_grad_enabled():
+            # training (ComfyUI's Train LoRA on a clone of this model) or gradient guidance: the
+            # compiled code is for inference (its custom ops have no backward)
+            accel.passed_by(GRAD_ON)
+            return executor(*args, **kwargs)
         base = executor.class_obj
         model = getattr(base, "diffusion_model", None)
         here = copies.serving(model)

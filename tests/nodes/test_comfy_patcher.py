@@ -414,3 +414,46 @@ def test_an_attention_patch_that_casts_gets_fp16s_tolerance_named(make_comfy_mod
     text = patcher.warmup_model(plain, "2x64x64", 77)
     rep = patcher.accelerator_of(plain).report
     assert rep.diff_tolerance_why == "" and "attention patch" not in text, text
+
+
+def test_a_call_with_autograd_on_runs_the_models_own_code(make_comfy_model):
+    """ComfyUI's Train LoRA on a clone of a compiled model runs apply_model with autograd on and
+    trainable weight wrappers: the call runs the model's own code (the compiled code is for
+    inference: its custom ops have no backward), the loss and the adapters' gradients == eager's, and
+    the report says why once. (Before: backward raised "no autograd formula was registered".)"""
+    import comfy.model_management as mm
+
+    class Delta(torch.nn.Module):
+        def __init__(self, shape, seed):
+            super().__init__()
+            self.d = torch.nn.Parameter(torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 0.05)
+
+        def forward(self, w):
+            return w + self.d.to(w.dtype)
+
+    mp = make_comfy_model("sd15")
+    keys = [k for k, _ in mp.model.named_parameters() if k.endswith(".weight") and ("in_layers.2" in k or "ff.net.2" in k)][:4]
+
+    def train_step(m):
+        t = m.clone()
+        t.model.requires_grad_(False)
+        adapters = [Delta(dict(t.model.named_parameters())[k].shape, i) for i, k in enumerate(keys)]
+        for k, a in zip(keys, adapters, strict=True):
+            t.add_weight_wrapper(k, a)
+        x, ts, ctx, kw = _inputs("sd15")
+        with torch.inference_mode(False), torch.enable_grad():
+            mm.load_models_gpu([t], force_full_load=True)
+            out = t.model.apply_model(x.clone(), ts.clone(), c_crossattn=ctx.clone(),
+                                      transformer_options=nodes_warmup.sampling_transformer_options(t), **kw)
+            loss = (out ** 2).mean()
+            loss.backward()
+        return loss.detach(), [a.d.grad for a in adapters]
+
+    want_loss, want_grads = train_step(mp)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", dynamic_shapes=False))
+    loss, grads = train_step(cm)
+    _close(loss, want_loss)
+    for g, w in zip(grads, want_grads, strict=True):
+        _close(g, w)
+    text = patcher.accelerator_of(cm).text()
+    assert "autograd on" in text, text
