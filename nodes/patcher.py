@@ -173,7 +173,12 @@ def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCo
         to = args[5] if len(args) > 5 else kwargs.get("transformer_options") or {}
         for name in patch_effects(to):
             here.patches_seen[name] += 1
-        epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0])
+        # what the weights are now: the LoRA patches, the hooks applied (a callback) and the sampling
+        # patcher's current hooks (ComfyUI puts hook weights back in place without a callback: at a
+        # keyframe change, and at each prompt's cleanup, below)
+        sampling = getattr(base, "current_patcher", None)
+        epoch = (getattr(base, "current_weight_patches_uuid", None), hooks_epoch[0],
+                 id(getattr(sampling, "current_hooks", None)))
         x = args[0] if args else kwargs.get("x")
         shape = label_of(x, latent_scale(base), latent_time_scale(base))
         # a call under plain no_grad (a multi-GPU pool thread does not inherit the prompt's inference
@@ -262,8 +267,9 @@ def compile_model(model, config: CompileConfig | None, node_id=None) -> tuple:
     accel = Accelerator(unet, config, device=m.load_device)
     hooks_epoch = [0]
 
-    def on_apply_hooks(patcher, hooks):
-        # scheduled LoRA hooks rewrite weights in place between steps
+    def on_apply_hooks(patcher, hooks=None):
+        # scheduled LoRA hooks rewrite weights in place between steps; a prompt's cleanup puts them
+        # back in place (copy_to_param: no version counter moves) without applying hooks
         hooks_epoch[0] += 1
 
     copies = DeviceCopies(accel)
@@ -273,6 +279,7 @@ def compile_model(model, config: CompileConfig | None, node_id=None) -> tuple:
                             *_copy_callbacks(CallbacksMP, copies)):
         m.remove_callbacks_with_key(event, KEY)
         m.add_callback_with_key(event, KEY, callback)
+    m.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, on_apply_hooks)
     for copy in _existing_copies(m):                       # MultiGPU Work Units placed before Compile UNet
         copies.adopt(copy)
     facts = feedback.compiled(accel, node_id)

@@ -135,6 +135,44 @@ def test_inplace_weight_update_is_seen(make_comfy_model):
     _close(out, ref)
 
 
+@pytest.mark.parametrize("how", ["a prompt's cleanup", "a keyframe change"])
+def test_hook_weights_put_back_without_a_callback_are_seen(comfy, make_comfy_model, how):
+    """A LoRA hook (scheduled LoRA) applied through ComfyUI's own hooks, then its weights put back in
+    place (copy_to_param: no version counter, no ON_APPLY_HOOKS): by the prompt's cleanup
+    (``ModelPatcher.cleanup``) before the next prompt, or by a keyframe change
+    (``patch_hooks(None)``, then a cond group without hooks whose ``apply_hooks(None)`` returns
+    early). The next call == the model's own code (before: the packed convs of the hooked weights,
+    3.9 off)."""
+    import comfy.hooks
+    import comfy.model_management as mm
+    kind = "sd15"
+    mp = make_comfy_model(kind)
+    plain = _apply(mp, kind)
+    patches = _lora(comfy, mp, 0.3)
+    cm, _ = patcher.compile_model(mp, CFG)
+    hooks = comfy.hooks.create_hook_lora(None, 1.0, 1.0)
+    hooks.hooks[0].weights, hooks.hooks[0].need_weight_init = patches, False
+    cm.register_all_hook_patches(hooks, comfy.hooks.create_target_dict(comfy.hooks.EnumWeightTarget.Model),
+                                 {"transformer_options": {}})
+    mm.load_models_gpu([cm])
+    cm.pre_run()                              # sampling: the model's current patcher
+    cm.apply_hooks(hooks=hooks)
+    assert (_apply(cm, kind, load=False) - plain).abs().max() > 1e-3
+    if how == "a prompt's cleanup":
+        cm.cleanup()
+        cm.restore_hook_patches()
+        mm.load_models_gpu([cm])
+        cm.pre_run()
+    else:
+        cm.patch_hooks(None)
+    cm.apply_hooks(hooks=None)
+    out = _apply(cm, kind, load=False)
+    with patcher.accelerator_of(cm).bypass():
+        ref = _apply(cm, kind, load=False)
+    _close(ref, plain)
+    _close(out, ref)
+
+
 def test_attn2_replace_patch_and_attention_override(comfy, make_comfy_model):
     kind = "sd15"
     mp = make_comfy_model(kind)
