@@ -11,8 +11,8 @@ other call runs as before, through the per-region graphs, and the report counts 
 serves a copy of the output (a sampler may hold one call's result while it makes the next), and
 counts for each region what its capture counted. The graph is keyed by the inputs' signature, the
 fixed values and which region kinds run the model's own code; a moved or replaced weight or a
-changed module tree drops it (``RegionGraphs.begin_call``); a failed capture turns these graphs off for the model and leaves the
-per-region graphs on. UNets only: a DiT's call builds positions and masks in Python per call.
+changed module tree drops it (``RegionGraphs.begin_call``); a failed capture turns these graphs off
+for the model and leaves the per-region graphs on. UNets only: a DiT's call builds positions and masks in Python per call.
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@ UNet call captured as one graph is call_graph.py's, on this class with the UNet 
 Weights are live: each UNet call starts by reading the addresses of
 every region's parameters and buffers (``begin_call``), so an in-place update is seen by the next
 replay and a moved or replaced parameter drops the region's graphs, as does a change of its module
-tree (a submodule swapped, inserted or taken out); the region calls themselves read no weights. A graph copies its result into output buffers allocated outside any capture and
-serves aliases of them, not copies; a replay that would write a buffer a caller still holds (an
+tree (a submodule swapped, inserted or taken out); the region calls themselves read no weights. A
+graph copies its result into output buffers allocated outside any capture and serves aliases of
+them, not copies; a replay that would write a buffer a caller still holds (an
 earlier result kept, or a view of it) runs the region's own launches instead. An input that is
 exactly another graph's output buffer (the previous region's result) is read in place, not copied.
 At most ``max_shapes`` graphs per region and, on CUDA, static buffers plus the private pool the

@@ -102,9 +102,11 @@ def structure(module: torch.nn.Module, args, widths: bool = True) -> tuple | Non
     weights' shapes too (static code: a block of other widths is another key, not a miss that
     would make the first key's code dynamic)."""
     from torch.nn.modules import module as nn_module
+    # (a registration hook that only counts, the graphs' structure watch, changes no module)
+    registration = nn_module._global_module_registration_hooks.values()
     if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-            or any(not getattr(h, "counts_only", False) for h in nn_module._global_module_registration_hooks.values())):
-        return None   # (a registration hook that only counts, the graphs' structure watch, changes nothing)
+            or any(not getattr(h, "counts_only", False) for h in registration)):
+        return None
     parts = []
     for name, m in module.named_modules():
         d = m.__dict__
