@@ -30,8 +30,13 @@ class SelectBackend(io.ComfyNode):
 
     @classmethod
     def execute(cls, backend, precision, dynamic_shapes, cuda_graphs=False) -> io.NodeOutput:
-        return io.NodeOutput(CompileConfig(backend=backend, precision=precision, dynamic_shapes=bool(dynamic_shapes),
-                                           cuda_graphs=bool(cuda_graphs)))
+        try:
+            config = CompileConfig(backend=backend, precision=precision, dynamic_shapes=bool(dynamic_shapes),
+                                   cuda_graphs=bool(cuda_graphs))
+        except (TypeError, ValueError) as e:
+            # a value linked from another node (a string primitive) is not checked against the list
+            raise ValueError(f"Select Backend: {e}. Fix: set that input to one of its listed values") from e
+        return io.NodeOutput(config)
 
 
 class CompileUNet(io.ComfyNode):

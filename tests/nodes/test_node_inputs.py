@@ -33,3 +33,18 @@ def test_absent_linked_or_selected_backend_passes():
     # None: absent, or linked (ComfyUI validates a link's value as None)
     assert patcher.backend_input_problem(None) is None
     assert patcher.backend_input_problem(CompileConfig(backend="eager")) is None
+
+
+@pytest.mark.comfy
+@pytest.mark.parametrize("field,value", [("backend", "tensorrt"), ("precision", "fp8")])
+def test_select_backend_names_itself_and_the_fix_for_a_linked_value_off_its_list(comfy, field, value):
+    """A value linked into Select Backend from another node (a string primitive) reaches the node
+    unchecked against its list: the error names the node, the input and the fix. (Before:
+    CompileConfig's bare ``backend='tensorrt' is not one of ...``.)"""
+    from unet_compiler.nodes.v3 import SelectBackend
+    inputs = dict(backend="auto", precision="auto", dynamic_shapes=True, cuda_graphs=False)
+    inputs[field] = value
+    with pytest.raises(ValueError) as e:
+        SelectBackend.execute(**inputs)
+    msg = str(e.value)
+    assert msg.startswith(f"Select Backend: {field}='{value}' is not one of") and "Fix: set that input" in msg, msg
