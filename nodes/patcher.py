@@ -275,11 +275,12 @@ def compile_model(model, config: CompileConfig | None, node_id=None) -> tuple:
     copies = DeviceCopies(accel)
     m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _apply_model_wrapper(accel, hooks_epoch, copies))
-    for event, callback in ((CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), *_graph_release(copies),
-                            *_copy_callbacks(CallbacksMP, copies)):
+    callbacks = [(CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), (CallbacksMP.ON_CLEANUP, on_apply_hooks),
+                 *_graph_release(copies), *_copy_callbacks(CallbacksMP, copies)]
+    for event in {event for event, _ in callbacks}:       # (an event may take several)
         m.remove_callbacks_with_key(event, KEY)
+    for event, callback in callbacks:
         m.add_callback_with_key(event, KEY, callback)
-    m.add_callback_with_key(CallbacksMP.ON_CLEANUP, KEY, on_apply_hooks)
     for copy in _existing_copies(m):                       # MultiGPU Work Units placed before Compile UNet
         copies.adopt(copy)
     facts = feedback.compiled(accel, node_id)
