@@ -11,12 +11,16 @@ from unet_compiler.compiler.lifecycle import pacing
 from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
 
 
+def _ms(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return (time.perf_counter() - t0) * 1e3
+
+
 def test_the_sampling_stand_in_is_sampling_to_the_compile_thread(monkeypatch):
     monkeypatch.setattr(process_scheduler(), "activity", pacing.Activity())
     n = beside._calibrate(2.0)
-    t0 = time.perf_counter()
-    beside._python_ms(n)
-    took = (time.perf_counter() - t0) * 1e3
+    took = min(_ms(beside._python_ms, n) for _ in range(5))   # the least of five: another job's burst aside
     assert 0.5 < took < 8, took                    # about the 2 ms asked (this machine's speed varies)
     seen = []
     monkeypatch.setattr(beside, "_python_ms", lambda k: seen.append(process_scheduler().activity.calls))
