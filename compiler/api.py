@@ -15,6 +15,7 @@ from .compat.comfy import (current_prompt, dit_context_width, dit_patch, dit_poo
                            is_interrupt, is_video, latent_frames, latent_scale, latent_time_scale)
 from .config import BACKENDS, PRECISIONS, CompileConfig
 from .inserted import frame_count
+from .overrides import own
 from .plan import build_plan
 from .reasons import error_summary, runtime_fallback
 from .report import compile_facts, status_line
@@ -107,7 +108,7 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     # the module holds its forward: a weak reference back, so dropping the module frees it (and the
     # accelerator) at once, not at Python's next cyclic collection
     ref = weakref.ref(module)
-    module.__dict__["forward"] = lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k)
+    module.__dict__["forward"] = own(lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k))
     return module
 
 

@@ -137,17 +137,19 @@ class CallGraphs:
             return "ComfyUI's compiler records the model's allocations"
         return None
 
-    def call(self, forward, root, args: tuple, kwargs: dict, failed: dict, ran_last: set, shims):
+    def call(self, forward, root, args: tuple, kwargs: dict, failed: dict, ran_last: set, shims,
+             overridden: str | None = None):
         """``forward(root, *args, **kwargs)``, one graph where it can be (``failed``: the region
         kinds running the model's own code, part of the key; ``ran_last``: the regions that ran
         compiled code this call, which a replay fills as its capture did; ``shims()``: the regions'
-        shims installed around the forward, which a replay does without)."""
+        shims installed around the forward, which a replay does without; ``overridden``: why the
+        call goes region by region, another node's code being set on the modules)."""
         if self.held_back:
             with shims():
                 return forward(root, *args, **kwargs)
         plain = {k: v for k, v in kwargs.items() if k != "transformer_options"}
         tensors, fixed = [], []
-        why = self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
+        why = overridden or self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
         if why is None and self.graphs.off is None and not cast.none_per_call(self._watched):
             # ComfyUI casts per call (Dynamic VRAM flags every op): one graph where every cast weight is
             # resident, its slots pinned for the call, as ComfyUI's own block graphs replay

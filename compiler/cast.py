@@ -31,6 +31,7 @@ from collections import Counter
 import torch
 
 from .compat import comfy as comfy_compat
+from .overrides import OWN
 from .reasons import Reason, error_summary
 
 #: the leaf attributes that make ComfyUI's forward take its cast path, and the values that don't
@@ -115,7 +116,7 @@ def why_not(leaf) -> Reason | None:
     cls = type(leaf)
     d = leaf.__dict__
     own = d.get("forward")
-    if "forward_comfy_cast_weights" in d or (own is not None and not getattr(own, "region_shim", False)):
+    if "forward_comfy_cast_weights" in d or (own is not None and not getattr(own, OWN, False)):
         # a forward set on the op itself, not its class's (a region's shim, the pack's own, aside)
         return Reason(f"a forward another pack set on one op ({comfy_compat.class_name(cls)}), which the cast "
                       f"weights shown to the region would bypass", "none needed: the model's own code runs that region")

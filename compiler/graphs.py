@@ -274,7 +274,7 @@ class _Graph:
 
 
 class _Region:
-    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept", "_dicts", "_names", "_none", "tree")
+    __slots__ = ("slots", "ptrs", "graphs", "seen", "refused", "kept", "_dicts", "_names", "_none", "tree", "moves")
 
     def __init__(self, module, cast: bool = False):
         # the module tree as captured: a submodule swapped in (an object patch), inserted or removed makes
@@ -298,6 +298,7 @@ class _Region:
         self.seen: set = set()
         self.refused: dict = {}  # signature -> why it gets no graph (an out-of-memory capture)
         self.kept: set = set()   # signatures whose graph measured faster (captured again unmeasured)
+        self.moves = False       # its weights moved inside a UNet call (block swap): no graphs from then on
 
     def weight_ptrs(self) -> tuple:
         """The address of every parameter and buffer (None where a slot holds none), the slots that held
@@ -357,6 +358,9 @@ def tree(module) -> tuple:
     return tuple(map(id, module.modules()))
 
 
+#: why a region runs without graphs: its weights moved inside a UNet call
+MOVES = "its weights moved inside a UNet call (code set around the blocks: block swap)"
+
 #: a measured graph is kept when its replay takes at most this share of the launches it replaces
 KEEP_BELOW = 0.9
 
@@ -374,6 +378,9 @@ class RegionGraphs:
         #: set while another graph of the model captures or runs a UNet call whole: region calls then
         #: run their code as it is, inside that one graph
         self.aside = False
+        #: set for a UNet call in which code another node set around the regions runs (``overrides``):
+        #: a region's weights are compared with those its graphs hold before each replay or capture
+        self.verify = False
         #: set while one of these graphs captures; while a call's first run or capture is being made
         self.capturing = self.recording = False
         self.graphs = graphs if graphs is not None else CudaGraphs()
@@ -466,6 +473,18 @@ class RegionGraphs:
         reg = self.regions.get(module)
         if reg is None:
             reg = self.regions[module] = _Region(module, cast=weights is not None)
+        elif self.verify and weights is None and not reg.moves and reg.ptrs is not None \
+                and reg.weight_ptrs() != reg.ptrs:
+            # code another node set around the blocks moved this one's weights inside the call
+            reg.moves = True
+            if reg.graphs:
+                self.stats["dropped for weights moved inside a call"] += len(reg.graphs)
+                self._drop(reg.graphs.values())
+                reg.graphs.clear()
+                self._account()
+        if reg.moves:
+            self.skipped[MOVES] += 1
+            return impl(module, *args)
         device = tensors[0].device
         key = (sig, _autocast_state(device.type), torch.is_inference_mode_enabled(), extra)
         entry = reg.graphs.get(key)

@@ -33,6 +33,7 @@ from .compat import comfy as comfy_compat
 from .config import CompileConfig
 from .events import Events
 from .inserted import Inserted
+from .overrides import Overrides, own
 from .lifecycle.recompiles import Recompiles
 from .reasons import Reason, Slower, build_failure, error_summary
 from .report import Report, accelerator_text
@@ -56,6 +57,10 @@ def _call_modes(device_type: str, autocast: torch.dtype | None):
     if autocast is not None:
         stack.enter_context(torch.autocast(device_type, dtype=autocast))
     return stack
+
+
+#: why a UNet call went region by region: another node's code set on the modules (``overrides``)
+OVERRIDDEN = "another node's code set on the model's modules runs inside the call"
 
 
 class Accelerator:
@@ -146,6 +151,12 @@ class Accelerator:
             self.plan.skipped += [(r.kind, r.path, self.backend.no_impl_reason(r.kind, self.config))
                                   for r in self.plan.regions if impls.get((r.family, r.kind)) is None]
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
+        paths = {id(r.module): r.path for r in self.plan.regions}
+        root = self.root
+        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims]) \
+            if root is not None else None
+        #: what another node set on the modules at the start of this UNet call (None: nothing)
+        self._found = None
         rep.regions = self.plan.kind_counts(impls)
         rep.skipped = self.plan.skipped_summary()
         log.info("%s", rep.text().replace("\n", " |"))
@@ -228,6 +239,12 @@ class Accelerator:
         """Shims for the regions ``impls`` (keyed by (family, kind)) has code for, from the next call."""
         self.report.regions = self.plan.kind_counts(impls)
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
+        paths = {id(r.module): r.path for r in self.plan.regions}
+        root = self.root
+        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims]) \
+            if root is not None else None
+        #: what another node set on the modules at the start of this UNet call (None: nothing)
+        self._found = None
 
     @property
     def root(self) -> torch.nn.Module | None:
@@ -257,8 +274,11 @@ class Accelerator:
         if self.call_graphs is None or not self._through:
             return forward(module, *args, **kwargs)
         self._root_called = True
+        found = self._found
         return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last,
-                                     self._region_shims)
+                                     self._region_shims,
+                                     overridden=OVERRIDDEN if found is not None and (found.regions or found.around)
+                                     else None)
 
     # ---- one region call ----------------------------------------------
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
@@ -429,6 +449,8 @@ class Accelerator:
         weights.set_epoch(weight_epoch)
         if self.inserted.check():
             graphs.structure_moved()
+        if not self._shims_in:
+            self._found = self._overridden()
         for g in self._all_graphs():
             g.begin_call()
         installed = []
@@ -453,7 +475,7 @@ class Accelerator:
                     # ComfyUI calls the diffusion model itself (a diffusers UNet's forward is the pack's:
                     # api._accelerated_forward calls forward() above); the regions' shims go in there,
                     # unless the call replays one graph
-                    root.__dict__["forward"] = lambda *a, **k: self.forward(root, a, k)
+                    root.__dict__["forward"] = own(lambda *a, **k: self.forward(root, a, k))
                     installed.append((root, "forward"))
                 self._through, self._root_called = True, False
                 yield
@@ -465,7 +487,26 @@ class Accelerator:
                 self._through = False
                 for module, hook in installed:
                     module.__dict__.pop(hook, None)
+                if self.graphs is not None:
+                    self.graphs.verify = False
                 weights.release_scratch()
+
+    def _overridden(self):
+        """What another node set on the modules now (``overrides.Found``), said once each in the report;
+        the regions' graphs check their weights' addresses before each replay while code set around them
+        runs. None: nothing (the usual call)."""
+        found = self.overrides.check(self.root) if self.overrides is not None else None
+        if self.graphs is not None:
+            self.graphs.verify = found is not None and found.moving
+        if found is not None:
+            for why in found.regions.values():
+                self.report.note(f"{why}: that region runs the model's own code with it (the pack's code "
+                                 f"would skip it)", once=True)
+            if found.around is not None:
+                self.report.note(f"{found.around}: it runs as set; one graph per UNet call stands aside while "
+                                 f"it is there, and the regions' graphs check their weights before each replay",
+                                 once=True)
+        return found
 
     @contextlib.contextmanager
     def _region_shims(self):
@@ -474,8 +515,13 @@ class Accelerator:
             yield
             return
         installed = []
+        overridden = self._found.regions if self._found is not None else {}
         try:
             for module, shim in self._shims:
+                if module in overridden:   # another node's code set there runs, as the model's own would
+                    self.stats["region_eager"] += 1
+                    self.stats["region_eager_overridden"] += 1
+                    continue
                 hook = getattr(shim, "hook", "forward")
                 module.__dict__[hook] = shim
                 installed.append((module, hook))

@@ -12,8 +12,9 @@ import inspect
 import torch
 
 from . import cast
-from .plan import ATTENTION, DOUBLE_BLOCK, JOINT_BLOCK, LUMINA_BLOCK, QWEN_IMAGE_BLOCK, SINGLE_BLOCK, WAN_BLOCK
 from .compat import comfy as comfy_compat
+from .overrides import own
+from .plan import ATTENTION, DOUBLE_BLOCK, JOINT_BLOCK, LUMINA_BLOCK, QWEN_IMAGE_BLOCK, SINGLE_BLOCK, WAN_BLOCK
 from .reasons import Reason
 
 #: the inputs of a DiT block body, in order (the rest of the block's call must be at its defaults)
@@ -196,8 +197,8 @@ def install(plan, impls: dict, run, gate: Gate) -> list:
         impl = impls.get((region.family, region.kind))
         if impl is not None:
             shim = make_shim(region, impl, run, gate)
-            shim.hook, shim.region_shim = region.hook, True   # (cast.why_not tells it from another pack's)
-            out.append((region.module, shim))
+            shim.hook = region.hook
+            out.append((region.module, own(shim)))   # (marked: told apart from another node's override)
     return out
 
 

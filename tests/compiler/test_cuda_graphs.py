@@ -795,6 +795,7 @@ def _triton_on_fake_cuda(u, monkeypatch, **config):
     """``u`` accelerated by the triton backend as on a CUDA device (the interpreter's kernels on CPU
     tensors; run inside tests/_fake_cuda.py's fake_cuda), its allocator read from the fake."""
     from unet_compiler.compiler import api, runtime
+    from unet_compiler.compiler.overrides import own
     from unet_compiler.compiler import graphs as G  # noqa: N812
     from unet_compiler.compiler.backends import triton as TB  # noqa: N812
     monkeypatch.setattr(runtime, "choose", lambda req, dev, off=None, arch="unet": (TB.TritonBackend(), []))
@@ -804,7 +805,7 @@ def _triton_on_fake_cuda(u, monkeypatch, **config):
     monkeypatch.setattr(G.CudaGraphs, "usable", lambda self, tensors: None)   # CPU tensors stand for CUDA's
     accel = Accelerator(u, CompileConfig(backend="triton", **config), device=torch.device("cuda"))
     u.__dict__[api._ATTR] = accel
-    u.__dict__["forward"] = lambda *a, **k: api._accelerated_forward(accel, u, *a, **k)
+    u.__dict__["forward"] = own(lambda *a, **k: api._accelerated_forward(accel, u, *a, **k))   # as compile_unet
     return accel
 
 

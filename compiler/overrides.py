@@ -1,0 +1,144 @@
+"""Code another node set on the modules the regions stand in for, found at the start of each UNet call.
+
+A region's body reads its submodules' weights without calling their ``forward`` (a leaf's call aside);
+a CUDA graph replays what its capture ran; one graph per UNet call replays the code between the regions
+too. A forward hook, or a method set on one instance (ComfyUI's ``add_object_patch`` of
+``diffusion_model.blocks.0.cross_attn.forward``, a step cache's ``forward_orig``), would be skipped or
+frozen there. :class:`Overrides` finds them; :class:`Found` says where:
+
+- ``regions``: region module -> why it runs the model's own code this call: another node set the method
+  its shim stands in for, a ``forward`` on a module inside it, or a forward hook inside it;
+- ``around``: why the code around the regions is not the model's as planned (a method set on the root,
+  a container, a region module or a leaf): one graph per UNet call stands aside for the call;
+- ``hooked``: a forward hook on a module around the regions (one graph per UNet call finds those itself).
+
+With either of the last two the regions' graphs check their weights' addresses before each replay: such
+code may move a block's weights inside the call (block swap).
+
+A call that finds nothing costs one pass over the modules' dicts in C (``check``). The pack's own
+callables carry :data:`OWN`.
+"""
+from __future__ import annotations
+
+import itertools
+import operator
+from dataclasses import dataclass, field
+
+import torch
+
+from . import graphs
+
+#: the attribute that marks the pack's own callables set on modules (region shims, the root's forward)
+OWN = "unet_compiler_own"
+
+
+def own(fn):
+    """``fn``, marked as the pack's (not another node's override)."""
+    setattr(fn, OWN, True)
+    return fn
+
+
+def _is_code(value) -> bool:
+    """A callable another node may have set on a module instance (not a submodule, tensor or class,
+    not the pack's own)."""
+    return (callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+            and not getattr(value, OWN, False))
+
+
+def _leaf(m) -> bool:
+    return next(m.children(), None) is None
+
+
+@dataclass
+class Found:
+    regions: dict = field(default_factory=dict)   # region module -> why
+    around: str | None = None
+    hooked: bool = False
+
+    @property
+    def moving(self) -> bool:
+        """Whether code around the regions may move their weights inside the call."""
+        return self.around is not None or self.hooked
+
+
+class Overrides:
+    """The watch over one UNet's modules (``root``) for the regions ``modules`` [(region module, the
+    method its shim stands in for, its path)]. Built again after a module tree changed
+    (:data:`graphs.STRUCTURE`)."""
+
+    def __init__(self, root: torch.nn.Module, regions: list):
+        self._regions = regions
+        self._build(root)
+
+    def _build(self, root) -> None:
+        self._structure = graphs.STRUCTURE[0]
+        own_ids = {id(m) for m, _, _ in self._regions}
+        self._inside: list[tuple] = []     # (region index, module path, module) of every module inside a region
+        inside_ids: set[int] = set()
+        for i, (module, _, _) in enumerate(self._regions):
+            for name, m in module.named_modules():
+                if m is not module and id(m) not in own_ids:
+                    self._inside.append((i, name, m))
+                    inside_ids.add(id(m))
+        named = [(n, m) for n, m in root.named_modules() if id(m) not in inside_ids]
+        # a `forward` set on a module inside a region (its body skips it) or on a leaf (a graph freezes it)
+        self._forward_dicts = [m.__dict__ for _, _, m in self._inside] + [m.__dict__ for _, m in named if _leaf(m)]
+        self._inside_hooks = [d for _, _, m in self._inside for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._own_dicts, self._own_hooks = [m.__dict__ for m, _, _ in self._regions], [h for _, h, _ in self._regions]
+        # around the regions: the root, containers and region modules, each with the keys it had when
+        # planned (code among them is the model's as planned: diffusers' attention processors); a key
+        # added since is looked at
+        self._around = [(n, m) for n, m in named if not _leaf(m)]
+        self._around_hooks = [d for _, m in named for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self._base = [frozenset(m.__dict__) for _, m in self._around]
+        self._lens = [len(b) for b in self._base]
+        self._around_dicts = [m.__dict__ for _, m in self._around]
+        graphs.track(m for _, m in named)
+        graphs.track(m for _, _, m in self._inside)
+
+    def check(self, root) -> Found | None:
+        """What is set now (None: nothing, the usual call)."""
+        if self._structure != graphs.STRUCTURE[0] and root is not None:
+            self._build(root)
+        if not (any(self._inside_hooks) or any(self._around_hooks)
+                or any(map(operator.contains, self._forward_dicts, itertools.repeat("forward")))
+                or any(map(operator.contains, self._own_dicts, self._own_hooks))
+                or list(map(len, self._around_dicts)) != self._lens):
+            return None
+        return self._find()
+
+    def _find(self) -> Found | None:
+        found = Found()
+        for module, hook, path in self._regions:
+            fn = module.__dict__.get(hook)
+            if fn is not None and not getattr(fn, OWN, False):
+                found.regions.setdefault(module, f"{path}: another node set its {hook}")
+        for i, name, m in self._inside:
+            module, _, path = self._regions[i]
+            d = m.__dict__
+            if "forward" in d and not getattr(d["forward"], OWN, False):
+                found.regions.setdefault(module, f"{path}.{name}: another node set its forward")
+            elif d["_forward_hooks"] or d["_forward_pre_hooks"]:
+                found.regions.setdefault(module, f"{path}.{name}: a forward hook")
+        for j, (name, m) in enumerate(self._around):
+            d = m.__dict__
+            found.hooked = found.hooked or bool(d["_forward_hooks"] or d["_forward_pre_hooks"])
+            if len(d) != self._lens[j]:
+                code = sorted(k for k, v in d.items() if k not in self._base[j] and _is_code(v))
+                if not code:   # only values that are not code (state another node keeps): the new normal
+                    self._base[j] = frozenset(d)
+                    self._lens[j] = len(d)
+                    continue
+                found.around = found.around or f"another node set {(name + '.') if name else ''}{code[0]}"
+        leaves = [(n, m) for n, m in self._around_leaves()]
+        for name, m in leaves:
+            if "forward" in m.__dict__ and not getattr(m.__dict__["forward"], OWN, False):
+                found.around = found.around or f"another node set {name}.forward"
+        return found if found.regions or found.moving else None
+
+    def _around_leaves(self):
+        inside = {id(m) for _, _, m in self._inside}
+        root = self._around[0][1] if self._around else None
+        if root is None:
+            return []
+        return [(n, m) for n, m in root.named_modules() if _leaf(m) and id(m) not in inside]

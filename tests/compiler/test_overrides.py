@@ -1,0 +1,97 @@
+"""compiler/overrides.py: code another node set on the modules the regions stand in for (a ``forward``
+set on one instance, a forward hook) runs as set, checked at the start of every UNet call.
+
+A tiny diffusers UNet through both kinds of graph on tests/conftest.py's StrictGraphStandIn (a replay
+re-runs the captured aten ops, not the model's Python), its regions' own bodies uncompiled; the
+reference is the same model, unaccelerated, with the same code set on it."""
+from __future__ import annotations
+
+import torch
+
+from unet_compiler.compiler.overrides import Overrides
+
+from .test_call_graph import _diffusers
+from .test_cuda_graphs import _sample
+
+
+def _close(a, b):
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _geglu(u):
+    return u.down_blocks[0].attentions[0].transformer_blocks[0].ff.net[0]
+
+
+def test_a_forward_set_inside_a_region_runs_there(tiny_unet, strict_graph_standin):
+    """A ``forward`` set on the GEGLU inside a feed-forward region (whose body computes GEGLU itself):
+    before, the body skipped it (the output was the unpatched model's). Now that region runs the
+    model's own code with it while it is there, said once in the report, and compiled code after."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    for m in (u, ref):
+        g = _geglu(m)
+        g.forward = lambda x, g=g: type(g).forward(g, x) * 0.5
+    for s in range(4):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.stats["region_eager_overridden"] == 4
+    text = accel.text()
+    assert "transformer_blocks.0.ff.net.0: another node set its forward" in text, text
+    assert accel.call_graphs.graphs.stats["captured"] == 0
+    for m in (u, ref):
+        del _geglu(m).forward
+    for s in range(4, 8):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.stats["region_eager_overridden"] == 4
+    assert accel.call_graphs.graphs.stats["captured"] == 1
+
+
+def test_code_set_around_the_regions_is_never_frozen_in_one_graph(tiny_unet, strict_graph_standin):
+    """A ``forward`` with state set on a block container (a step cache deciding per call, as
+    TeaCache's ``forward_orig`` does): before, one graph per UNet call froze its first decision.
+    Now the call goes region by region, every call == the reference, the reason counted."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    for m in (u, ref):
+        mid, calls = m.mid_block, [0]
+
+        def every_other(*a, mid=mid, calls=calls, **k):
+            calls[0] += 1
+            out = type(mid).forward(mid, *a, **k)
+            return out if calls[0] % 2 else out * 0.5
+        mid.forward = every_other
+    for s in range(6):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.call_graphs.graphs.stats["captured"] == 0
+    assert accel.stats["region_eager_overridden"] == 0      # (the regions themselves run compiled)
+    text = accel.text()
+    assert "another node set mid_block.forward" in text, text
+    assert "another node's code set on the model's modules runs inside the call x6" in text, text
+
+
+def test_a_hook_inside_a_region_runs(tiny_unet, strict_graph_standin):
+    """A forward hook on a module inside a region (its body does not call that module): it runs, and
+    changes the output as it does on the model's own code."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    seen = []
+    for m in (u, ref):
+        _geglu(m).register_forward_hook(lambda mod, a, out: (seen.append(1), out * 2)[1])
+    for s in range(3):
+        _close(_sample(u, s), _sample(ref, s))
+    assert len(seen) == 6 and accel.stats["region_eager_overridden"] == 3
+    assert "transformer_blocks.0.ff.net.0: a forward hook" in accel.text()
+
+
+def test_a_call_with_nothing_set_finds_nothing_and_the_check_is_cheap(tiny_unet, strict_graph_standin):
+    """Nothing set: ``check`` finds nothing, on the model as compiled and on the stock model; the
+    pack's own forward on the root is not another node's."""
+    import time
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    assert accel.overrides.check(u) is None
+    watch = Overrides(u, [(m, shim.hook, "r") for m, shim in accel._shims])
+    t0 = time.perf_counter()
+    for _ in range(200):
+        assert watch.check(u) is None
+    per_call = (time.perf_counter() - t0) / 200
+    assert per_call < 200e-6, per_call          # tens of µs here for hundreds of modules (docs/internals.md)
