@@ -7,7 +7,8 @@ too. A forward hook, or a method set on one instance (ComfyUI's ``add_object_pat
 frozen there. :class:`Overrides` finds them; :class:`Found` says where:
 
 - ``regions``: region module -> why it runs the model's own code this call: another node set the method
-  its shim stands in for, a ``forward`` on a module inside it, or a forward hook inside it;
+  its shim stands in for, a ``forward`` on a module inside it, a forward hook inside it, or (a diffusers
+  attention) another kind of attention processor than the one it was planned with;
 - ``around``: why the code around the regions is not the model's as planned (a method set on the root,
   a container, a region module or a leaf): one graph per UNet call stands aside for the call;
 - ``hooked``: a forward hook on a module around the regions (one graph per UNet call finds those itself).
@@ -68,6 +69,11 @@ class Overrides:
 
     def __init__(self, root: torch.nn.Module, regions: list):
         self._regions = regions
+        # what the model held when planned, kept when the watch is built again (a module tree change
+        # while another node's code is set must not make that code the model's own)
+        self._planned_procs = {id(m): type(m.processor) for m, _, _ in regions
+                               if getattr(m, "processor", None) is not None}
+        self._bases: dict[int, frozenset] = {}
         self._build(root)
 
     def _build(self, root) -> None:
@@ -85,12 +91,15 @@ class Overrides:
         self._forward_dicts = [m.__dict__ for _, _, m in self._inside] + [m.__dict__ for _, m in named if _leaf(m)]
         self._inside_hooks = [d for _, _, m in self._inside for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._own_dicts, self._own_hooks = [m.__dict__ for m, _, _ in self._regions], [h for _, h, _ in self._regions]
+        # diffusers' attention processors (``set_attn_processor`` after compiling: PAG, IP-Adapter)
+        self._procs = [m for m, _, _ in self._regions if id(m) in self._planned_procs]
+        self._proc_types = [self._planned_procs[id(m)] for m in self._procs]
         # around the regions: the root, containers and region modules, each with the keys it had when
         # planned (code among them is the model's as planned: diffusers' attention processors); a key
         # added since is looked at
         self._around = [(n, m) for n, m in named if not _leaf(m)]
         self._around_hooks = [d for _, m in named for d in (m._forward_hooks, m._forward_pre_hooks)]
-        self._base = [frozenset(m.__dict__) for _, m in self._around]
+        self._base = [self._bases.setdefault(id(m), frozenset(m.__dict__)) for _, m in self._around]
         self._lens = [len(b) for b in self._base]
         self._around_dicts = [m.__dict__ for _, m in self._around]
         graphs.track(m for _, m in named)
@@ -103,7 +112,8 @@ class Overrides:
         if not (any(self._inside_hooks) or any(self._around_hooks)
                 or any(map(operator.contains, self._forward_dicts, itertools.repeat("forward")))
                 or any(map(operator.contains, self._own_dicts, self._own_hooks))
-                or list(map(len, self._around_dicts)) != self._lens):
+                or list(map(len, self._around_dicts)) != self._lens
+                or list(map(type, map(getattr, self._procs, itertools.repeat("processor")))) != self._proc_types):
             return None
         return self._find()
 
@@ -113,6 +123,12 @@ class Overrides:
             fn = module.__dict__.get(hook)
             if fn is not None and not getattr(fn, OWN, False):
                 found.regions.setdefault(module, f"{path}: another node set its {hook}")
+        paths = {id(m): path for m, _, path in self._regions}
+        for m, planned in zip(self._procs, self._proc_types, strict=True):
+            now = type(getattr(m, "processor", None))
+            if now is not planned:
+                found.regions.setdefault(m, f"{paths[id(m)]}: attention processor {now.__name__}, not the "
+                                            f"{planned.__name__} it was compiled with")
         for i, name, m in self._inside:
             module, _, path = self._regions[i]
             d = m.__dict__
@@ -126,7 +142,7 @@ class Overrides:
             if len(d) != self._lens[j]:
                 code = sorted(k for k, v in d.items() if k not in self._base[j] and _is_code(v))
                 if not code:   # only values that are not code (state another node keeps): the new normal
-                    self._base[j] = frozenset(d)
+                    self._base[j] = self._bases[id(m)] = frozenset(d)
                     self._lens[j] = len(d)
                     continue
                 found.around = found.around or f"another node set {(name + '.') if name else ''}{code[0]}"

@@ -95,3 +95,29 @@ def test_a_call_with_nothing_set_finds_nothing_and_the_check_is_cheap(tiny_unet,
         assert watch.check(u) is None
     per_call = (time.perf_counter() - t0) / 200
     assert per_call < 200e-6, per_call          # tens of µs here for hundreds of modules (docs/internals.md)
+
+
+def test_an_attention_processor_set_after_compiling_runs(tiny_unet, strict_graph_standin):
+    """diffusers' ``set_attn_processor`` after compiling (a processor that scales its result, as
+    attention-control processors change it; PAG's, IP-Adapter's): before, the attention regions kept
+    serving the processor they were compiled with (0.14 off). Now a region whose processor is another
+    kind runs the model's own code, said once; back to the planned kind, compiled again."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+
+    class Scaled(AttnProcessor2_0):
+        def __call__(self, attn, hidden_states, *a, **k):
+            return 0.5 * super().__call__(attn, hidden_states, *a, **k)
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    for m in (u, ref):
+        m.set_attn_processor(Scaled())
+    for s in range(3):
+        _close(_sample(u, s), _sample(ref, s))
+    attention = sum(r.kind == "attention" for r in accel.plan.regions)
+    assert attention and accel.stats["region_eager_overridden"] == 3 * attention
+    assert "attention processor Scaled, not the AttnProcessor2_0 it was compiled with" in accel.text()
+    for m in (u, ref):
+        m.set_attn_processor(AttnProcessor2_0())
+    for s in range(3, 6):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.stats["region_eager_overridden"] == 3 * attention
