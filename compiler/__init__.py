@@ -6,7 +6,8 @@ Public API::
     unet = compile_unet(unet, backend="auto")
     print(warmup(unet, "1x512x512, 2x512x512"))
 """
-from .api import accelerator_of, compile_unet, report, uncompile_unet, wait_for_background, warmup
+from .api import accelerator_of, compile_unet, report, uncompile_unet, wait_for_background, warmup, weights_changed
 from .config import DISABLE_ENV, CompileConfig
 
-__all__ = ["compile_unet", "warmup", "wait_for_background", "uncompile_unet", "report", "accelerator_of", "CompileConfig", "DISABLE_ENV"]
+__all__ = ["compile_unet", "warmup", "wait_for_background", "uncompile_unet", "report", "accelerator_of", "CompileConfig", "DISABLE_ENV",
+           "weights_changed"]

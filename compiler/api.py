@@ -10,6 +10,7 @@ import weakref
 
 import torch
 
+from . import graphs
 from .backends import tooltip as backend_tooltip
 from .compat.comfy import (current_prompt, dit_context_width, dit_patch, dit_pooled_width, forget_compiler_recording,
                            is_interrupt, is_video, latent_frames, latent_scale, latent_time_scale)
@@ -17,7 +18,7 @@ from .config import BACKENDS, PRECISIONS, CompileConfig
 from .inserted import frame_count
 from .overrides import own
 from .plan import build_plan
-from .reasons import error_summary, runtime_fallback
+from .reasons import GRAD_ON, error_summary, runtime_fallback
 from .report import compile_facts, status_line
 from .runtime import Accelerator
 from .shapes import (MAX_CONTEXT_TOKENS, ShapeError, as_shapes, check_context_tokens, check_frames, check_memory,
@@ -28,8 +29,9 @@ from .warmup import warmup_runs
 __all__ = [
     # a plain PyTorch / diffusers user's (the package's top level)
     "compile_unet", "uncompile_unet", "accelerator_of", "report", "warmup", "wait_for_background",
+    "weights_changed",
     # the ComfyUI nodes' (nodes/)
-    "Accelerator", "BACKENDS", "CompileConfig", "MAX_CONTEXT_TOKENS", "PRECISIONS", "ShapeError", "backend_tooltip",
+    "Accelerator", "BACKENDS", "CompileConfig", "GRAD_ON", "MAX_CONTEXT_TOKENS", "PRECISIONS", "ShapeError", "backend_tooltip",
     "check_context_tokens", "check_frames", "check_memory", "compile_facts", "context_dim",
     "current_prompt", "dit_context_width", "dit_patch", "dit_pooled_width", "error_summary", "first_level_channels",
     "forget_compiler_recording", "frame_count", "is_interrupt", "is_video", "label_of", "latent_frames",
@@ -61,6 +63,46 @@ def _map_out(out, fn):
     return fn(out) if isinstance(out, torch.Tensor) else out
 
 
+def _needs_grad(module, args, kwargs) -> bool:
+    """Whether a call made with autograd on has something to differentiate: an input tensor or a
+    parameter that requires grad (compile_unet turned the parameters' off; a trainer turns them on)."""
+    found = []
+    torch.utils._pytree.tree_map(lambda v: found.append(v) if isinstance(v, torch.Tensor) and v.requires_grad
+                                 else None, (args, kwargs))
+    return bool(found) or any(p.requires_grad for p in module.parameters())
+
+
+class _LibraryEpoch:
+    """The weight epoch of a diffusers UNet's calls (``weights.set_epoch``): what rewrites weights in
+    place where no version counter moves (a write through ``.data``), so the caches derived from
+    them (prepacked convs) are made again: :func:`weights_changed` calls, and the adapters PEFT has
+    merged into the weights (diffusers' ``fuse_lora`` / ``unfuse_lora``: PEFT's ``merge`` adds to
+    ``weight.data``). PEFT's layers are found again when the module tree changed."""
+
+    def __init__(self):
+        self.changed = 0
+        self._structure = None
+        self._tuners: list = []
+
+    def __call__(self, root) -> tuple:
+        if self._structure != graphs.STRUCTURE[0]:
+            self._structure = graphs.STRUCTURE[0]
+            self._tuners = [m for m in root.modules() if isinstance(m.__dict__.get("merged_adapters"), list)]
+        return self.changed, tuple(tuple(m.merged_adapters) for m in self._tuners)
+
+
+#: accelerator -> its library epoch (weak: it goes with the accelerator)
+_EPOCHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def weights_changed(module: torch.nn.Module) -> None:
+    """Tell the compiled ``module`` that its weights were rewritten in place in a way no version
+    counter shows (a write through ``param.data``, as some LoRA fusers do): what the pack derived
+    from them (CPU prepacked convs and linears) is made again at the next call. A new Parameter, an
+    in-place op on the parameter itself and PEFT's ``fuse_lora`` / ``unfuse_lora`` are seen without it."""
+    _EPOCHS.setdefault(accelerator_of(module), _LibraryEpoch()).changed += 1
+
+
 def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     # fp16/bf16 precision runs the regions under autocast; the caller gets the model's dtype back
     # (ComfyUI casts apply_model's output itself; a diffusers scheduler would get bf16 otherwise)
@@ -69,16 +111,18 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     def in_model_dtype(t):
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t
     shape = label_of(args[0] if args else kwargs.get("sample"))
-    if torch.is_grad_enabled():
-        with accel.active(shape=shape):
-            return _map_out(accel.forward(module, args, kwargs), in_model_dtype)
-    # no_grad (diffusers pipelines) or inference_mode: run the way ComfyUI and
-    # warmup() do, on inference tensors under inference_mode, so the graphs
-    # warmup compiled are the ones that run (dynamo guards on inference-ness).
+    if torch.is_grad_enabled() and _needs_grad(module, args, kwargs):
+        # training or guidance by gradients: the compiled code is for inference (its ops have no backward)
+        accel.passed_by(GRAD_ON)
+        return type(module).forward(module, *args, **kwargs)
+    epoch = _EPOCHS.setdefault(accel, _LibraryEpoch())(module)
+    # no_grad (diffusers pipelines), inference_mode, or autograd on with nothing to differentiate: run
+    # the way ComfyUI and warmup() do, on inference tensors under inference_mode, so the graphs warmup
+    # compiled are the ones that run (dynamo guards on inference-ness)
     outer = torch.is_inference_mode_enabled()
     with torch.inference_mode():
         args, kwargs = _as_inference(args), _as_inference(kwargs)
-        with accel.active(shape=shape):
+        with accel.active(weight_epoch=epoch, shape=shape):
             out = _map_out(accel.forward(module, args, kwargs), in_model_dtype)
     if outer:
         return out

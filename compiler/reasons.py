@@ -12,6 +12,10 @@ from . import settings
 
 DISABLE_ENV = settings.env("DISABLE")
 
+#: why a UNet call with autograd on runs the model's own code (said once in the report)
+GRAD_ON = ("a UNet call with autograd on (training, or guidance by gradients) ran the model's own code: "
+           "the compiled code is for inference only")
+
 
 class Reason(str):
     """Why something cannot run here, with its parts: ``what`` (the subject, "" when the sentence

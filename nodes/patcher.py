@@ -14,7 +14,8 @@ import weakref
 
 import torch
 
-from ..compiler.api import (Accelerator, CompileConfig, check_context_tokens, error_summary, is_interrupt, label_of,
+from ..compiler.api import (GRAD_ON, Accelerator, CompileConfig, check_context_tokens, error_summary, is_interrupt,
+                            label_of,
                             latent_scale, latent_time_scale, parse_shapes, warmup_runs)
 from . import feedback, warmup
 from .warmup import fn_name
@@ -144,9 +145,6 @@ def _multigpu_copy(base):
     return patcher if getattr(patcher, "is_multigpu_base_clone", False) else None
 
 
-#: why a UNet call with autograd on runs the model's own code (said once in the report)
-GRAD_ON = ("a UNet call with autograd on (training, or guidance by gradients) ran the model's own code: "
-           "the compiled code is for inference only")
 
 
 def _apply_model_wrapper(accel: Accelerator, hooks_epoch: list, copies: DeviceCopies):

@@ -128,6 +128,35 @@ def test_weight_changes_after_compile_are_seen(backend, make_unet):
     _close(_run(u, inputs), ref2)
 
 
+def test_weights_written_through_data_are_seen(backend, make_unet):
+    """What writes weights through ``.data`` (no version counter moves): PEFT's ``merge`` (diffusers'
+    ``fuse_lora``: ``base_layer.weight.data += delta``, recorded in the layer's ``merged_adapters``,
+    stood in for here on the convs) is seen by itself; any other such write once the caller says so
+    (``weights_changed``). Before, the prepacked convs kept the old weights (2.9 off)."""
+    from unet_compiler.compiler import weights_changed
+    u = make_unet("sd15")
+    inputs = _inputs(u)
+    convs = [m for m in u.modules() if isinstance(m, torch.nn.Conv2d)]
+    for m in convs:
+        m.merged_adapters = []          # a PEFT layer's record of what it merged
+    compile_unet(u, backend)
+    before = _run(u, inputs)
+    g = torch.Generator().manual_seed(7)
+    for m in convs:                     # fuse_lora
+        m.weight.data += 0.05 * torch.randn(m.weight.shape, generator=g)
+        m.merged_adapters.append("a")
+    with accelerator_of(u).bypass():
+        ref = _run(u, inputs)
+    assert (ref - before).abs().max() > 1e-2   # the change matters
+    _close(_run(u, inputs), ref)
+    for m in convs[::2]:                # another writer, then the caller tells
+        m.weight.data *= 1.5
+    weights_changed(u)
+    with accelerator_of(u).bypass():
+        ref = _run(u, inputs)
+    _close(_run(u, inputs), ref)
+
+
 @pytest.mark.parametrize("kind_", ["sd15", "sdxl"])
 def test_zero_recompiles_after_warmup(kind_, make_unet):
     u = make_unet(kind_)
@@ -188,3 +217,32 @@ def test_diffusers_transformers_are_refused_at_compile_with_what_it_takes(cls):
     with pytest.raises(TypeError, match=f"{cls} is not a supported UNet"):
         compile_unet(model)
     assert "forward" not in model.__dict__
+
+
+def test_a_call_with_autograd_runs_the_models_own_code(make_unet):
+    """Gradients through the UNet (guidance by gradients: d loss / d latents): the call runs the
+    model's own code, said once, and its gradient is the model's; the compiled regions stay on, and
+    a later call under autograd with nothing to differentiate runs compiled code and compiles
+    nothing new. Before, the forward failed the resblocks for good (no autograd formula for the
+    prepacked conv) and the backward raised."""
+    from unet_compiler.compiler.api import GRAD_ON
+    u, ref = make_unet("sd15"), make_unet("sd15")
+    inputs = _inputs(u, side=9)       # (last in this file, a size no other test warms: dynamo marks the
+    # sizes a region body saw change dynamic for every model, which a one-shape test above counts on)
+    compile_unet(u, "inductor")
+    warmup(u, "2x72x72")
+    x, t, c, kw = inputs
+
+    def grad_of(m):
+        xl = x.clone().requires_grad_(True)
+        m(xl, t, c).sample.float().pow(2).mean().backward()
+        return xl.grad
+    ref.requires_grad_(False)
+    torch.testing.assert_close(grad_of(u), grad_of(ref), rtol=1e-4, atol=1e-4)
+    accel = accelerator_of(u)
+    assert not accel.failed and GRAD_ON in accel.text()
+    compiled = accel.stats["calls"]
+    out = u(x, t, c).sample                    # autograd on, nothing requires grad
+    assert not out.requires_grad and not out.is_inference()
+    _close(out, _run(ref, inputs))
+    assert accel.stats["calls"] == compiled + 1 and accel.stats["recompiles_after_warmup"] == 0, report(u)
