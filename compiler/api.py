@@ -6,6 +6,7 @@ compiler reads)."""
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 
 import torch
@@ -140,6 +141,13 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     """
     config = CompileConfig.from_options(backend, **options)
     uncompile_unet(module)
+    d = module.__dict__
+    hooked = "_hf_hook" in d and "_old_forward" in d   # accelerate's hooks (enable_model_cpu_offload, device_map)
+    if "forward" in d and not hooked:
+        raise ValueError(f"compile_unet: this {type(module).__name__}'s forward was replaced on the instance "
+                         f"({getattr(d['forward'], '__qualname__', type(d['forward']).__name__)}), which the pack "
+                         f"would have to drop. Fix: call compile_unet before the code that wraps forward (wrappers "
+                         f"added after it run around the compiled UNet), or remove that wrapper first")
     plan = build_plan(module)
     if plan.arch == "dit":
         raise ValueError(f"compile_unet: {type(module).__name__} is a ComfyUI diffusion transformer, whose "
@@ -148,17 +156,36 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
                          f"ModelPatcher: the Compile UNet and Warmup Shapes nodes, or "
                          f"unet_compiler.nodes.patcher.compile_model(patcher, config) and then warmup_model(...)")
     accel = Accelerator(module, config, plan=plan)
-    module.__dict__[_ATTR] = accel
+    d[_ATTR] = accel
     # the module holds its forward: a weak reference back, so dropping the module frees it (and the
     # accelerator) at once, not at Python's next cyclic collection
     ref = weakref.ref(module)
-    module.__dict__["forward"] = own(lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k))
+    forward = own(lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k))
+    if hooked:   # accelerate's forward runs its hook, then calls _old_forward: the pack's, from now on
+        _INSTALLED[accel] = (forward, d["_old_forward"])
+        d["_old_forward"] = forward
+    else:        # (a hook accelerate adds later keeps this as its _old_forward)
+        _INSTALLED[accel] = (forward, None)
+        d["forward"] = forward
     return module
 
 
+#: accelerator -> (the forward compile_unet installed, the accelerate ``_old_forward`` it took the place of)
+_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
-    if module.__dict__.pop(_ATTR, None) is not None:
-        module.__dict__.pop("forward", None)
+    """Undo :func:`compile_unet`: the module's own forward again, an accelerate hook added before or
+    after compiling kept (it calls the module's own forward)."""
+    d = module.__dict__
+    accel = d.pop(_ATTR, None)
+    if accel is None:
+        return module
+    forward, before = _INSTALLED.pop(accel, (None, None))
+    if forward is not None and d.get("forward") is forward:
+        del d["forward"]
+    if forward is not None and d.get("_old_forward") is forward:
+        d["_old_forward"] = before if before is not None else types.MethodType(type(module).forward, module)
     return module
 
 

@@ -246,3 +246,72 @@ def test_a_call_with_autograd_runs_the_models_own_code(make_unet):
     assert not out.requires_grad and not out.is_inference()
     _close(out, _run(ref, inputs))
     assert accel.stats["calls"] == compiled + 1 and accel.stats["recompiles_after_warmup"] == 0, report(u)
+
+
+class _Hooks:
+    """accelerate's ``add_hook_to_module`` / ``remove_hook_from_module`` (accelerate 1.16.0
+    ``hooks.py``, rewritten: what ``enable_model_cpu_offload`` and ``device_map`` put on the UNet):
+    the module's forward becomes a partial that runs the hook's ``pre_forward`` and then calls
+    ``module._old_forward`` (its forward when hooked first); removing puts ``_old_forward`` back
+    as ``forward``. This hook counts its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls += 1
+        return args, kwargs
+
+    def add(self, module):
+        import functools
+        if not (hasattr(module, "_hf_hook") and hasattr(module, "_old_forward")):
+            module._old_forward = module.forward
+        module._hf_hook = self
+
+        def new_forward(module, *args, **kwargs):
+            args, kwargs = module._hf_hook.pre_forward(module, *args, **kwargs)
+            return module._old_forward(*args, **kwargs)
+        module.forward = functools.update_wrapper(functools.partial(new_forward, module), module._old_forward)
+
+    @staticmethod
+    def remove(module):
+        del module._hf_hook
+        module.forward = module._old_forward
+        del module._old_forward
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_accelerates_offload_hook_runs_around_the_compiled_unet(make_unet, when):
+    """An accelerate hook (model CPU offload) put on before or after compile_unet: each call runs the
+    hook, then the compiled regions; uncompile_unet leaves the hook calling the model's own forward.
+    Before, compile_unet dropped a hook put on before it and uncompile_unet deleted one put on after."""
+    u = make_unet("sd15")
+    inputs = _inputs(u)
+    ref = _run(u, inputs)
+    hook = _Hooks()
+    if when == "before":
+        hook.add(u)
+    compile_unet(u, "eager")
+    if when == "after":
+        hook.add(u)
+    _close(_run(u, inputs), ref)
+    stats = accelerator_of(u).stats
+    assert hook.calls == 1 and stats["calls"] + stats["eager_calls"] == 1     # the pack's forward ran
+    from unet_compiler.compiler import uncompile_unet
+    uncompile_unet(u)
+    _close(_run(u, inputs), ref)
+    assert hook.calls == 2 and "_unet_compiler" not in u.__dict__
+    _Hooks.remove(u)
+    assert "forward" not in u.__dict__ or getattr(u.forward, "__func__", None) is type(u).forward
+    _close(_run(u, inputs), ref)
+
+
+def test_compile_unet_refuses_a_forward_it_would_drop(make_unet):
+    """A forward another library set on the instance (not accelerate's hook): compile_unet says so,
+    with the fix, before any work, and leaves the module as it was."""
+    u = make_unet("sd15")
+    wrapper = lambda *a, **k: type(u).forward(u, *a, **k)  # noqa: E731
+    u.forward = wrapper
+    with pytest.raises(ValueError, match="forward was replaced on the instance .*Fix: call compile_unet before"):
+        compile_unet(u, "eager")
+    assert u.__dict__["forward"] is wrapper and "_unet_compiler" not in u.__dict__
