@@ -64,6 +64,12 @@ def _map_out(out, fn):
     return fn(out) if isinstance(out, torch.Tensor) else out
 
 
+def _dtype_now(module, compiled) -> torch.dtype:
+    """The dtype of the module's weights now (``.to(dtype)`` after compiling moves it), else ``compiled``."""
+    p = next(module.parameters(), None)
+    return p.dtype if p is not None else compiled
+
+
 def _needs_grad(module, args, kwargs) -> bool:
     """Whether a call made with autograd on has something to differentiate: an input tensor or a
     parameter that requires grad (compile_unet turned the parameters' off; a trainer turns them on)."""
@@ -107,7 +113,7 @@ def weights_changed(module: torch.nn.Module) -> None:
 def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     # fp16/bf16 precision runs the regions under autocast; the caller gets the model's dtype back
     # (ComfyUI casts apply_model's output itself; a diffusers scheduler would get bf16 otherwise)
-    dtype = accel.model_dtype if accel.autocast_dtype is not None else None
+    dtype = _dtype_now(module, accel.model_dtype) if accel.autocast_dtype is not None else None
 
     def in_model_dtype(t):
         return t.to(dtype) if dtype is not None and t.is_floating_point() else t

@@ -439,6 +439,9 @@ def warmup_runs(accel: Accelerator, shapes: list[Shape], run_one, compare: bool 
     :func:`run_plan`), then tell its :class:`Outcome` (``warmup_done`` on ``accel.events``), also
     when a call raised (a cancel or out of memory excepted: nothing is told). Returns the report."""
     since = Counts.now(accel)
+    # the dtype the regions compute in, as this warmup's calls find it (the model may have moved to
+    # another dtype since its first call: its tolerance is that dtype's)
+    accel.compute_dtype = None
     try:
         rep = run_plan(accel, plan_warmup(accel, shapes, compare, background), run_one)
     except BaseException as e:

@@ -315,3 +315,19 @@ def test_compile_unet_refuses_a_forward_it_would_drop(make_unet):
     with pytest.raises(ValueError, match="forward was replaced on the instance .*Fix: call compile_unet before"):
         compile_unet(u, "eager")
     assert u.__dict__["forward"] is wrapper and "_unet_compiler" not in u.__dict__
+
+
+def test_a_model_moved_to_bf16_after_a_call_is_warmed_at_bf16s_tolerance(make_unet):
+    """compile, one fp32 call, ``.to(torch.bfloat16)``, warmup: the compare uses bf16's tolerance (the
+    dtype the warmup's calls compute in). Before, it kept fp32's from the first call and refused
+    correct code as wrong (0.0195 over 0.012)."""
+    u = make_unet("sd15")
+    compile_unet(u, "inductor")
+    _run(u, _inputs(u))
+    u.to(torch.bfloat16)
+    text = warmup(u, "2x64x64")
+    accel = accelerator_of(u)
+    assert accel.compute_dtype == torch.bfloat16 and not accel.failed, text
+    x, t, c, kw = _inputs(u)
+    out = _run(u, (x.bfloat16(), t, c.bfloat16(), kw))
+    assert out.dtype == torch.bfloat16
