@@ -214,12 +214,15 @@ def warmup(module, shapes, context_tokens: int = 77, compare: bool = True, backg
     own code in each region until its code is ready; on a CPU the thread compiles once no call ran
     for a second; ``wait_for_background()`` waits).
     Returns the report text."""
-    if not isinstance(background, bool):
-        raise TypeError(f"warmup: background must be True or False, got {background!r}")
+    for name, flag in (("background", background), ("compare", compare)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"warmup: {name} must be True or False, got {flag!r}")
+    context_tokens = check_context_tokens(context_tokens)
     accel = accelerator_of(module)
     p = next(module.parameters())
     shapes = as_shapes(shapes)
     check_frames(shapes, video=False)           # a diffusers UNet2DConditionModel makes images
+    unet_inputs(module, accel.plan.family, shapes[0], context_tokens, p.dtype, p.device)   # (ShapeError: before work)
     check_memory(shapes, first_level_channels(module), p.element_size(), device_free_bytes(p.device),
                  memory_name(p.device))
 

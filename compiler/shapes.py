@@ -225,12 +225,36 @@ def unet_inputs(unet, family: str, shape: Shape, tokens: int, dtype, device) -> 
             kwargs["y"] = rnd(b, unet.label_emb[0][0].in_features)  # SDXL: ADM vector (2816)
         return (rnd(b, unet.in_channels, lh, lw), t), kwargs
     cfg = unet.config
-    kwargs = {"encoder_hidden_states": rnd(b, tokens, cfg.cross_attention_dim)}
+    unserved = _diffusers_inputs_unserved(cfg)
+    if unserved:
+        raise ShapeError(f"warmup: this UNet2DConditionModel takes {unserved}, which warmup does not make up. Fix: "
+                         f"warm it by calling the compiled UNet yourself once per shape, with your pipeline's "
+                         f"inputs (each first call compiles), then sample")
+    width = cfg.cross_attention_dim if getattr(cfg, "encoder_hid_dim", None) is None else cfg.encoder_hid_dim
+    kwargs = {"encoder_hidden_states": rnd(b, tokens, width)}
     if getattr(cfg, "addition_embed_type", None) == "text_time":
         n_time = 6
         text_dim = cfg.projection_class_embeddings_input_dim - n_time * cfg.addition_time_embed_dim
         kwargs["added_cond_kwargs"] = {"text_embeds": rnd(b, text_dim), "time_ids": rnd(b, n_time)}
+    if getattr(cfg, "num_class_embeds", None) is not None:        # class-conditioned (the x4 upscaler's noise level)
+        kwargs["class_labels"] = torch.randint(0, cfg.num_class_embeds, (b,), generator=g).to(device)
+    elif getattr(cfg, "class_embed_type", None) == "timestep":
+        kwargs["class_labels"] = torch.full((b,), 20.0, device=device)
+    if getattr(cfg, "time_cond_proj_dim", None) is not None:      # LCM's guidance embedding
+        kwargs["timestep_cond"] = rnd(b, cfg.time_cond_proj_dim)
     return (rnd(b, cfg.in_channels, lh, lw), t), kwargs
+
+
+def _diffusers_inputs_unserved(cfg) -> str | None:
+    """The conditioning a diffusers UNet's config asks for that :func:`unet_inputs` cannot make up."""
+    if getattr(cfg, "addition_embed_type", None) not in (None, "text_time"):
+        return f"added conditioning of type {cfg.addition_embed_type!r} (image or text embeddings)"
+    if getattr(cfg, "class_embed_type", None) not in (None, "timestep"):
+        return f"class labels of type {cfg.class_embed_type!r}"
+    if getattr(cfg, "encoder_hid_dim", None) is not None and getattr(cfg, "encoder_hid_dim_type", None) not in (
+            None, "text_proj"):
+        return f"an encoder projection of type {cfg.encoder_hid_dim_type!r} (image embeddings)"
+    return None
 
 
 def context_dim(unet) -> int:

@@ -331,3 +331,28 @@ def test_a_model_moved_to_bf16_after_a_call_is_warmed_at_bf16s_tolerance(make_un
     x, t, c, kw = _inputs(u)
     out = _run(u, (x.bfloat16(), t, c.bfloat16(), kw))
     assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("over", [dict(in_channels=7, num_class_embeds=1000), dict(encoder_hid_dim=48),
+                                  dict(time_cond_proj_dim=16)], ids=["class labels", "encoder_hid_dim", "LCM"])
+def test_warmup_makes_the_conditioning_the_config_asks_for(tiny_unet, over):
+    """The x4 upscaler's class labels, a context projected from another width, LCM's timestep_cond:
+    warmup makes each up and compiles. Before, the first two raised diffusers' errors (no fix named)."""
+    u = tiny_unet(**over)
+    compile_unet(u, "eager")
+    text = warmup(u, "1x64x64")
+    assert "warmed 1x64x64" in text, text
+
+
+def test_warmup_names_what_it_cannot_make_and_bad_arguments(tiny_unet):
+    u = tiny_unet(addition_embed_type="image", encoder_hid_dim=32, encoder_hid_dim_type="image_proj")
+    compile_unet(u, "eager")
+    with pytest.raises(ValueError, match="added conditioning of type 'image'.*Fix: warm it by calling"):
+        warmup(u, "1x64x64")
+    v = tiny_unet()
+    compile_unet(v, "eager")
+    for bad in ("77", 2.5, -5, 0):
+        with pytest.raises(ValueError, match="context_tokens"):
+            warmup(v, "1x64x64", context_tokens=bad)
+    with pytest.raises(TypeError, match="compare must be True or False"):
+        warmup(v, "1x64x64", compare="yes")
