@@ -1,5 +1,6 @@
 """What a compile cache entry depends on, and its key: the UNet's architecture, device, torch,
-triton, the CompileConfig, the pack's version and compiled code, and ComfyUI's version."""
+triton, the CompileConfig, the pack's version and compiled code, and the versions of ComfyUI,
+diffusers and PEFT."""
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,21 @@ def key_facts(unet, config, device) -> dict:
         triton_version = None
     return {"format": FORMAT, "architecture": architecture(unet), "device": dev.type, "capability": capability,
             "torch": torch.__version__, "triton": triton_version, "config": dataclasses.asdict(config),
-            "pack": PACK_VERSION, "code": code_digest(), "comfyui": _comfyui_version()}
+            "pack": PACK_VERSION, "code": code_digest(), "comfyui": _comfyui_version(), "traced": traced_libraries()}
+
+
+@functools.lru_cache(maxsize=1)
+def traced_libraries() -> dict:
+    """The versions of the libraries whose module code the variants trace besides ComfyUI's (a diffusers
+    UNet's blocks, PEFT's LoRA layers called inside a region), where installed: an upgrade is a new key."""
+    from importlib import metadata
+    out = {}
+    for name in ("diffusers", "peft"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
 
 
 @functools.lru_cache(maxsize=1)

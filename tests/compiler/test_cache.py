@@ -49,6 +49,12 @@ def test_key_covers_what_the_code_depends_on(tiny_unet, folder, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(C.key, "PACK_VERSION", "9.9.9")
     assert _entry(unet, folder).key != base, "another pack version"
+    monkeypatch.undo()
+    installed = C.key.traced_libraries()
+    for lib in ("diffusers", "peft"):   # their modules' code is traced into the variants
+        monkeypatch.setattr(C.key, "traced_libraries", lambda lib=lib: {**installed, lib: "9.9"})
+        assert _entry(unet, folder).key != base, f"another {lib}"
+        monkeypatch.undo()
 
 
 def _write(entry, data: bytes, **meta_over):
