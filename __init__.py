@@ -16,7 +16,7 @@ log = logging.getLogger(__name__)
 WEB_DIRECTORY = "./web"
 MIN_COMFYUI = "0.3.48"
 #: the library API, imported from compiler/api.py on first use
-_API = ("compile_unet", "warmup", "wait_for_background", "report", "uncompile_unet")
+_API = ("compile_unet", "warmup", "wait_for_background", "report", "uncompile_unet", "weights_changed")
 
 try:
     from comfy_api.latest import ComfyExtension, io  # noqa: F401

@@ -94,7 +94,7 @@ def test_a_call_with_nothing_set_finds_nothing_and_the_check_is_cheap(tiny_unet,
     for _ in range(200):
         assert watch.check(u) is None
     per_call = (time.perf_counter() - t0) / 200
-    assert per_call < 200e-6, per_call          # tens of µs here for hundreds of modules (docs/internals.md)
+    assert per_call < 200e-6, per_call          # 26 µs for SD1.5's 843 modules here (docs/internals.md)
 
 
 def test_an_attention_processor_set_after_compiling_runs(tiny_unet, strict_graph_standin):
