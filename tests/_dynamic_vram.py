@@ -326,8 +326,9 @@ class CudaVBAR:
     tests read of :class:`CpuVBAR` (``resident``, ``pins``, ``pinned``) is not there: aimdo keeps it in C."""
 
     def __init__(self, size: int, budget: int, device: torch.device):
+        import importlib
+
         import comfy_aimdo.control as control
-        import comfy_aimdo.model_vbar as model_vbar
         if control.lib is None:
             control.init()
         if control.lib is None:
@@ -336,6 +337,11 @@ class CudaVBAR:
         index = device.index if device.index is not None else torch.cuda.current_device()
         if not control.devctxs:      # (ComfyUI's startup does this once; a second call only warns)
             control.init_device(index)
+        # model_vbar binds ``control.lib`` when first imported: imported before the library loaded
+        # (the double's CPU path imports it), its ``lib`` is None and ModelVBAR cannot call it
+        import comfy_aimdo.model_vbar as model_vbar
+        if model_vbar.lib is not control.lib:
+            model_vbar = importlib.reload(model_vbar)
         self.device = torch.device("cuda", index)
         self.vbar = model_vbar.ModelVBAR(size, index)
         self.max_size, self.budget = size, budget
@@ -353,6 +359,10 @@ class CudaVBAR:
 
     def free_memory(self, size_bytes: float) -> int:
         return self.vbar.free_memory(int(min(size_bytes, 2**62)))
+
+    def prioritize(self) -> None:
+        """aimdo's ``ModelVBAR.prioritize`` (``vbar_prioritize``, no clamp): the whole range may be faulted again."""
+        self.vbar.prioritize()
 
     def set_budget(self, budget: int) -> None:
         self.budget = budget
@@ -412,10 +422,12 @@ class DynamicVRAM:
             for dest, data in self._pending.pop(on, ()):
                 dest.copy_(data)
 
-    def cast_buffer(self, stream: int, size: int) -> torch.Tensor:
-        buf = self.buffers.get(stream)
-        if buf is None or buf.numel() < size:
-            buf = self.buffers[stream] = torch.empty(max(size, 1 << 20), dtype=torch.uint8)
+    def cast_buffer(self, stream: int, size: int, device: torch.device) -> torch.Tensor:
+        """``get_aimdo_cast_buffer``: ``stream``'s one buffer, on ``device`` (the op's), grown to ``size``."""
+        buf, want = self.buffers.get(stream), torch.device("cpu" if device is None else device)
+        moved = buf is not None and (buf.device.type != want.type or want.index not in (None, buf.device.index))
+        if buf is None or moved or buf.numel() < size:
+            buf = self.buffers[stream] = torch.empty(max(size, 1 << 20), dtype=torch.uint8, device=want)
         return buf
 
     # -- comfy.ops --------------------------------------------------------------------------
@@ -484,7 +496,7 @@ class DynamicVRAM:
                 if slot is not None and not needs_cast:
                     dest = slot
                 else:
-                    dest = self.cast_buffer(stream, offset + size)[offset:offset + size]
+                    dest = self.cast_buffer(stream, offset + size, device)[offset:offset + size]
                     offset += size
                     self.shared_casts += 1
                 self._write(src, dest, stream)
@@ -504,7 +516,7 @@ class DynamicVRAM:
                 geoms = geometries(s)
                 dest = prefetch["cast_dest"]
                 if dest is None:
-                    dest = torch.empty(gathered_size(geoms), dtype=torch.uint8)
+                    dest = torch.empty(gathered_size(geoms), dtype=torch.uint8, device=prefetch["dest"].device)
                 converted = self._read(geoms, dest)
                 for pre, post_cast in zip(placed, converted, strict=True):
                     if post_cast is not None:
@@ -689,9 +701,9 @@ def dynamic_patcher_class(comfy):
             resident ranges no call has pinned), which the module-level count leaves out."""
             import comfy.model_management
             vbar = self.vbar()
-            if not isinstance(vbar, CpuVBAR):         # aimdo's own count on a GPU
+            if not isinstance(vbar, CpuVBAR):         # aimdo's own count on a GPU (it takes the device's index)
                 import comfy_aimdo.model_vbar as model_vbar
-                return comfy.model_management.get_free_memory(device) + model_vbar.vbars_analyze(device)
+                return comfy.model_management.get_free_memory(device) + model_vbar.vbars_analyze(vbar.device.index)
             return comfy.model_management.get_free_memory(device) + sum(size for address, (size, _) in vbar.resident.items()
                                                     if not vbar.pins[address])
 
