@@ -3,9 +3,11 @@
 One call on a GPU machine, within a time budget (default 470 s, for a 500 s call), steps in priority
 order, each capped and skipped when too little time is left:
 
-    probe_alloc   CUDA graph capture under the native allocator and cudaMallocAsync (ComfyUI's default):
-                  capture memory and the driver, the pack's kernels launched directly and through
-                  triton's JIT inside captures, a tiny UNet with graphs both ways
+    comfy_imports what the dynamic steps import (ComfyUI, comfy-aimdo's VBAR on the GPU, the pack's
+                  nodes): failing, those steps are skipped with its error line
+    probe_alloc   CUDA graph capture under cudaMallocAsync (ComfyUI's default), then the native
+                  allocator: capture memory and the driver, the pack's kernels launched directly,
+                  the pack on a tiny UNet with graphs, then the same through triton's JIT
     dynamic_sd15  the user's default path (``bench dynamic``): ComfyUI's SD1.5 UNet 512x512 batch 2 bf16
                   under Dynamic VRAM (comfy-aimdo's VBAR on the GPU) and cudaMallocAsync, resident and
                   at half the room: eager vs Compile UNet's defaults vs TorchCompileModel (demoted)
@@ -20,15 +22,18 @@ order, each capped and skipped when too little time is left:
     bench_sdxl_kernels  the per-kernel table at SDXL shapes, with what is left
 
 Every step writes ``DIR/<step>.log``; ``DIR/summary.txt`` grows as the steps end (so a call cut
-short still brings back what ran). It installs nothing: wheels the GPU image lacks (diffusers) come
-on ``PYTHONPATH``, and the ComfyUI tree through ``COMFYUI_PATH`` (DEVELOPERS.md, "GPU"). What the
-first runs found: docs/gpu.md.
+short still brings back what ran). Each step runs in its own process group, ended whole at its cap
+(SIGTERM, 5 s, SIGKILL), and whatever it left running when it ended is killed too. It installs
+nothing: wheels the GPU image lacks (diffusers, comfy-aimdo) come on ``PYTHONPATH``, and the
+ComfyUI tree through ``COMFYUI_PATH`` (DEVELOPERS.md, "GPU"); ``--dry-run`` also sizes what the
+call carries (``CARRY``) against the device runner's 64 MiB. What the first runs found: docs/gpu.md.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -47,6 +52,7 @@ class Step:
     keep: list = field(default_factory=list)   # regexes of log lines the summary keeps
     env: dict = field(default_factory=dict)    # set for this step's commands (e.g. the allocator)
     needs: tuple = ()    # what its commands import beyond torch and triton (NEEDS): missing, it is skipped
+    after: tuple = ()    # steps that must not have failed (rc != 0) earlier in this call: else it is skipped
 
 
 #: what a step may need that a GPU image may lack: name -> how to find it (a module, or "tree": a
@@ -66,6 +72,97 @@ def missing(needs, env: dict) -> list[str]:
     return out
 
 
+#: what the call carries to a lent machine beside the checkout (git-ignored; DEVELOPERS.md, "GPU"), and
+#: the device runner's limit on all it carries
+CARRY = {".gpu/whl": "wheels the image lacks: diffusers and its pure-Python dependencies, comfy-aimdo",
+         ".gpu/comfy": "a ComfyUI tree, trimmed (no .git, models, user files)"}
+CARRY_LIMIT = 64 << 20
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum((Path(d) / f).lstat().st_size for d, _, fs in os.walk(path) for f in fs)
+
+
+def carry_lines(root: Path = ROOT) -> list[str]:
+    """What ``CARRY`` holds under ``root`` here, each path's size, the total against ``CARRY_LIMIT``,
+    and what the steps need that is not among it (comfy-aimdo's wheel, the tree's main.py)."""
+    out, total = [], 0
+    for rel, what in CARRY.items():
+        path = root / rel
+        if not path.exists():
+            out.append(f"carry {rel:12s} missing here ({what})")
+            continue
+        n = _size(path)
+        total += n
+        out.append(f"carry {rel:12s} {n / 2**20:6.1f} MiB ({what})")
+    whl = root / ".gpu/whl"
+    lacking = [name for name, pattern in (("comfy-aimdo wheel", "comfy_aimdo-*.whl"), ("diffusers wheel", "diffusers-*.whl"))
+               if not (whl.is_dir() and any(whl.glob(pattern)))]
+    if not (root / ".gpu/comfy/main.py").is_file():
+        lacking.append("a ComfyUI tree (its main.py)")
+    over = total > CARRY_LIMIT
+    out.append(f"carry total  {total / 2**20:6.1f} MiB of {CARRY_LIMIT >> 20} MiB" + (": OVER the limit" if over else "")
+               + (f"; not in it: {', '.join(lacking)}" if lacking else ""))
+    return out
+
+
+def _group_alive(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid`` (Linux: /proc; elsewhere: [pgid] while
+    the group can be signalled)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError, AttributeError):
+            return []
+    alive = []
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields and int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            alive.append(int(d.name))
+    return alive
+
+
+def end_group(p: subprocess.Popen, grace: float = 5.0) -> int:
+    """End ``p`` (started with ``start_new_session=True``) and everything in its process group:
+    SIGTERM to the group, up to ``grace`` s for it to go, SIGKILL to what is left; ``p`` reaped.
+    Returns how many live processes the group had (0: nothing was signalled)."""
+    if not hasattr(os, "killpg"):            # (Windows: its direct child only)
+        alive = int(p.poll() is None)
+        p.kill()
+        p.wait()
+        return alive
+    alive = _group_alive(p.pid)
+    if alive:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if p.poll() is None or _group_alive(p.pid):
+                time.sleep(0.1)
+                continue
+            break
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        p.wait(timeout=30)
+    except subprocess.TimeoutExpired:          # (stuck in the kernel, a driver call: left to the OS)
+        pass
+    return len(alive)
+
+
 def _py(*args) -> list:
     return [sys.executable, *args]
 
@@ -78,14 +175,18 @@ def steps() -> list[Step]:
     def dynamic(size, lat, iters):   # the user's default path: Dynamic VRAM (comfy-aimdo), cudaMallocAsync
         return _py("-m", "unet_compiler.bench", "dynamic", "--size", size, "--device", "cuda", "--dtype", "bf16",
                    "--batch", "2", "--latent", str(lat), "--iters", str(iters), "--rooms", "1,0.5")
-    keep_dynamic = [r"^\|", r"^ComfyUI's", r"status:", r"Error|Traceback"]
+    keep_dynamic = [r"^\|", r"^ComfyUI's", r"status:", r"against TorchCompileModel", r"Error|Traceback"]
     comfy_needs = ("ComfyUI tree", "comfy-aimdo")
     async_alloc = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}
     return [
-        Step("probe_alloc", 150, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc")], [r"rc="],
-             needs=("diffusers",)),
-        Step("dynamic_sd15", 160, 90, [dynamic("sd15", 64, 20)], keep_dynamic, async_alloc, comfy_needs),
-        Step("dynamic_sdxl", 150, 100, [dynamic("sdxl", 128, 10)], keep_dynamic, async_alloc, comfy_needs),
+        Step("comfy_imports", 30, 15, [_py("-m", "unet_compiler.bench", "dynamic", "--imports-only", "--device", "cuda")],
+             [r"^bench dynamic: imports", r"Error|Traceback"], async_alloc, comfy_needs),
+        Step("probe_alloc", 150, 60, [_py("-m", "unet_compiler.bench.gpu_probes", "alloc", "--cap", "{cap}")],
+             [r"rc="], needs=("diffusers",)),
+        Step("dynamic_sd15", 160, 90, [dynamic("sd15", 64, 20)], keep_dynamic, async_alloc, comfy_needs,
+             ("comfy_imports",)),
+        Step("dynamic_sdxl", 150, 100, [dynamic("sdxl", 128, 10)], keep_dynamic, async_alloc, comfy_needs,
+             ("comfy_imports",)),
         Step("tests", 190, 60, [
             _py(*tests, "-rfEs", *xdist, "tests/kernels", "tests/compiler/test_triton_backend.py"),
             _py(*tests, "-rfEs", "tests/compiler/test_cuda_graphs.py",
@@ -148,6 +249,7 @@ class Check:
         self.summary = out / "summary.txt"
         self.summary.write_text("")
         self.stubs = ""
+        self.results: dict = {}      # step -> its rc (None: skipped)
 
     def left(self) -> float:
         return self.budget - (self.clock() - self.t0)
@@ -158,9 +260,10 @@ class Check:
             f.write(line + "\n")
 
     def run(self, step: Step) -> int | None:
-        """The step's commands at once, each killed at the step's cap; None: skipped (too little time
-        left, or something it needs missing here). Returns the worst exit status (124: a command ran
-        past the cap)."""
+        """The step's commands at once, each in its own process group, ended at the step's cap; None:
+        skipped (too little time left, something it needs missing here, or a step it comes ``after``
+        failed). Returns the worst exit status (124: a command ran past the cap)."""
+        self.results[step.name] = None
         c = cap(step.want_s, self.left())
         if c < step.min_s:
             self.say(f"== {step.name}: skipped, {self.left():.0f} s left (needs {step.min_s} s)")
@@ -169,6 +272,10 @@ class Check:
         if lacking:
             self.say(f"== {step.name}: skipped, {', '.join(lacking)} missing here (DEVELOPERS.md, \"GPU\": what to carry)")
             return None
+        failed = [a for a in step.after if self.results.get(a) not in (0, None)]
+        if failed:
+            self.say(f"== {step.name}: skipped, {', '.join(failed)} failed (its log)")
+            return None
         start = self.clock()
         env = {k: v for k, v in self.env.items() if k not in step.env} | step.env
         if step.name == "tests":
@@ -176,27 +283,38 @@ class Check:
             if self.stubs:
                 env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), self.stubs]))
         procs = []
-        for i, argv in enumerate(step.commands):
-            log = self.out / (f"{step.name}.log" if i == 0 else f"{step.name}.{i + 1}.log")
-            argv = [a.replace("{out}", str(self.out)) for a in argv]
-            f = log.open("w")
-            procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT), f, log))
-        worst = 0
-        for p, f, _ in procs:
-            try:
-                rc = p.wait(timeout=max(1.0, c - (self.clock() - start)))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-                rc = 124
-            f.close()
-            worst = rc if worst == 0 else worst
-        self.say(f"== {step.name}: rc={worst} in {self.clock() - start:.0f} s (cap {c} s)")
+        worst, notes = 0, []
+        try:
+            for i, argv in enumerate(step.commands):
+                log = self.out / (f"{step.name}.log" if i == 0 else f"{step.name}.{i + 1}.log")
+                argv = [a.replace("{out}", str(self.out)).replace("{cap}", str(c)) for a in argv]
+                f = log.open("w")
+                procs.append((subprocess.Popen(argv, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                               start_new_session=True), f, log))
+            for p, f, _ in procs:
+                try:
+                    rc = p.wait(timeout=max(1.0, c - (self.clock() - start)))
+                    left_running = end_group(p)          # what it left behind would run into the next steps
+                    if left_running:
+                        notes.append(f"{left_running} process(es) it left running killed")
+                except subprocess.TimeoutExpired:
+                    end_group(p)
+                    rc = 124
+                f.close()
+                worst = rc if worst == 0 else worst
+        finally:
+            for p, f, _ in procs:                        # (interrupted: nothing left running)
+                if p.returncode is None:
+                    end_group(p)
+                f.close()
+        self.say(f"== {step.name}: rc={worst} in {self.clock() - start:.0f} s (cap {c} s)"
+                 + (f"; {'; '.join(notes)}" if notes else ""))
         for _, _, log in procs:
             keep = [ln for ln in log.read_text(errors="replace").splitlines()
                     if any(re.search(k, ln) for k in step.keep)]
             for ln in keep[-40:]:
                 self.say("   " + ln[:900])
+        self.results[step.name] = worst
         return worst
 
     def comfy_stubs(self) -> None:
@@ -218,14 +336,26 @@ class Check:
         self.say("ComfyUI requirements stubbed for the tests' metadata check only: " + (", ".join(missing) or "none"))
 
     def env_line(self) -> None:
+        """The summary's first line: the python's torch / triton / GPU, nvidia-smi's driver (each capped)."""
         probe = ("import sys, torch, triton; print(sys.version.split()[0], 'torch', torch.__version__, 'triton', "
                  "triton.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA', "
                  "torch.cuda.get_device_capability() if torch.cuda.is_available() else '')")
-        p = subprocess.run(_py("-c", probe), cwd=ROOT, env=self.env, capture_output=True, text=True)
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True) if _which("nvidia-smi") else None
-        self.say(f"env: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {p.stdout.strip() or p.stderr[-300:]}"
-                 + (f"; {smi.stdout.strip()}" if smi is not None and smi.returncode == 0 else ""))
+        try:
+            p = subprocess.run(_py("-c", probe), cwd=ROOT, env=self.env, capture_output=True, text=True,
+                               timeout=ENV_TIMEOUT_S)
+            found = p.stdout.strip() or p.stderr[-300:]
+        except subprocess.TimeoutExpired:
+            found = f"python -c 'import torch, triton' did not answer in {ENV_TIMEOUT_S} s"
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=ENV_TIMEOUT_S) if _which("nvidia-smi") else None
+            gpu = smi.stdout.strip() if smi is not None and smi.returncode == 0 else ""
+        except subprocess.TimeoutExpired:
+            gpu = f"nvidia-smi did not answer in {ENV_TIMEOUT_S} s"
+        self.say(f"env: {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}; {found}" + (f"; {gpu}" if gpu else ""))
+
+
+ENV_TIMEOUT_S = 60     # env_line's two commands, each
 
 
 def _which(cmd: str) -> bool:
@@ -253,6 +383,8 @@ def main(argv=None) -> int:
             print(f"{name:20s} " + (f"cap {c} s" if c else "skipped (budget)")
                   + (f"; needs {', '.join(needs[name])}" if needs[name] else "")
                   + (f" (missing here: {', '.join(lacking)})" if lacking else ""))
+        for line in carry_lines():
+            print(line)
         return 0
     check = Check(Path(o.out).resolve(), o.budget, only)
     check.env_line()

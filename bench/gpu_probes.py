@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,16 +85,28 @@ def choice() -> None:
 TINY = dict(sample_size=8, block_out_channels=(32, 64), layers_per_block=1, cross_attention_dim=32,
             down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
             attention_head_dim=8, norm_num_groups=8)
-STAGES = ("pointer", "launch", "jit", "plain", "pool", "pack", "pack_jit")
+STAGES = ("pointer", "launch", "pack", "jit", "pack_jit", "plain", "pool")
+#: what ``alloc`` runs, in order: the allocators (cudaMallocAsync, ComfyUI's default, first: what is
+#: still unproven there), and per allocator the stages; ``plain`` and ``pool`` are left out, exact
+#: under both allocators in runs 2 and 3 (docs/gpu_h100_probes.jsonl), ``stage plain`` still runs them
+ALLOCATORS = ("backend:cudaMallocAsync", "")
+ALLOC_STAGES = ("pointer", "launch", "pack", "jit", "pack_jit")
+STAGE_TIMEOUT_S = 40       # one stage's process at most (the last H100 call: ~15 s a stage)
+STAGE_MIN_S = 10           # a stage is not started with less than this left of alloc's budget
+
+#: ``CUpointer_attribute``: what triton's launcher asks of every tensor argument (driver.c, extractPointer)
+CU_POINTER_ATTRIBUTE_DEVICE_POINTER = 3
 
 
 def _cu_pointer_status(t: torch.Tensor) -> int:
-    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`` on ``t``'s address through ctypes:
-    the driver's status (0: the address is device memory it knows; 1: CUDA_ERROR_INVALID_VALUE)."""
+    """``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_POINTER)`` on ``t``'s address through ctypes,
+    as triton's launcher asks it: the driver's status (0: the address is device memory it knows;
+    1: CUDA_ERROR_INVALID_VALUE, which the launcher reports as "cannot be accessed from Triton")."""
     import ctypes
     lib = ctypes.CDLL("libcuda.so.1" if os.name != "nt" else "nvcuda.dll")
     out = ctypes.c_uint64(0)
-    return int(lib.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(2), ctypes.c_uint64(t.data_ptr())))
+    return int(lib.cuPointerGetAttribute(ctypes.byref(out), ctypes.c_int(CU_POINTER_ATTRIBUTE_DEVICE_POINTER),
+                                         ctypes.c_uint64(t.data_ptr())))
 
 
 def _launch_stage(name: str) -> dict:
@@ -120,13 +133,20 @@ def _launch_stage(name: str) -> dict:
         if name == "pointer":
             res["cu_pointer_status_outside"] = _cu_pointer_status(x)
             return res
-        junk = [torch.empty(1 << 20, device="cuda") for _ in range(16)]   # unrelated allocations come and go
-        del junk
-        for _ in range(2):
+
+        def replay(graph) -> None:
             x.copy_(torch.randn_like(x))
-            g.replay()
+            graph.replay()
             torch.cuda.synchronize()
             res["max_abs_diff"] = max(res.get("max_abs_diff", 0.0), float((y.float() - ref().float()).abs().max()))
+        # unrelated allocations made after the capture, alive and filled with a sentinel across a replay:
+        # memory the graph still uses, handed out again, shows as a wrong output or a changed sentinel
+        junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(16)]
+        replay(g)
+        res["sentinel_intact"] = all(bool((j == 7.0).all()) for j in junk)
+        del junk                                       # then freed: the replays after it
+        for _ in range(2):
+            replay(g)
         del g
         torch.cuda.synchronize()
     return res
@@ -135,8 +155,8 @@ def _launch_stage(name: str) -> dict:
 def stage(name: str) -> dict:
     """One capture under this process's allocator. pointer: the driver's answer for memory a capture
     allocated (triton's launcher asks it of every tensor argument); launch: the pack's groupnorm (three
-    kernels, launched directly with integer pointers) captured, replayed after unrelated allocations
-    came and went, == torch, the graph freed; jit: the same launched through triton's JIT (under
+    kernels, launched directly with integer pointers) captured, replayed with unrelated allocations
+    alive (their sentinel intact) and after they were freed, == torch, the graph freed; jit: the same launched through triton's JIT (under
     cudaMallocAsync it aborted with triton 3.6); plain: ``torch.cuda.graph`` of a matmul; pool: the
     pack's CudaGraphs (side stream, private pool); pack: the triton backend with graphs on a tiny bf16
     diffusers UNet, as shipped (its captures hold the kernels, launched directly); pack_jit: the same
@@ -196,26 +216,60 @@ def stage(name: str) -> dict:
     return res
 
 
-def alloc() -> None:
-    """Each stage in its own process (a C++ abort kills only that one) under the native allocator and
-    under cudaMallocAsync (ComfyUI's default): its result, or its exit code and stderr's ends."""
-    for conf in ("", "backend:cudaMallocAsync"):
+def last_error(err: str) -> str:
+    """The line of a failed stage's stderr that says what failed: the last exception line (``Name:
+    message``, ``Name`` ending in Error / Exception / Interrupt), else the last non-empty line."""
+    lines = [ln.strip() for ln in err.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b(:|$)", ln):
+            return ln[:300]
+    return lines[-1][:300] if lines else ""
+
+
+def stage_command(name: str) -> list:
+    """The command line of one ``alloc`` stage: this module's ``stage NAME`` in a fresh python."""
+    return [sys.executable, "-m", __spec__.name if __spec__ else "unet_compiler.bench.gpu_probes", "stage", name]
+
+
+def alloc(cap: float = 150.0) -> None:
+    """Each stage in its own process (a C++ abort kills only that one), cudaMallocAsync (ComfyUI's
+    default) first, then the native allocator (``ALLOCATORS`` x ``ALLOC_STAGES``): its result, or its
+    exit code and what failed. Each stage is capped at ``STAGE_TIMEOUT_S``, all of them end 5 s before
+    ``cap`` (the GPU check's cap on this probe): a stage that would start with less than ``STAGE_MIN_S``
+    left is reported as not run."""
+    from .gpu import end_group
+    t0, budget = time.monotonic(), cap - 5
+    for conf in ALLOCATORS:
         env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         if conf:
             env["PYTORCH_CUDA_ALLOC_CONF"] = conf
-        for name in STAGES:
+        for name in ALLOC_STAGES:
+            left = budget - (time.monotonic() - t0)
+            if left < STAGE_MIN_S:
+                emit("alloc", allocator=conf or "native", stage=name, rc="not run", result=None)
+                print(f"{conf or 'native':26s} {name:8s} rc=not run ({left:.0f} s of the probe's {budget:.0f} s left)",
+                      flush=True)
+                continue
+            limit = min(STAGE_TIMEOUT_S, left)
+            p = subprocess.Popen(stage_command(name), env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
             try:
-                p = subprocess.run([sys.executable, "-m", __spec__.name, "stage", name], env=env,
-                                   capture_output=True, text=True, timeout=90)
-                rc, out, err = p.returncode, p.stdout, p.stderr
-            except subprocess.TimeoutExpired as e:
-                rc, out, err = "timeout", str(e.stdout or ""), str(e.stderr or "")
+                out, err = p.communicate(timeout=limit)
+                rc = p.returncode
+            except subprocess.TimeoutExpired:
+                end_group(p)
+                try:
+                    out, err = p.communicate(timeout=5)
+                except subprocess.TimeoutExpired:       # (something outside its group holds the pipes)
+                    out, err = "", ""
+                rc = "timeout"
             res = [ln[7:] for ln in out.splitlines() if ln.startswith("RESULT ")]
             at_release = err.partition("\nRELEASE\n")[2].partition("RELEASED")[0]
+            failed = f"timeout after {limit:.0f} s" if rc == "timeout" else last_error(err)
             emit("alloc", allocator=conf or "native", stage=name, rc=rc, result=json.loads(res[-1]) if res else None,
                  release_warnings=at_release.count("uncaptured free") if "RELEASED" in err else None,
-                 err_head=err[:1200] if rc else "", err_tail=err[-600:] if rc else "")
-            print(f"{conf or 'native':26s} {name:6s} rc={rc} {res[-1] if res else err.strip()[:200]}", flush=True)
+                 error=failed if rc else "", err_head=err[:1200] if rc else "", err_tail=err[-600:] if rc else "")
+            print(f"{conf or 'native':26s} {name:8s} rc={rc} {res[-1] if res else failed}", flush=True)
 
 
 def timed_steps(step, n: int) -> tuple[float, float]:
@@ -317,6 +371,7 @@ def main(argv=None) -> int:
     ap.add_argument("--latent", type=int, default=128)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--cap", type=float, default=150.0, help="alloc: seconds it may take (its stages end 5 s before)")
     o = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_probes: no CUDA GPU here; these probes run on a GPU machine (python -m unet_compiler.bench gpu)")
@@ -327,8 +382,10 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(stage(o.name), default=str), flush=True)
     elif o.what == "prompt":
         prompt(o.size, o.latent, o.steps, o.prompts)
+    elif o.what == "alloc":
+        alloc(o.cap)
     else:
-        {"choice": choice, "alloc": alloc}[o.what]()
+        choice()
     return 0
 
 
