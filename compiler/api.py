@@ -98,8 +98,12 @@ class _LibraryEpoch:
         return self.changed, tuple(tuple(m.merged_adapters) for m in self._tuners)
 
 
-#: accelerator -> its library epoch (weak: it goes with the accelerator)
-_EPOCHS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _library_epoch(accel) -> _LibraryEpoch:
+    """``accel``'s library epoch, held by it (it holds PEFT's layers, never the UNet: no cycle)."""
+    epoch = accel.__dict__.get("_library_epoch")
+    if epoch is None:
+        epoch = accel.__dict__["_library_epoch"] = _LibraryEpoch()
+    return epoch
 
 
 def weights_changed(module: torch.nn.Module) -> None:
@@ -107,7 +111,7 @@ def weights_changed(module: torch.nn.Module) -> None:
     counter shows (a write through ``param.data``, as some LoRA fusers do): what the pack derived
     from them (CPU prepacked convs and linears) is made again at the next call. A new Parameter, an
     in-place op on the parameter itself and PEFT's ``fuse_lora`` / ``unfuse_lora`` are seen without it."""
-    _EPOCHS.setdefault(accelerator_of(module), _LibraryEpoch()).changed += 1
+    _library_epoch(accelerator_of(module)).changed += 1
 
 
 def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
@@ -122,7 +126,7 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
         # training or guidance by gradients: the compiled code is for inference (its ops have no backward)
         accel.passed_by(GRAD_ON)
         return type(module).forward(module, *args, **kwargs)
-    epoch = _EPOCHS.setdefault(accel, _LibraryEpoch())(module)
+    epoch = _library_epoch(accel)(module)
     # no_grad (diffusers pipelines), inference_mode, or autograd on with nothing to differentiate: run
     # the way ComfyUI and warmup() do, on inference tensors under inference_mode, so the graphs warmup
     # compiled are the ones that run (dynamo guards on inference-ness)
@@ -167,17 +171,18 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     # accelerator) at once, not at Python's next cyclic collection
     ref = weakref.ref(module)
     forward = own(lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k))
+    # (held weakly: the forward holds the accelerator, which must not hold it back)
+    accel.__dict__["_api_forward"] = weakref.ref(forward)
     if hooked:   # accelerate's forward runs its hook, then calls _old_forward: the pack's, from now on
-        _INSTALLED[accel] = (forward, d["_old_forward"])
+        d[_BEFORE] = d["_old_forward"]   # (accelerate's hook holds the module in a cycle already)
         d["_old_forward"] = forward
     else:        # (a hook accelerate adds later keeps this as its _old_forward)
-        _INSTALLED[accel] = (forward, None)
         d["forward"] = forward
     return module
 
 
-#: accelerator -> (the forward compile_unet installed, the accelerate ``_old_forward`` it took the place of)
-_INSTALLED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: the module's key for the accelerate ``_old_forward`` the pack's forward took the place of
+_BEFORE = "_unet_compiler_old_forward"
 
 
 def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
@@ -187,7 +192,8 @@ def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
     accel = d.pop(_ATTR, None)
     if accel is None:
         return module
-    forward, before = _INSTALLED.pop(accel, (None, None))
+    ref = accel.__dict__.pop("_api_forward", None)
+    forward, before = ref() if ref is not None else None, d.pop(_BEFORE, None)
     if forward is not None and d.get("forward") is forward:
         del d["forward"]
     if forward is not None and d.get("_old_forward") is forward:

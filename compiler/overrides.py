@@ -97,28 +97,43 @@ class Overrides:
         # around the regions: the root, containers and region modules, each with the keys it had when
         # planned (code among them is the model's as planned: diffusers' attention processors); a key
         # added since is looked at
+        # (the root is read from the call's argument, never held: its dict holds the accelerator)
+        self._root_base = self._bases.setdefault(id(root), frozenset(root.__dict__))
+        self._root_len = len(self._root_base)
+        named = [(n, m) for n, m in named if m is not root]
         self._around = [(n, m) for n, m in named if not _leaf(m)]
         self._around_hooks = [d for _, m in named for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._base = [self._bases.setdefault(id(m), frozenset(m.__dict__)) for _, m in self._around]
         self._lens = [len(b) for b in self._base]
         self._around_dicts = [m.__dict__ for _, m in self._around]
-        graphs.track(m for _, m in named)
+        graphs.track([root, *(m for _, m in named)])
         graphs.track(m for _, _, m in self._inside)
 
     def check(self, root) -> Found | None:
-        """What is set now (None: nothing, the usual call)."""
-        if self._structure != graphs.STRUCTURE[0] and root is not None:
+        """What is set now on ``root`` (the UNet: None once it is gone), None: nothing (the usual call)."""
+        if root is None:
+            return None
+        if self._structure != graphs.STRUCTURE[0]:
             self._build(root)
         if not (any(self._inside_hooks) or any(self._around_hooks)
+                or len(root.__dict__) != self._root_len or root._forward_hooks or root._forward_pre_hooks
                 or any(map(operator.contains, self._forward_dicts, itertools.repeat("forward")))
                 or any(map(operator.contains, self._own_dicts, self._own_hooks))
                 or list(map(len, self._around_dicts)) != self._lens
                 or list(map(type, map(getattr, self._procs, itertools.repeat("processor")))) != self._proc_types):
             return None
-        return self._find()
+        return self._find(root)
 
-    def _find(self) -> Found | None:
-        found = Found()
+    def _find(self, root) -> Found | None:
+        found = Found(hooked=bool(root._forward_hooks or root._forward_pre_hooks))
+        d = root.__dict__
+        if len(d) != self._root_len:
+            code = sorted(k for k, v in d.items() if k not in self._root_base and _is_code(v))
+            if code:
+                found.around = f"another node set {code[0]} on the model"
+            else:   # only values that are not code: the new normal
+                self._root_base = self._bases[id(root)] = frozenset(d)
+                self._root_len = len(d)
         for module, hook, path in self._regions:
             fn = module.__dict__.get(hook)
             if fn is not None and not getattr(fn, OWN, False):
@@ -145,16 +160,10 @@ class Overrides:
                     self._base[j] = self._bases[id(m)] = frozenset(d)
                     self._lens[j] = len(d)
                     continue
-                found.around = found.around or f"another node set {(name + '.') if name else ''}{code[0]}"
-        leaves = [(n, m) for n, m in self._around_leaves()]
-        for name, m in leaves:
-            if "forward" in m.__dict__ and not getattr(m.__dict__["forward"], OWN, False):
+                found.around = found.around or f"another node set {name}.{code[0]}"
+        inside = {id(m) for _, _, m in self._inside}
+        for name, m in root.named_modules():
+            if _leaf(m) and id(m) not in inside and "forward" in m.__dict__ \
+                    and not getattr(m.__dict__["forward"], OWN, False):
                 found.around = found.around or f"another node set {name}.forward"
         return found if found.regions or found.moving else None
-
-    def _around_leaves(self):
-        inside = {id(m) for _, _, m in self._inside}
-        root = self._around[0][1] if self._around else None
-        if root is None:
-            return []
-        return [(n, m) for n, m in root.named_modules() if _leaf(m) and id(m) not in inside]
