@@ -76,14 +76,33 @@ def _compiler_facts() -> list:
     return out
 
 
+def isa_flags() -> list:
+    """The vector ISAs this CPU has, as inductor checks them (x86; [] elsewhere)."""
+    try:
+        from torch._inductor.cpu_vec_isa import x86_isa_checker
+        return sorted(x86_isa_checker()) if platform.machine() in ("x86_64", "AMD64") else []
+    except Exception:
+        return ["unknown"]
+
+
+def build_facts() -> dict:
+    """What inductor's CPU code is generated and built for, without running its probes: the CPU's
+    vector ISAs, ATen's capability override, inductor's SIMD length and -march. Code compiled for
+    one ISA and rebuilt for another computes garbage (NaN in a review's repro): a compile cache
+    entry is keyed by these."""
+    try:
+        from torch._inductor import config
+        simdlen, march = config.cpp.simdlen, getattr(config.cpp, "march", None)
+    except Exception:
+        simdlen = march = None
+    return {"isa": isa_flags(), "aten_cpu_capability": os.environ.get("ATEN_CPU_CAPABILITY"), "simdlen": simdlen,
+            "march": os.environ.get("TORCHINDUCTOR_CPP_MARCH") or march, "machine": platform.machine()}
+
+
 @functools.lru_cache(maxsize=1)
 def machine_key() -> str:
     """What a probe's outcome depends on, as one digest."""
-    try:
-        from torch._inductor.cpu_vec_isa import x86_isa_checker
-        flags = sorted(x86_isa_checker()) if platform.machine() in ("x86_64", "AMD64") else []
-    except Exception:
-        flags = ["unknown"]
+    flags = isa_flags()
     caps = {}
     try:
         caps = {k: v for k, v in sorted(torch.cpu.get_capabilities().items()) if isinstance(v, (bool, int, str))}

@@ -1,6 +1,6 @@
 """What a compile cache entry depends on, and its key: the UNet's architecture, device, torch,
-triton, the CompileConfig, the pack's version and compiled code, and the versions of ComfyUI,
-diffusers and PEFT."""
+triton, the CPU code's target (its vector ISA), the CompileConfig, the pack's version and compiled
+code, and the versions of ComfyUI, diffusers and PEFT."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +10,8 @@ import json
 from pathlib import Path
 
 import torch
+
+from . import cpu_isa
 
 FORMAT = "unet-compiler-mega-cache-2"
 PACK_VERSION = "0.1.0"   # pyproject's version; a new release is a new key
@@ -38,7 +40,8 @@ def key_facts(unet, config, device) -> dict:
         triton_version = None
     return {"format": FORMAT, "architecture": architecture(unet), "device": dev.type, "capability": capability,
             "torch": torch.__version__, "triton": triton_version, "config": dataclasses.asdict(config),
-            "pack": PACK_VERSION, "code": code_digest(), "comfyui": _comfyui_version(), "traced": traced_libraries()}
+            "pack": PACK_VERSION, "code": code_digest(), "comfyui": _comfyui_version(), "traced": traced_libraries(),
+            "cpu": cpu_isa.build_facts()}   # (any entry may hold CPU code: a GPU model's CPU-side variants)
 
 
 @functools.lru_cache(maxsize=1)

@@ -50,6 +50,12 @@ def test_key_covers_what_the_code_depends_on(tiny_unet, folder, monkeypatch):
     monkeypatch.setattr(C.key, "PACK_VERSION", "9.9.9")
     assert _entry(unet, folder).key != base, "another pack version"
     monkeypatch.undo()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")   # code generated for another ISA (NaN once rebuilt)
+    assert _entry(unet, folder).key != base, "another CPU ISA override"
+    monkeypatch.undo()
+    monkeypatch.setattr(C.cpu_isa, "isa_flags", lambda: ["avx2"])   # an AVX2-only machine sharing the folder
+    assert _entry(unet, folder).key != base, "another CPU"
+    monkeypatch.undo()
     installed = C.key.traced_libraries()
     for lib in ("diffusers", "peft"):   # their modules' code is traced into the variants
         monkeypatch.setattr(C.key, "traced_libraries", lambda lib=lib: {**installed, lib: "9.9"})
