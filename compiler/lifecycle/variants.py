@@ -96,6 +96,69 @@ def _type_name(t: type) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _plain(v) -> str:
+    """A value a class or a closure holds, as its key reads it: plain values (and tuples of them) by
+    repr, a class by name, a function by its code, anything else by its type's name."""
+    if isinstance(v, _PLAIN) or (isinstance(v, (tuple, frozenset)) and all(isinstance(x, _PLAIN) for x in v)):
+        return repr(v)
+    if isinstance(v, type):
+        return _type_name(v)
+    if isinstance(v, (staticmethod, classmethod)):
+        v = v.__func__
+    code = getattr(v, "__code__", None)
+    if code is not None:
+        cells = [_plain(c.cell_contents) if c.cell_contents is not v else "self"
+                 for c in (getattr(v, "__closure__", None) or ()) if _filled(c)]
+        return f"{v.__qualname__}:{_code(code)}:{cells}"
+    return f"<{_type_name(type(v))}>"
+
+
+def _code(code) -> str:
+    """A code object by what it runs (its bytecode and constants, nested code alike), never by address."""
+    consts = [_code(c) if hasattr(c, "co_code") else repr(c) if isinstance(c, _PLAIN) or c is Ellipsis
+              else f"<{type(c).__name__}>" for c in code.co_consts]
+    return hashlib.sha256(code.co_code + repr((code.co_names, consts)).encode()).hexdigest()[:16]
+
+
+def _filled(cell) -> bool:
+    try:
+        return cell.cell_contents is not _EMPTY or True
+    except ValueError:   # an empty cell
+        return False
+
+
+_EMPTY = object()
+
+
+@functools.lru_cache(maxsize=None)
+def type_key(t: type) -> str:
+    """A module class as a variant key names it: module and qualname; for a class made inside a
+    function (several classes then share one name: ComfyUI's ``mixed_precision_ops`` and
+    ``scaled_fp8_ops`` make one per setting), also a digest of what its methods compute with: their
+    code, their closures' values and the class's plain attributes, over every such class of its MRO.
+    (The variants' guards keep no identity of the class: the key tells such classes apart.)"""
+    local = [c for c in t.__mro__ if "<locals>" in c.__qualname__]
+    if not local:
+        return _type_name(t)
+    h = hashlib.sha256()
+    for c in local:
+        for k, v in sorted(vars(c).items()):
+            if k not in ("__dict__", "__weakref__", "__doc__", "__module__", "__qualname__"):
+                h.update(f"{k}={_plain(v)}\n".encode())
+    return f"{_type_name(t)}#{h.hexdigest()[:16]}"
+
+
+def _attribute(name: str, value) -> str:
+    """An instance attribute as a variant key reads it: its name, and for code set on the instance (a
+    function, a method, a callable object that is no module) what that code is."""
+    if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+        return f"{name}={_plain(getattr(value, '__func__', value))}"
+    return name
+
+
 def structure(module: torch.nn.Module, args, widths: bool = True) -> tuple | None:
     """What a call's variant depends on besides its guards, or None when only dynamo can follow the
     region (hooks, or a submodule whose ``forward`` an instance attribute replaces). ``widths``: the
@@ -113,7 +176,8 @@ def structure(module: torch.nn.Module, args, widths: bool = True) -> tuple | Non
         if d["_forward_hooks"] or d["_forward_pre_hooks"] or (m is not module and "forward" in d):
             return None
         shapes = tuple(tuple(p.shape) for p in d["_parameters"].values() if p is not None) if widths else ()
-        parts.append((name, type(m), tuple(k for k in d if k not in _STD and k not in _COMFY_LOAD_STATE), shapes))
+        parts.append((name, type(m), tuple(_attribute(k, d[k]) for k in d if k not in _STD and k not in _COMFY_LOAD_STATE),
+                      shapes))
     # which inputs are the same tensor: dynamo passes an aliased input to the graph once (and only
     # an identity guard, not kept, would tell a later call with two different tensors apart)
     ids = [id(a) for a in args]
@@ -149,7 +213,7 @@ class Variants:
             parts, inputs = struct
             # the body by name only: inside ComfyUI the pack's module names carry its install path
             # (the entry's key carries the code's digest instead)
-            text = repr((getattr(body, "__qualname__", "body"), [(n, _type_name(t), keys, shapes)
+            text = repr((getattr(body, "__qualname__", "body"), [(n, type_key(t), keys, shapes)
                                                                  for n, t, keys, shapes in parts], inputs, options))
             name = self._names[memo] = hashlib.sha256(text.encode()).hexdigest()[:24]
         return name

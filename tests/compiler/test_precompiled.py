@@ -373,3 +373,33 @@ def test_an_accelerator_keeps_its_variants_with_the_scheduler_it_was_handed(tiny
     assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4), (out - ref).abs().max()
     assert api.accelerator_of(unet).scheduler is own and own.variants.compiled > 0
     assert (process.compiled, sum(map(len, process.live.values()))) == (compiled, live)
+
+
+def _made_in(setting):
+    """A module class made inside a function, as ComfyUI's ``mixed_precision_ops`` / ``scaled_fp8_ops``
+    make one per setting: every such class has the same qualname."""
+    class Scaled(torch.nn.Linear):
+        factor = setting
+
+        def forward(self, x):
+            return super().forward(x) * self.factor
+    return Scaled
+
+
+def test_classes_made_per_setting_are_other_variants():
+    """Two classes of one qualname that compute differently (a class attribute, a closure value), and
+    a function set on an instance: each is another variant key. Before, the key named classes by
+    qualname and attributes by name only, and the variants' guards keep no class identity: one
+    class's compiled code served the other (0.888 off in a review's repro)."""
+    x = torch.zeros(1)
+    a, b, a2 = _made_in(2.0)(4, 4), _made_in(3.0)(4, 4), _made_in(2.0)(4, 4)
+    registry = V.Variants()
+
+    def key(m):
+        return registry.key(_made_in, V.structure(m, (x,)), ())
+    assert key(a) != key(b)
+    assert key(a) == key(a2), "the same setting: one variant (stable, also across processes)"
+    gelu, silu = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    gelu.act, silu.act = torch.nn.functional.gelu, torch.nn.functional.silu
+    assert key(gelu) != key(silu)
+    assert V.type_key(torch.nn.Linear) == "torch.nn.modules.linear.Linear"
