@@ -68,7 +68,7 @@ class Background:
     def __init__(self, scheduler):
         self._scheduler = scheduler
         self.lock = threading.Lock()
-        self.recording = False
+        self.recording = 0          # warmups recording now (each inside ``record``)
         self.running = False
         self.waiting = False             # a CPU job waits for sampling to stop (the scheduler's activity)
         self.queue: list[tuple] = []
@@ -82,7 +82,7 @@ class Background:
 
     @property
     def active(self) -> bool:
-        return self.recording or self.running
+        return self.recording > 0 or self.running
 
     @property
     def queued(self) -> int:
@@ -93,13 +93,13 @@ class Background:
         """Calls inside run the bodies' own code and queue what they miss for ``owner``; the thread
         starts at the end."""
         with self.lock:
-            prev, self.recording = self.recording, True
+            self.recording += 1     # (a count: two warmups on two threads may overlap)
         try:
             with queueing(owner):
                 yield
         finally:
             with self.lock:
-                self.recording = prev
+                self.recording -= 1
             self._start()
 
     def add(self, pre, key: str, module, args, struct_inputs, owner: Owner | None) -> None:

@@ -617,3 +617,18 @@ def test_another_nodes_compiled_code_runs_while_the_thread_traces():
     t.join(60)
     assert not errors and len(got) == 1, errors
     torch.testing.assert_close(got[0], torch.sin(x) + 1)
+
+
+def test_two_warmups_recording_at_once_leave_the_thread_free(monkeypatch):
+    """Two warmups record on two threads, their ends crossed (A in, B in, A out, B out): the compile
+    thread is recording while either is, and free after both. Before, one saved-and-restored flag
+    left it recording for good (every later miss ran the model's own code, ``wait`` never returned)."""
+    bg = worker.Background(process_scheduler())
+    monkeypatch.setattr(bg, "_start", lambda: None)
+    a, b = bg.record(None), bg.record(None)
+    a.__enter__()
+    b.__enter__()
+    a.__exit__(None, None, None)
+    assert bg.active
+    b.__exit__(None, None, None)
+    assert not bg.active and bg.recording == 0
