@@ -123,6 +123,8 @@ class CompileCache:
         self.key = key_of(self.facts) if self.enabled else ""
         self.state = "off (UNET_COMPILER_CACHE=off)" if mode() == "off" else "not used"
         self.problem = ""
+        #: why the last save failed where a later one may not (a disk full); "" after a save that worked
+        self.failed_save = ""
         self.saved_mib = None
         self.torch_dirs: list = []
         self._entry: bytes | None = None   # the entry's bytes as loaded or last written here
@@ -282,14 +284,24 @@ class CompileCache:
                 data = self._write(got[0] if got else None, compiled)
         except OSError as e:
             if self.folder.is_dir() and not files.writable(self.folder):
-                # a fleet's shared read-only mount: by design, not a fault
+                # a fleet's shared read-only mount: by design, not a fault (no save is tried again)
                 self.problem = (f"{self.folder} is read-only: its entries are read, code compiled here "
                                 f"stays in memory")
-            else:
+                log.warning("UNet Compiler: compile cache: %s", self.problem)
+                return
+            if not self.folder.is_dir():   # it cannot be made (a file in the way, no permission above it)
                 self.problem = (f"{self.folder} is not writable ({e.strerror or e}): compiled code is kept in "
                                 f"memory only. Fix: set {DIR_ENV} to a writable folder")
-            log.warning("UNet Compiler: compile cache: %s", self.problem)
+                log.warning("UNet Compiler: compile cache: %s", self.problem)
+                return
+            # a disk full, a file another program holds: said, and tried again at the next save
+            why = (f"{self.folder} could not be written ({e.strerror or e}): compiled code is kept in memory, "
+                   f"the next save tries again. Fix: free disk space, or set {DIR_ENV} to a writable folder")
+            if why != self.failed_save:
+                log.warning("UNet Compiler: compile cache: %s", why)
+            self.failed_save = why
             return
+        self.failed_save = ""
         _loaded.add(self.key)
         self._entry = data
         self.saved_mib = len(data) / 2**20
@@ -313,7 +325,13 @@ class CompileCache:
                 "compares": {**_compares(self._meta), **self.compares},
                 "written": time.strftime("%Y-%m-%d %H:%M:%S")}
         self._atomic_write(bin_path, data)
-        self._atomic_write(meta_path, json.dumps(meta, indent=1, default=str).encode())
+        try:
+            self._atomic_write(meta_path, json.dumps(meta, indent=1, default=str).encode())
+        except OSError:
+            if bin_path != old_bin:    # not committed: the new .bin would be an orphan no .json names
+                with contextlib.suppress(OSError):
+                    bin_path.unlink(missing_ok=True)
+            raise
         self._meta = meta
         for stale in {old_bin, self.folder / f"{self.key}.bin"} - {None, bin_path}:
             try:
@@ -379,6 +397,6 @@ class CompileCache:
                + ("; inductor's CPU ISA probe replayed from its record" if cpu_isa.counts()["replayed"] else "")]
         if self.saved_mib is not None:
             out.append(f"  compile cache: saved {self.saved_mib:.1f} MiB as entry {self.key[:12]}")
-        if self.problem:
-            out.append(f"  compile cache: not saved: {self.problem}")
+        if self.problem or self.failed_save:
+            out.append(f"  compile cache: not saved: {self.problem or self.failed_save}")
         return out

@@ -7,6 +7,7 @@ import contextlib
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 #: waits between attempts to replace a file another process has open (Windows raises PermissionError
@@ -61,15 +62,20 @@ def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
     seconds (a process killed while holding it) is broken; after ``timeout`` seconds, or where the
     folder cannot hold one (read-only), the block runs without it rather than hang or fail."""
     end, wait, held = time.monotonic() + timeout, 0.02, False
+    token = uuid.uuid4().hex.encode()     # what this holder wrote: it removes only its own lock
     while True:
         try:
-            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            try:
+                os.write(fd, token)
+            finally:
+                os.close(fd)
             held = True
             break
         except FileExistsError:
             try:
                 if time.time() - path.stat().st_mtime > stale:
-                    path.unlink(missing_ok=True)
+                    _break_stale(path)
                     continue
             except OSError:
                 continue
@@ -82,5 +88,29 @@ def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
     try:
         yield held
     finally:
-        if held:
-            path.unlink(missing_ok=True)
+        if held and _token(path) == token:   # (held past ``stale``, another process may have broken it)
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def _token(path: Path) -> bytes | None:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return None
+
+
+def _break_stale(path: Path) -> None:
+    """Remove the stale lock ``path`` unless another process replaced it meanwhile: it is moved aside
+    (one mover wins), and put back when what was moved is not the stale lock that was judged."""
+    judged = _token(path)
+    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}.stale")
+    try:
+        os.rename(path, aside)
+    except OSError:                       # gone already, or another process moved it first
+        return
+    if _token(aside) != judged:           # a fresh lock taken between the look and the move: back
+        with contextlib.suppress(OSError):
+            os.link(aside, path)          # (fails where a lock is there again: that one stands)
+    with contextlib.suppress(OSError):
+        aside.unlink()

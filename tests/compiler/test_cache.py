@@ -614,3 +614,58 @@ def test_a_background_restart_of_a_range_runs_only_its_first_shape(tiny_unet, fo
         second(torch.randn(2, 4, 12, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
         second(torch.randn(2, 4, 16, 16), torch.tensor([5.0, 5.0]), torch.randn(2, 6, 32))
     assert int(counters["stats"]["unique_graphs"]) == traced, "nothing traced: every variant from the entry"
+
+
+def test_a_failed_save_leaves_no_orphan_and_the_next_save_writes(tiny_unet, folder, monkeypatch):
+    """A disk full while the .json commits: the new .bin goes (no orphan no .json names), the report
+    says the save is tried again, and the next save writes the entry. Before, one such failure turned
+    saving off for the process and left the .bin behind."""
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    real = C.CompileCache._atomic_write
+    full = [True]
+
+    def write(path, data):
+        if full[0] and str(path).endswith(".json"):
+            raise OSError(28, "No space left on device")
+        return real(path, data)
+    monkeypatch.setattr(C.CompileCache, "_atomic_write", staticmethod(write))
+    entry = _entry(tiny_unet(), folder)
+    entry.save()
+    assert not list(folder.glob("*.bin")) and not list(folder.glob("*.json"))
+    assert "could not be written (No space left on device)" in "\n".join(entry.lines())
+    full[0] = False
+    entry.save()
+    assert len(list(folder.glob("*.bin"))) == 1 and len(list(folder.glob("*.json"))) == 1
+    assert "not saved" not in "\n".join(entry.lines())
+
+
+def test_a_lock_is_removed_only_by_its_holder_and_a_fresh_one_is_never_broken(tmp_path, monkeypatch):
+    """Two savers: one holds the lock past ``stale`` and the other breaks it and takes its own; the
+    first, leaving, must not remove the second's. And a stale lock replaced by a fresh one between
+    the look and the break is put back. Before, both removed whatever lock was there (two holders
+    at once in a review's repro, and a lock left behind)."""
+    files = C.files
+    path = tmp_path / "k.lock"
+    first, second = files.lock(path, stale=0.0), files.lock(path, timeout=1, stale=0.0)
+    assert first.__enter__()
+    time.sleep(0.01)
+    assert second.__enter__()                    # judged the first's lock stale, broke it, took its own
+    theirs = path.read_bytes()
+    first.__exit__(None, None, None)             # the first leaves: the second's lock stays
+    assert path.read_bytes() == theirs
+    second.__exit__(None, None, None)
+    assert not path.exists()
+    path.write_bytes(b"old")                     # a stale lock ...
+    real = files._token
+    calls = []
+
+    def token(p):                                # ... that another process breaks and takes anew
+        calls.append(p)                          # between this process's look and its move
+        got = real(p)
+        if len(calls) == 1:
+            p.write_bytes(b"fresh")
+        return got
+    monkeypatch.setattr(files, "_token", token)
+    files._break_stale(path)
+    assert path.read_bytes() == b"fresh" and not list(tmp_path.glob("*.stale"))
