@@ -174,7 +174,9 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     # (held weakly: the forward holds the accelerator, which must not hold it back)
     accel.__dict__["_api_forward"] = weakref.ref(forward)
     if hooked:   # accelerate's forward runs its hook, then calls _old_forward: the pack's, from now on
-        d[_BEFORE] = d["_old_forward"]   # (accelerate's hook holds the module in a cycle already)
+        # (in a tuple: no code on the module the overrides watch would take for another node's;
+        # accelerate's hook holds the module in a cycle already)
+        d[_BEFORE] = (d["_old_forward"],)
         d["_old_forward"] = forward
     else:        # (a hook accelerate adds later keeps this as its _old_forward)
         d["forward"] = forward
@@ -197,7 +199,7 @@ def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
     if forward is not None and d.get("forward") is forward:
         del d["forward"]
     if forward is not None and d.get("_old_forward") is forward:
-        d["_old_forward"] = before if before is not None else types.MethodType(type(module).forward, module)
+        d["_old_forward"] = before[0] if before is not None else types.MethodType(type(module).forward, module)
     return module
 
 

@@ -21,8 +21,10 @@ callables carry :data:`OWN`.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import operator
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +52,24 @@ def _leaf(m) -> bool:
     return next(m.children(), None) is None
 
 
+def _leftover(m, key: str) -> bool:
+    """Whether ``m.__dict__[key]`` is its own class's method bound to it, which ComfyUI's unpatch
+    writes back where an object patch was (its ``set_attr`` saved ``getattr``'s bound method); it is
+    then removed, so the module reads its class's method again, as before the patch."""
+    v = m.__dict__.get(key)
+    if isinstance(v, types.MethodType) and v.__self__ is m \
+            and v.__func__ is getattr(inspect.getattr_static(type(m), key, None), "__func__",
+                                      inspect.getattr_static(type(m), key, None)):
+        m.__dict__.pop(key, None)
+        return True
+    return False
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as nn_module
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
 @dataclass
 class Found:
     regions: dict = field(default_factory=dict)   # region module -> why
@@ -67,17 +87,22 @@ class Overrides:
     method its shim stands in for, its path)]. Built again after a module tree changed
     (:data:`graphs.STRUCTURE`)."""
 
-    def __init__(self, root: torch.nn.Module, regions: list):
+    def __init__(self, root: torch.nn.Module, regions: list, accepted_procs: tuple = (), before=None):
         self._regions = regions
-        # what the model held when planned, kept when the watch is built again (a module tree change
-        # while another node's code is set must not make that code the model's own)
-        self._planned_procs = {id(m): type(m.processor) for m, _, _ in regions
-                               if getattr(m, "processor", None) is not None}
-        self._bases: dict[int, frozenset] = {}
+        # what the model held when planned, kept when the watch is built again (a module tree change,
+        # or new shims at a one-shape warmup, while another node's code is set must not make that code
+        # the model's own): ``before``, the watch this one replaces
+        self._accepted = tuple(accepted_procs)
+        self._planned_procs = dict(before._planned_procs) if before is not None else {}
+        for m, _, _ in regions:
+            if getattr(m, "processor", None) is not None:
+                self._planned_procs.setdefault(id(m), type(m.processor))
+        self._bases: dict[int, frozenset] = dict(before._bases) if before is not None else {}
         self._build(root)
 
     def _build(self, root) -> None:
         self._structure = graphs.STRUCTURE[0]
+        self._bases = {i: b for i, b in self._bases.items() if i in {id(m) for m in root.modules()}}   # (bounded)
         own_ids = {id(m) for m, _, _ in self._regions}
         self._inside: list[tuple] = []     # (region index, module path, module) of every module inside a region
         inside_ids: set[int] = set()
@@ -106,6 +131,8 @@ class Overrides:
         self._base = [self._bases.setdefault(id(m), frozenset(m.__dict__)) for _, m in self._around]
         self._lens = [len(b) for b in self._base]
         self._around_dicts = [m.__dict__ for _, m in self._around]
+        inside_leaves = {id(m) for _, _, m in self._inside}
+        self._around_leaves = [(n, m) for n, m in named if _leaf(m) and id(m) not in inside_leaves]
         graphs.track([root, *(m for _, m in named)])
         graphs.track(m for _, _, m in self._inside)
 
@@ -115,7 +142,7 @@ class Overrides:
             return None
         if self._structure != graphs.STRUCTURE[0]:
             self._build(root)
-        if not (any(self._inside_hooks) or any(self._around_hooks)
+        if not (any(self._inside_hooks) or any(self._around_hooks) or _global_hooks()
                 or len(root.__dict__) != self._root_len or root._forward_hooks or root._forward_pre_hooks
                 or any(map(operator.contains, self._forward_dicts, itertools.repeat("forward")))
                 or any(map(operator.contains, self._own_dicts, self._own_hooks))
@@ -126,28 +153,33 @@ class Overrides:
 
     def _find(self, root) -> Found | None:
         found = Found(hooked=bool(root._forward_hooks or root._forward_pre_hooks))
-        d = root.__dict__
-        if len(d) != self._root_len:
-            code = sorted(k for k, v in d.items() if k not in self._root_base and _is_code(v))
-            if code:
-                found.around = f"another node set {code[0]} on the model"
-            else:   # only values that are not code: the new normal
-                self._root_base = self._bases[id(root)] = frozenset(d)
-                self._root_len = len(d)
+        if _global_hooks():   # (registered for every module: those inside the regions too)
+            for module, _, path in self._regions:
+                found.regions.setdefault(module, f"{path}: a global forward hook")
+        code = self._new_code(root, self._root_base, "")
+        if code is None:
+            self._root_base = self._bases[id(root)] = self._root_base | frozenset(root.__dict__)
+            self._root_len = len(root.__dict__)
+        elif code:
+            found.around = f"another node set {code} on the model"
         for module, hook, path in self._regions:
             fn = module.__dict__.get(hook)
-            if fn is not None and not getattr(fn, OWN, False):
+            if fn is not None and not getattr(fn, OWN, False) and not _leftover(module, hook):
                 found.regions.setdefault(module, f"{path}: another node set its {hook}")
         paths = {id(m): path for m, _, path in self._regions}
-        for m, planned in zip(self._procs, self._proc_types, strict=True):
+        for i, (m, planned) in enumerate(zip(self._procs, self._proc_types, strict=True)):
             now = type(getattr(m, "processor", None))
-            if now is not planned:
-                found.regions.setdefault(m, f"{paths[id(m)]}: attention processor {now.__name__}, not the "
-                                            f"{planned.__name__} it was compiled with")
+            if now is planned:
+                continue
+            if now in self._accepted:   # (another kind the compiled code serves: the new normal)
+                self._proc_types[i] = now
+                continue
+            found.regions.setdefault(m, f"{paths[id(m)]}: attention processor {now.__name__}, not the "
+                                        f"{planned.__name__} it was compiled with")
         for i, name, m in self._inside:
             module, _, path = self._regions[i]
             d = m.__dict__
-            if "forward" in d and not getattr(d["forward"], OWN, False):
+            if "forward" in d and not getattr(d["forward"], OWN, False) and not _leftover(m, "forward"):
                 found.regions.setdefault(module, f"{path}.{name}: another node set its forward")
             elif d["_forward_hooks"] or d["_forward_pre_hooks"]:
                 found.regions.setdefault(module, f"{path}.{name}: a forward hook")
@@ -155,15 +187,23 @@ class Overrides:
             d = m.__dict__
             found.hooked = found.hooked or bool(d["_forward_hooks"] or d["_forward_pre_hooks"])
             if len(d) != self._lens[j]:
-                code = sorted(k for k, v in d.items() if k not in self._base[j] and _is_code(v))
-                if not code:   # only values that are not code (state another node keeps): the new normal
-                    self._base[j] = self._bases[id(m)] = frozenset(d)
+                code = self._new_code(m, self._base[j], name + ".")
+                if code is None:   # only values that are not code (state another node keeps): the new normal
+                    self._base[j] = self._bases[id(m)] = self._base[j] | frozenset(d)
                     self._lens[j] = len(d)
-                    continue
-                found.around = found.around or f"another node set {name}.{code[0]}"
-        inside = {id(m) for _, _, m in self._inside}
-        for name, m in root.named_modules():
-            if _leaf(m) and id(m) not in inside and "forward" in m.__dict__ \
-                    and not getattr(m.__dict__["forward"], OWN, False):
+                elif code:
+                    found.around = found.around or f"another node set {code}"
+        for name, m in self._around_leaves:
+            d = m.__dict__
+            if "forward" in d and not getattr(d["forward"], OWN, False) and not _leftover(m, "forward"):
                 found.around = found.around or f"another node set {name}.forward"
         return found if found.regions or found.moving else None
+
+    @staticmethod
+    def _new_code(m, base: frozenset, prefix: str) -> str | None:
+        """The first key of ``m`` not in ``base`` that holds code another node set, prefixed; None when
+        there is none (leftovers of an unpatch removed on the way)."""
+        for k in sorted(k for k in m.__dict__ if k not in base):
+            if _is_code(m.__dict__.get(k)) and not _leftover(m, k):
+                return prefix + k
+        return None

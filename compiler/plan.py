@@ -138,7 +138,7 @@ def build_plan(unet: torch.nn.Module) -> Plan:
             add("out", out, NORM_ACT)
     else:
         c = diffusers_compat.classes()
-        procs = tuple(c[k] for k in ("AttnProcessor2_0", "AttnProcessor") if k in c)
+        procs = served_processors()
         for path, m in unet.named_modules():
             if "ResnetBlock2D" in c and type(m) is c["ResnetBlock2D"]:
                 if m.time_emb_proj is None or m.time_embedding_norm != "default" or m.upsample or m.downsample:
@@ -242,6 +242,13 @@ def _plan_video_transformer(plan, temporal, c, path, st):
             elif type(sub) is c["FeedForward"]:
                 plan.skipped.append((FEEDFORWARD, where, TEMPORAL_FEEDFORWARD))
     temporal.update(id(x) for part in (st.time_stack, st.time_pos_embed, st.time_mixer) for x in part.modules())
+
+
+def served_processors() -> tuple:
+    """The diffusers attention processors whose computation the attention body serves (SDPA or plain
+    softmax attention, no extras); () without diffusers."""
+    c = diffusers_compat.classes()
+    return tuple(c[k] for k in ("AttnProcessor2_0", "AttnProcessor") if k in c)
 
 
 def _diffusers_attention_unsupported(attn, procs) -> str | None:

@@ -25,7 +25,7 @@ from . import cast, graphs, settings, shims, weights
 from .lifecycle import background, pacing, worker
 from .lifecycle.ledger import Ledger
 from .lifecycle.scheduler import Scheduler, process_scheduler
-from .plan import build_plan
+from .plan import build_plan, served_processors
 from .backends import choose, graphs_for
 from .cache import CompileCache
 from .call_graph import CallGraphs
@@ -153,8 +153,11 @@ class Accelerator:
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
         paths = {id(r.module): r.path for r in self.plan.regions}
         root = self.root
-        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims]) \
-            if root is not None else None
+        # (a watch built again keeps what the one it replaces saw when planned: a one-shape warmup
+        # installs new shims after ComfyUI applied the prompt's object patches)
+        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims],
+                                   served_processors() if self.plan.family != "comfy" else (),
+                                   before=getattr(self, "overrides", None)) if root is not None else None
         #: what another node set on the modules at the start of this UNet call (None: nothing)
         self._found = None
         rep.regions = self.plan.kind_counts(impls)
@@ -241,8 +244,11 @@ class Accelerator:
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
         paths = {id(r.module): r.path for r in self.plan.regions}
         root = self.root
-        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims]) \
-            if root is not None else None
+        # (a watch built again keeps what the one it replaces saw when planned: a one-shape warmup
+        # installs new shims after ComfyUI applied the prompt's object patches)
+        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims],
+                                   served_processors() if self.plan.family != "comfy" else (),
+                                   before=getattr(self, "overrides", None)) if root is not None else None
         #: what another node set on the modules at the start of this UNet call (None: nothing)
         self._found = None
 

@@ -247,7 +247,7 @@ def unet_inputs(unet, family: str, shape: Shape, tokens: int, dtype, device) -> 
 
 def _diffusers_inputs_unserved(cfg) -> str | None:
     """The conditioning a diffusers UNet's config asks for that :func:`unet_inputs` cannot make up."""
-    if getattr(cfg, "addition_embed_type", None) not in (None, "text_time"):
+    if getattr(cfg, "addition_embed_type", None) not in (None, "text_time", "text"):   # ("text": from the context)
         return f"added conditioning of type {cfg.addition_embed_type!r} (image or text embeddings)"
     if getattr(cfg, "class_embed_type", None) not in (None, "timestep"):
         return f"class labels of type {cfg.class_embed_type!r}"

@@ -356,3 +356,10 @@ def test_warmup_names_what_it_cannot_make_and_bad_arguments(tiny_unet):
             warmup(v, "1x64x64", context_tokens=bad)
     with pytest.raises(TypeError, match="compare must be True or False"):
         warmup(v, "1x64x64", compare="yes")
+
+
+def test_an_offload_hook_put_on_before_compiling_is_no_override(make_unet):
+    u = make_unet("sd15")
+    _Hooks().add(u)
+    compile_unet(u, "eager")
+    assert accelerator_of(u).overrides.check(u) is None

@@ -121,3 +121,58 @@ def test_an_attention_processor_set_after_compiling_runs(tiny_unet, strict_graph
     for s in range(3, 6):
         _close(_sample(u, s), _sample(ref, s))
     assert accel.stats["region_eager_overridden"] == 3 * attention
+
+
+def test_what_an_unpatch_leaves_is_the_models_own(tiny_unet, strict_graph_standin):
+    """ComfyUI's unpatch writes back what its ``set_attr`` saved with ``getattr``: the class's method
+    bound to the module, now in the instance dict. That is the model's own code: found nothing (and
+    removed, so the module reads its class's method again). Before, it counted as another node's
+    forward for the rest of the session (a region on the model's own code every call)."""
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    g = _geglu(u)
+    g.__dict__["forward"] = g.forward                 # what unpatch_model leaves
+    u.mid_block.__dict__["forward"] = u.mid_block.forward
+    assert accel.overrides.check(u) is None
+    assert "forward" not in g.__dict__ and "forward" not in u.mid_block.__dict__
+    assert accel.overrides.check(u) is None
+
+
+def test_a_watch_built_again_keeps_what_the_model_held_when_planned(tiny_unet, strict_graph_standin):
+    """New shims (a one-shape warmup reconfigures after ComfyUI applied the prompt's patches): the
+    watch built with them still finds a processor changed since planning. And processors the body
+    serves (``set_default_attn_processor``) are the model's own; a processor that is a module (an
+    IP-Adapter's), then the plain one back: found, then nothing."""
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    from unet_compiler.compiler import regions as R
+
+    class Scaled(AttnProcessor2_0):
+        def __call__(self, attn, hidden_states, *a, **k):
+            return 0.5 * super().__call__(attn, hidden_states, *a, **k)
+
+    class ModuleProcessor(torch.nn.Module):
+        def __call__(self, attn, hidden_states, *a, **k):
+            return AttnProcessor2_0()(attn, hidden_states, *a, **k)
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    u.set_attn_processor(Scaled())
+    accel._install(R.BODIES)
+    assert accel.overrides.check(u) is not None
+    u.set_attn_processor(AttnProcessor())
+    assert accel.overrides.check(u) is None
+    u.set_attn_processor(ModuleProcessor())
+    assert accel.overrides.check(u).regions
+    u.set_attn_processor(AttnProcessor2_0())
+    assert accel.overrides.check(u) is None
+
+
+def test_a_global_forward_hook_sends_every_region_to_the_models_own_code(tiny_unet, strict_graph_standin):
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: None)
+    try:
+        found = accel.overrides.check(u)
+        assert found is not None and len(found.regions) == len(accel._shims)
+    finally:
+        handle.remove()
+    assert accel.overrides.check(u) is None

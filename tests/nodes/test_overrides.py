@@ -115,3 +115,35 @@ def test_a_block_whose_weights_move_inside_the_call_gets_no_graph(comfy, uncompi
                 own = F.dit_apply(cm, 2, 8, 8, seed=seed)
             torch.testing.assert_close(out, own, rtol=1e-4, atol=1e-4)
     assert accel.graphs.skipped[MOVES] > 0 and accel.graphs.stats["replays"] > 0
+
+
+def test_after_comfyuis_unpatch_the_regions_are_compiled_again(comfy):
+    """An object patch of a forward inside a region and of the UNet's ``_forward``, then ComfyUI's
+    ``unpatch_model``: its ``set_attr`` had saved the class's bound method, which unpatch writes back
+    into the instance dict. After it the regions run compiled code and nothing is found. Before, the
+    leftovers counted as other nodes' code for the rest of the session."""
+    import comfy.model_management as mm
+    fam = F.FAMILIES["sd15"]
+    mp = F.build(fam)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="eager"))
+    accel = patcher.accelerator_of(cm)
+    from unet_compiler.compiler import regions as R
+    accel._install(R.BODIES)
+    root = cm.model.diffusion_model
+    target = next(r for r in accel.plan.regions if r.kind != "resblock")
+    inner = next(n for n, m in target.module.named_modules() if n and next(m.children(), None) is None)
+    mod = root.get_submodule(f"{target.path}.{inner}")
+    p = cm.clone()
+    p.add_object_patch(f"diffusion_model.{target.path}.{inner}.forward",
+                       lambda *a, **k: type(mod).forward(mod, *a, **k))
+    p.add_object_patch("diffusion_model._forward", lambda *a, **k: type(root)._forward(root, *a, **k))
+    mm.load_models_gpu([p])
+    F.apply(p, fam, 1, 8, 8)
+    assert accel._found is not None and accel._found.regions and accel._found.around
+    p.unpatch_model()
+    mm.load_models_gpu([cm])
+    n = accel.stats["region_eager_overridden"]
+    for _ in range(2):
+        F.apply(cm, fam, 1, 8, 8)
+        assert accel._found is None
+    assert accel.stats["region_eager_overridden"] == n
