@@ -278,6 +278,9 @@ class Check:
             return None
         start = self.clock()
         env = {k: v for k, v in self.env.items() if k not in step.env} | step.env
+        # (for a command that starts processes in their own sessions, out of this group's reach: it
+        # ends them by then, whenever its own clock started)
+        env[DEADLINE_ENV] = f"{time.time() + c:.1f}"
         if step.name == "tests":
             env["UNET_COMPILER_LONG_TESTS"] = "1"   # the GPU tests marked long run here too
             if self.stubs:
@@ -356,6 +359,8 @@ class Check:
 
 
 ENV_TIMEOUT_S = 60     # env_line's two commands, each
+#: a step's end, as time.time(), in its commands' environment
+DEADLINE_ENV = "UNET_COMPILER_STEP_DEADLINE"
 
 
 def _which(cmd: str) -> bool:
@@ -386,6 +391,9 @@ def main(argv=None) -> int:
         for line in carry_lines():
             print(line)
         return 0
+    # a SIGTERM (the runner's own limit, `timeout`) ends this process through its finally blocks, so
+    # each step's process group is ended too, not left running in sessions of their own
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     check = Check(Path(o.out).resolve(), o.budget, only)
     check.env_line()
     check.comfy_stubs()

@@ -237,8 +237,11 @@ def alloc(cap: float = 150.0) -> None:
     exit code and what failed. Each stage is capped at ``STAGE_TIMEOUT_S``, all of them end 5 s before
     ``cap`` (the GPU check's cap on this probe): a stage that would start with less than ``STAGE_MIN_S``
     left is reported as not run."""
-    from .gpu import end_group
+    from .gpu import DEADLINE_ENV, end_group
     t0, budget = time.monotonic(), cap - 5
+    deadline = os.environ.get(DEADLINE_ENV)   # the GPU check's step end: this process's start-up counts
+    if deadline:
+        budget = min(budget, float(deadline) - 5 - time.time())
     for conf in ALLOCATORS:
         env = {k: v for k, v in os.environ.items() if k != "PYTORCH_CUDA_ALLOC_CONF"}
         if conf:

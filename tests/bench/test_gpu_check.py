@@ -172,3 +172,33 @@ def test_the_alloc_probe_runs_cudamallocasync_first_and_says_what_failed(monkeyp
     assert rows[1]["rc"] == 1 and rows[1]["error"] == "RuntimeError: graph capture failed"
     assert rows[2]["rc"] == "timeout" and rows[2]["error"] == "timeout after 2 s"
     assert rows[-1]["rc"] == "not run"
+
+
+def test_a_sigterm_to_the_check_ends_the_running_step_whole(tmp_path):
+    """The runner's own limit (a SIGTERM to ``bench gpu``) while a step runs: the check exits through
+    its cleanup, ending the step's process group. Before, the steps' own sessions outlived it."""
+    import os
+    import signal
+    import subprocess
+    import time
+    script = (
+        "import sys\n"
+        "from unet_compiler.bench import gpu as G\n"
+        "spawn = ('import subprocess, sys, time; p = subprocess.Popen([sys.executable, \"-c\", \"import time; "
+        "time.sleep(120)\"]); print(\"child\", p.pid, flush=True); time.sleep(120)')\n"
+        "G.steps = lambda: [G.Step('sleepy', 60, 1, [[sys.executable, '-c', spawn]], [r'^child'])]\n"
+        "G.Check.env_line = lambda self: None\n"
+        "G.Check.comfy_stubs = lambda self: None\n"
+        f"sys.exit(G.main(['--out', {str(tmp_path)!r}, '--budget', '90']))\n")
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    check = subprocess.Popen([sys.executable, "-c", script], env=env)
+    log, deadline = tmp_path / "sleepy.log", time.monotonic() + 60
+    while not (log.exists() and "child" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = int(log.read_text().split()[1])
+    check.send_signal(signal.SIGTERM)
+    assert check.wait(timeout=30) == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"the step's child {pid} outlived the check"
