@@ -151,15 +151,7 @@ class Accelerator:
             self.plan.skipped += [(r.kind, r.path, self.backend.no_impl_reason(r.kind, self.config))
                                   for r in self.plan.regions if impls.get((r.family, r.kind)) is None]
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
-        paths = {id(r.module): r.path for r in self.plan.regions}
-        root = self.root
-        # (a watch built again keeps what the one it replaces saw when planned: a one-shape warmup
-        # installs new shims after ComfyUI applied the prompt's object patches)
-        self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims],
-                                   served_processors() if self.plan.family != "comfy" else (),
-                                   before=getattr(self, "overrides", None)) if root is not None else None
-        #: what another node set on the modules at the start of this UNet call (None: nothing)
-        self._found = None
+        self._watch()
         rep.regions = self.plan.kind_counts(impls)
         rep.skipped = self.plan.skipped_summary()
         log.info("%s", rep.text().replace("\n", " |"))
@@ -242,10 +234,14 @@ class Accelerator:
         """Shims for the regions ``impls`` (keyed by (family, kind)) has code for, from the next call."""
         self.report.regions = self.plan.kind_counts(impls)
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
+        self._watch()
+
+    def _watch(self) -> None:
+        """The overrides watch over the shims just installed. One built again keeps what the one it
+        replaces saw when planned (a one-shape warmup installs new shims after ComfyUI applied the
+        prompt's object patches)."""
         paths = {id(r.module): r.path for r in self.plan.regions}
         root = self.root
-        # (a watch built again keeps what the one it replaces saw when planned: a one-shape warmup
-        # installs new shims after ComfyUI applied the prompt's object patches)
         self.overrides = Overrides(root, [(m, shim.hook, paths[id(m)]) for m, shim in self._shims],
                                    served_processors() if self.plan.family != "comfy" else (),
                                    before=getattr(self, "overrides", None)) if root is not None else None
