@@ -118,8 +118,9 @@ class CallGraphs:
         self._hooks = [d for m in root.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         graphs.track(root.modules())
 
-    def problem(self, kwargs: dict) -> str | None:
-        """Why this call runs through the per-region graphs (None: it can be one graph)."""
+    def problem(self, kwargs: dict, hooks_seen_none: bool = False) -> str | None:
+        """Why this call runs through the per-region graphs (None: it can be one graph).
+        ``hooks_seen_none``: the overrides watch found no hook on any module this call."""
         if self.graphs.off is not None:
             return None   # said by the graphs' own status line
         if self._structure != graphs.STRUCTURE[0]:
@@ -130,26 +131,27 @@ class CallGraphs:
         why = call_problem(kwargs)
         if why:
             return why
-        if any(self._hooks) or torch.nn.modules.module._global_forward_hooks or \
-                torch.nn.modules.module._global_forward_pre_hooks:
+        if not hooks_seen_none and (any(self._hooks) or torch.nn.modules.module._global_forward_hooks
+                                    or torch.nn.modules.module._global_forward_pre_hooks):
             return "a forward hook runs inside the call"
         if comfy_compat.compiler_records():
             return "ComfyUI's compiler records the model's allocations"
         return None
 
     def call(self, forward, root, args: tuple, kwargs: dict, failed: dict, ran_last: set, shims,
-             overridden: str | None = None):
+             overridden: str | None = None, hooks_seen_none: bool = False):
         """``forward(root, *args, **kwargs)``, one graph where it can be (``failed``: the region
         kinds running the model's own code, part of the key; ``ran_last``: the regions that ran
         compiled code this call, which a replay fills as its capture did; ``shims()``: the regions'
         shims installed around the forward, which a replay does without; ``overridden``: why the
-        call goes region by region, another node's code being set on the modules)."""
+        call goes region by region, another node's code being set on the modules;
+        ``hooks_seen_none``: the overrides watch found no hook this call, so none is looked for)."""
         if self.held_back:
             with shims():
                 return forward(root, *args, **kwargs)
         plain = {k: v for k, v in kwargs.items() if k != "transformer_options"}
         tensors, fixed = [], []
-        why = overridden or self.problem(kwargs) or _flatten((args, plain), (), tensors, fixed)
+        why = overridden or self.problem(kwargs, hooks_seen_none) or _flatten((args, plain), (), tensors, fixed)
         if why is None and self.graphs.off is None and not cast.none_per_call(self._watched):
             # ComfyUI casts per call (Dynamic VRAM flags every op): one graph where every cast weight is
             # resident, its slots pinned for the call, as ComfyUI's own block graphs replay

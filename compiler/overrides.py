@@ -152,7 +152,7 @@ class Overrides:
         return self._find(root)
 
     def _find(self, root) -> Found | None:
-        found = Found(hooked=bool(root._forward_hooks or root._forward_pre_hooks))
+        found = Found(hooked=bool(root._forward_hooks or root._forward_pre_hooks or any(self._around_hooks)))
         if _global_hooks():   # (registered for every module: those inside the regions too)
             for module, _, path in self._regions:
                 found.regions.setdefault(module, f"{path}: a global forward hook")
@@ -185,7 +185,6 @@ class Overrides:
                 found.regions.setdefault(module, f"{path}.{name}: a forward hook")
         for j, (name, m) in enumerate(self._around):
             d = m.__dict__
-            found.hooked = found.hooked or bool(d["_forward_hooks"] or d["_forward_pre_hooks"])
             if len(d) != self._lens[j]:
                 code = self._new_code(m, self._base[j], name + ".")
                 if code is None:   # only values that are not code (state another node keeps): the new normal

@@ -280,7 +280,8 @@ class Accelerator:
         return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last,
                                      self._region_shims,
                                      overridden=OVERRIDDEN if found is not None and (found.regions or found.around)
-                                     else None)
+                                     else None,
+                                     hooks_seen_none=found is None and self.overrides is not None)
 
     # ---- one region call ----------------------------------------------
     def _run(self, kind, impl, module, original, args, eager_kwargs, casts=()):
