@@ -41,11 +41,15 @@ def own(fn):
     return fn
 
 
+def is_code(value) -> bool:
+    """Whether an instance attribute of a module is code: a callable that is no submodule, tensor or
+    class (a function, a method, a callable object)."""
+    return callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
+
+
 def _is_code(value) -> bool:
-    """A callable another node may have set on a module instance (not a submodule, tensor or class,
-    not the pack's own)."""
-    return (callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type))
-            and not getattr(value, OWN, False))
+    """Code another node may have set on a module instance (:func:`is_code`, not the pack's own)."""
+    return is_code(value) and not getattr(value, OWN, False)
 
 
 def _leaf(m) -> bool:
@@ -102,7 +106,8 @@ class Overrides:
 
     def _build(self, root) -> None:
         self._structure = graphs.STRUCTURE[0]
-        self._bases = {i: b for i, b in self._bases.items() if i in {id(m) for m in root.modules()}}   # (bounded)
+        present = {id(m) for m in root.modules()}
+        self._bases = {i: b for i, b in self._bases.items() if i in present}   # (bounded)
         own_ids = {id(m) for m, _, _ in self._regions}
         self._inside: list[tuple] = []     # (region index, module path, module) of every module inside a region
         inside_ids: set[int] = set()
@@ -112,8 +117,9 @@ class Overrides:
                     self._inside.append((i, name, m))
                     inside_ids.add(id(m))
         named = [(n, m) for n, m in root.named_modules() if id(m) not in inside_ids]
+        self._around_leaves = [(n, m) for n, m in named if _leaf(m)]
         # a `forward` set on a module inside a region (its body skips it) or on a leaf (a graph freezes it)
-        self._forward_dicts = [m.__dict__ for _, _, m in self._inside] + [m.__dict__ for _, m in named if _leaf(m)]
+        self._forward_dicts = [m.__dict__ for _, _, m in self._inside] + [m.__dict__ for _, m in self._around_leaves]
         self._inside_hooks = [d for _, _, m in self._inside for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._own_dicts, self._own_hooks = [m.__dict__ for m, _, _ in self._regions], [h for _, h, _ in self._regions]
         # diffusers' attention processors (``set_attn_processor`` after compiling: PAG, IP-Adapter)
@@ -131,8 +137,6 @@ class Overrides:
         self._base = [self._bases.setdefault(id(m), frozenset(m.__dict__)) for _, m in self._around]
         self._lens = [len(b) for b in self._base]
         self._around_dicts = [m.__dict__ for _, m in self._around]
-        inside_leaves = {id(m) for _, _, m in self._inside}
-        self._around_leaves = [(n, m) for n, m in named if _leaf(m) and id(m) not in inside_leaves]
         graphs.track([root, *(m for _, m in named)])
         graphs.track(m for _, _, m in self._inside)
 
