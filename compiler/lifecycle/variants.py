@@ -20,6 +20,7 @@ from collections import defaultdict
 import torch
 
 from .. import settings
+from ..overrides import is_code
 from ..reasons import error_summary
 
 log = logging.getLogger(__name__)
@@ -110,27 +111,26 @@ def _plain(v) -> str:
         v = v.__func__
     code = getattr(v, "__code__", None)
     if code is not None:
-        cells = [_plain(c.cell_contents) if c.cell_contents is not v else "self"
-                 for c in (getattr(v, "__closure__", None) or ()) if _filled(c)]
+        cells = [_cell(c, v) for c in (getattr(v, "__closure__", None) or ())]
         return f"{v.__qualname__}:{_code(code)}:{cells}"
     return f"<{_type_name(type(v))}>"
 
 
+def _cell(cell, fn) -> str:
+    """A closure cell of ``fn`` as :func:`_plain` reads it (``fn`` itself: "self")."""
+    try:
+        value = cell.cell_contents
+    except ValueError:   # an empty cell
+        return "<empty>"
+    return "self" if value is fn else _plain(value)
+
+
+@functools.lru_cache(maxsize=None)
 def _code(code) -> str:
     """A code object by what it runs (its bytecode and constants, nested code alike), never by address."""
     consts = [_code(c) if hasattr(c, "co_code") else repr(c) if isinstance(c, _PLAIN) or c is Ellipsis
               else f"<{type(c).__name__}>" for c in code.co_consts]
     return hashlib.sha256(code.co_code + repr((code.co_names, consts)).encode()).hexdigest()[:16]
-
-
-def _filled(cell) -> bool:
-    try:
-        return cell.cell_contents is not _EMPTY or True
-    except ValueError:   # an empty cell
-        return False
-
-
-_EMPTY = object()
 
 
 @functools.lru_cache(maxsize=None)
@@ -154,7 +154,7 @@ def type_key(t: type) -> str:
 def _attribute(name: str, value) -> str:
     """An instance attribute as a variant key reads it: its name, and for code set on the instance (a
     function, a method, a callable object that is no module) what that code is."""
-    if callable(value) and not isinstance(value, (torch.nn.Module, torch.Tensor, type)):
+    if is_code(value):
         return f"{name}={_plain(getattr(value, '__func__', value))}"
     return name
 
