@@ -69,6 +69,13 @@ def _leftover(m, key: str) -> bool:
     return False
 
 
+def _len_within(d: dict, base: frozenset) -> int:
+    """The key count ``check`` expects of ``d``: its own when every key is in ``base``, else -1, so the
+    first check looks (a base kept from an earlier watch may lack a key set since: a count alone would
+    not tell a key gone from one added)."""
+    return len(d) if d.keys() <= base else -1
+
+
 def _global_hooks() -> bool:
     from torch.nn.modules import module as nn_module
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
@@ -130,12 +137,12 @@ class Overrides:
         # added since is looked at
         # (the root is read from the call's argument, never held: its dict holds the accelerator)
         self._root_base = self._bases.setdefault(id(root), frozenset(root.__dict__))
-        self._root_len = len(self._root_base)
+        self._root_len = _len_within(root.__dict__, self._root_base)
         named = [(n, m) for n, m in named if m is not root]
         self._around = [(n, m) for n, m in named if not _leaf(m)]
         self._around_hooks = [d for _, m in named for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._base = [self._bases.setdefault(id(m), frozenset(m.__dict__)) for _, m in self._around]
-        self._lens = [len(b) for b in self._base]
+        self._lens = [_len_within(m.__dict__, b) for (_, m), b in zip(self._around, self._base, strict=True)]
         self._around_dicts = [m.__dict__ for _, m in self._around]
         graphs.track([root, *(m for _, m in named)])
         graphs.track(m for _, _, m in self._inside)

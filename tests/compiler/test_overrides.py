@@ -176,3 +176,19 @@ def test_a_global_forward_hook_sends_every_region_to_the_models_own_code(tiny_un
     finally:
         handle.remove()
     assert accel.overrides.check(u) is None
+
+
+def test_a_watch_built_again_sees_code_added_beside_a_key_gone(tiny_unet, strict_graph_standin):
+    """Between two watches a container lost one key and got a step cache's method: the key count is
+    the planned one, and the new watch still finds the method."""
+    from unet_compiler.compiler import regions as R
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    mid = u.mid_block
+    mid.__dict__["state"] = 1
+    assert accel.overrides.check(u) is None          # (state that is no code: the new normal)
+    del mid.__dict__["state"]
+    mid.__dict__["forward_orig"] = lambda *a, **k: None
+    accel._install(R.BODIES)
+    found = accel.overrides.check(u)
+    assert found is not None and "mid_block.forward_orig" in found.around
