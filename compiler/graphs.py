@@ -292,7 +292,9 @@ class _Region:
         # read in C (map) where a tensor is: the slots holding None (a bias=False) apart
         held = [(d, n) for d, n in self.slots if d.get(n) is not None]
         self._dicts, self._names = [d for d, _ in held], [n for _, n in held]
-        self._none = [(d, n) for d, n in self.slots if d.get(n) is None]   # (few: read in Python)
+        # the slots holding None, read in C where each is a dict (as torch makes them)
+        none = [(d, n) for d, n in self.slots if d.get(n) is None]
+        self._none = ([d for d, _ in none], [n for _, n in none]) if all(type(d) is dict for d, _ in none) else none
         self.ptrs = None if cast else self.weight_ptrs()
         self.graphs: dict = {}   # signature -> _Graph
         self.seen: set = set()
@@ -307,7 +309,7 @@ class _Region:
             ptrs = tuple(map(_DATA_PTR, map(operator.getitem, self._dicts, self._names)))
         except (KeyError, TypeError):   # a slot gone or set to None
             ptrs = tuple([None if (t := d.get(n)) is None else t.data_ptr() for d, n in zip(self._dicts, self._names, strict=True)])
-        now = [d.get(n) for d, n in self._none]
+        now = list(map(dict.get, *self._none)) if type(self._none) is tuple else [d.get(n) for d, n in self._none]
         if now.count(None) == len(now):
             return ptrs
         return ptrs + tuple(None if t is None else t.data_ptr() for t in now)

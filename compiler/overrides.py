@@ -11,12 +11,21 @@ frozen there. :class:`Overrides` finds them; :class:`Found` says where:
   attention) another kind of attention processor than the one it was planned with;
 - ``around``: why the code around the regions is not the model's as planned (a method set on the root,
   a container, a region module or a leaf): one graph per UNet call stands aside for the call;
-- ``hooked``: a forward hook on a module around the regions (one graph per UNet call finds those itself).
+- ``hooked``: a forward hook on a module around the regions (one graph per UNet call finds those itself);
+- ``classes``: why the code of a class around the regions is not the model's as planned.
+
+A method set on a class (:meth:`Overrides.check_classes`: AnimateDiff-Evolved's GroupNorm hack sets
+``torch.nn.GroupNorm.forward`` inside a diffusion-model wrapper) is skipped by a body as an instance's
+is, and dynamo's traces of module calls keep the method they traced (it does not guard a class's
+methods): the regions with modules of that class run the model's own code while it is set, as do
+those with a method at planning that was not written in its class's body (set at import by another
+pack); one graph per UNet call stands aside while a class around the regions has one.
 
 With either of the last two the regions' graphs check their weights' addresses before each replay: such
 code may move a block's weights inside the call (block swap).
 
-A call that finds nothing costs one pass over the modules' dicts in C (``check``). The pack's own
+A call that finds nothing costs one pass over the modules' dicts in C (``check``; their hook dicts
+only after a hook was registered somewhere: torch counts the handles it makes). The pack's own
 callables carry :data:`OWN`.
 """
 from __future__ import annotations
@@ -28,6 +37,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from . import graphs
 
@@ -76,6 +86,78 @@ def _len_within(d: dict, base: frozenset) -> int:
     return len(d) if d.keys() <= base else -1
 
 
+#: classes whose methods are not watched (a method set on torch.nn.Module is set on every module)
+_UNWATCHED = (object, torch.nn.Module)
+_GONE = object()
+
+
+def _code_attr(value) -> bool:
+    """Whether a class attribute is code: a function, a static or class method, a property."""
+    return isinstance(value, (types.FunctionType, staticmethod, classmethod, property))
+
+
+def _function_of(value):
+    if isinstance(value, property):
+        return value.fget
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+
+
+#: methods Python calls without naming them in the code (a call, an attribute's lookup, a container's use)
+_IMPLICIT = frozenset({"__call__", "__getattr__", "__getattribute__", "__getitem__", "__iter__", "__len__",
+                       "__contains__", "__bool__", "__enter__", "__exit__"})
+
+
+def _code_names(value) -> set:
+    """The names the code of a class attribute (its functions, their decorated originals and the
+    code nested in them) looks up."""
+    out: set = set()
+    fns = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [_function_of(value)]
+    for f in fns:
+        while f is not None:
+            codes = [getattr(f, "__code__", None)]
+            while codes:
+                code = codes.pop()
+                if code is not None:
+                    out.update(code.co_names)
+                    codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            f = getattr(f, "__wrapped__", None)
+    return out
+
+
+def reachable(methods: list, seeds) -> set:
+    """The method names the code in ``methods`` (a {name: class attribute} per class) can reach from
+    ``seeds`` (``forward``, the shims' methods) by name: a class's other methods (diffusers' loaders,
+    ``from_pretrained``) run outside the call."""
+    names, done, grew = set(seeds) | _IMPLICIT, set(), True
+    while grew:
+        grew = False
+        for j, code in enumerate(methods):
+            for k, v in code.items():
+                if k in names and (j, k) not in done and _code_attr(v):
+                    done.add((j, k))
+                    before = len(names)
+                    names |= _code_names(v)
+                    grew = grew or len(names) != before
+    return names
+
+
+def written_in(cls: type, value) -> bool:
+    """Whether class attribute ``value`` (code) was written in the body of ``cls`` or of one of its
+    bases (its innermost function, under its decorators), else another module set it there: a
+    monkeypatch. The pack's own, and callables that are no Python function, are not judged."""
+    f = _function_of(value)
+    if not isinstance(f, types.FunctionType) or getattr(f, OWN, False):
+        return True
+    try:
+        f = inspect.unwrap(f)
+    except ValueError:
+        return False
+    if not isinstance(f, types.FunctionType):
+        return True
+    where = getattr(f.__code__, "co_qualname", f.__qualname__)   # (where it was written, whatever wraps copied)
+    return any(f.__module__ == c.__module__ and where.startswith(c.__qualname__ + ".") for c in cls.__mro__)
+
+
 def _global_hooks() -> bool:
     from torch.nn.modules import module as nn_module
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
@@ -86,6 +168,7 @@ class Found:
     regions: dict = field(default_factory=dict)   # region module -> why
     around: str | None = None
     hooked: bool = False
+    classes: str | None = None
 
     @property
     def moving(self) -> bool:
@@ -109,10 +192,14 @@ class Overrides:
             if getattr(m, "processor", None) is not None:
                 self._planned_procs.setdefault(id(m), type(m.processor))
         self._bases: dict[int, frozenset] = dict(before._bases) if before is not None else {}
+        # each watched class's code as planned ({key: value}) and its keys (code or not)
+        self._class_code: dict[type, dict] = dict(before._class_code) if before is not None else {}
+        self._class_keys: dict[type, frozenset] = dict(before._class_keys) if before is not None else {}
         self._build(root)
 
     def _build(self, root) -> None:
         self._structure = graphs.STRUCTURE[0]
+        self._handles = None     # the hook handle count when the modules last held no hook
         present = {id(m) for m in root.modules()}
         self._bases = {i: b for i, b in self._bases.items() if i in present}   # (bounded)
         own_ids = {id(m) for m, _, _ in self._regions}
@@ -146,6 +233,82 @@ class Overrides:
         self._around_dicts = [m.__dict__ for _, m in self._around]
         graphs.track([root, *(m for _, m in named)])
         graphs.track(m for _, _, m in self._inside)
+        self._build_classes(root, [m for _, m in named])
+
+    def _build_classes(self, root, around: list) -> None:
+        """The methods of every class in the modules' class hierarchies (below torch.nn.Module), and
+        which regions (those holding a module of a class with it) and whether the code around them
+        (a class of the root, a container or a leaf around) run each."""
+        regions_of: dict[type, set] = {}
+        outside: set[type] = {type(root), *map(type, around)}
+        for i, (module, _, _) in enumerate(self._regions):
+            regions_of.setdefault(type(module), set()).add(i)
+        for i, _, m in self._inside:
+            regions_of.setdefault(type(m), set()).add(i)
+        for i, (module, _, _) in enumerate(self._regions):   # (a diffusers attention's processor, as planned)
+            if id(module) in self._planned_procs:
+                regions_of.setdefault(self._planned_procs[id(module)], set()).add(i)
+        where: dict[type, tuple] = {}
+        for cls in {*regions_of, *outside}:
+            for b in cls.__mro__:
+                if b not in _UNWATCHED:
+                    idx, out = where.get(b, (frozenset(), False))
+                    where[b] = (idx | regions_of.get(cls, set()), out or cls in outside)
+        self._class_where = where
+        self._class_code = {b: c for b, c in self._class_code.items() if b in where}   # (bounded)
+        self._class_keys = {b: k for b, k in self._class_keys.items() if b in where}
+        self._cls_types = sorted(where, key=lambda b: (b.__module__, b.__qualname__))
+        self._cls_dicts, slots = [vars(b) for b in self._cls_types], []
+        # (as planned: a method set since is looked up by the code it replaced)
+        planned = [self._class_code.setdefault(b, {k: v for k, v in d.items() if _code_attr(v)})
+                   for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
+        self._reach = reachable(planned, {"forward", *(hook for _, hook, _ in self._regions)})
+        for b, d, code in zip(self._cls_types, self._cls_dicts, planned, strict=True):
+            self._class_keys.setdefault(b, frozenset(d))
+            slots += [(d, k, v, b) for k, v in code.items() if k in self._reach]
+        self._cls_slots = slots
+        self._cls_proxies, self._cls_names = [d for d, _, _, _ in slots], [k for _, k, _, _ in slots]
+        self._cls_values = [v for _, _, v, _ in slots]
+        self._cls_lens = [_len_within(d, self._class_keys[b]) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
+        #: what a call with the classes as planned finds: methods set at import by another pack
+        self._cls_static = self._find_classes()
+
+    def check_classes(self) -> Found | None:
+        """What another node set on the modules' classes now, None: nothing (the usual call). Made once
+        per UNet call, at its first region call or its one-graph decision (after the wrappers ComfyUI
+        runs around the model's forward, which may set them)."""
+        try:
+            same = (list(map(operator.getitem, self._cls_proxies, self._cls_names)) == self._cls_values
+                    and list(map(len, self._cls_dicts)) == self._cls_lens)
+        except Exception:   # (a key gone; a value that does not compare)
+            same = False
+        return self._cls_static if same else self._find_classes()
+
+    def _find_classes(self) -> Found | None:
+        changed = [(b, k) for d, k, v, b in self._cls_slots
+                   if d.get(k, _GONE) is not v or not written_in(b, v)]
+        for j, (b, d) in enumerate(zip(self._cls_types, self._cls_dicts, strict=True)):
+            if len(d) == self._cls_lens[j]:
+                continue
+            new = [k for k in d if k not in self._class_keys[b]]
+            code = [k for k in new if k in self._reach and _code_attr(d[k])
+                    and not getattr(_function_of(d[k]), OWN, False)]
+            changed += [(b, k) for k in code]
+            if not code:   # only values that are not code (class state another node keeps): the new normal
+                self._class_keys[b] = self._class_keys[b] | frozenset(new)
+                self._cls_lens[j] = _len_within(d, self._class_keys[b])
+        if not changed:
+            return None
+        found = Found()
+        for b, k in changed:
+            what = f"{b.__module__}.{b.__qualname__}.{k}"
+            regions, outside = self._class_where[b]
+            for i in sorted(regions):
+                module, _, path = self._regions[i]
+                found.regions.setdefault(module, f"{path}: another node set {what}")
+            if outside:
+                found.classes = found.classes or f"another node set {what}"
+        return found
 
     def check(self, root) -> Found | None:
         """What is set now on ``root`` (the UNet: None once it is gone), None: nothing (the usual call)."""
@@ -153,8 +316,14 @@ class Overrides:
             return None
         if self._structure != graphs.STRUCTURE[0]:
             self._build(root)
-        if not (any(self._inside_hooks) or any(self._around_hooks) or _global_hooks()
-                or len(root.__dict__) != self._root_len or root._forward_hooks or root._forward_pre_hooks
+        handles = RemovableHandle.next_id
+        if handles != self._handles:
+            # a hook was registered somewhere since the last look (each registration makes a handle)
+            if (any(self._inside_hooks) or any(self._around_hooks) or _global_hooks()
+                    or root._forward_hooks or root._forward_pre_hooks):
+                return self._find(root)
+            self._handles = handles     # none on these modules as of this count
+        if not (len(root.__dict__) != self._root_len
                 or any(map(operator.contains, self._forward_dicts, itertools.repeat("forward")))
                 or any(map(operator.contains, self._own_dicts, self._own_hooks))
                 or list(map(len, self._around_dicts)) != self._lens

@@ -33,7 +33,7 @@ from .compat import comfy as comfy_compat
 from .config import CompileConfig
 from .events import Events
 from .inserted import Inserted
-from .overrides import Overrides, own
+from .overrides import OWN, Found, Overrides, own
 from .lifecycle.recompiles import Recompiles
 from .reasons import Reason, Slower, build_failure, error_summary
 from .report import Report, accelerator_text
@@ -146,6 +146,7 @@ class Accelerator:
         #: compiled code or the model's own code, per UNet call and per region call
         self.gate = shims.Gate(self.stats, self.backend.cast_problem())
         self.gate.on_refused = weakref.WeakMethod(self._refused)
+        self.gate.on_first = weakref.WeakMethod(self._classes_checked)
         impls = self.backend.impls(self.config, self.scheduler)
         if self.backend.name != "eager":
             self.plan.skipped += [(r.kind, r.path, self.backend.no_impl_reason(r.kind, self.config))
@@ -276,11 +277,13 @@ class Accelerator:
         if self.call_graphs is None or not self._through:
             return forward(module, *args, **kwargs)
         self._root_called = True
+        if self.gate.due:
+            self.gate.first_call()
         found = self._found
         return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last,
                                      self._region_shims,
-                                     overridden=OVERRIDDEN if found is not None and (found.regions or found.around)
-                                     else None,
+                                     overridden=OVERRIDDEN if found is not None
+                                     and (found.regions or found.around or found.classes) else None,
                                      hooks_seen_none=found is None and self.overrides is not None)
 
     # ---- one region call ----------------------------------------------
@@ -454,6 +457,7 @@ class Accelerator:
             graphs.structure_moved()
         if not self._shims_in:
             self._found = self._overridden()
+            self.gate.due = self.overrides is not None   # the classes' check, at the first region call
         for g in self._all_graphs():
             g.begin_call()
         installed = []
@@ -487,7 +491,7 @@ class Accelerator:
                     self.report.note("a UNet call went around the model's forward (another node's "
                                      "wrapper): one graph per UNet call is off, the regions run as before")
             finally:
-                self._through = False
+                self._through = self.gate.due = False
                 for module, hook in installed:
                     module.__dict__.pop(hook, None)
                 if self.graphs is not None:
@@ -510,6 +514,36 @@ class Accelerator:
                                  f"it is there, and the regions' graphs check their weights before each replay",
                                  once=True)
         return found
+
+    def _classes_checked(self) -> frozenset:
+        """The modules' classes checked for this UNet call (``Overrides.check_classes``): the regions
+        with another node's method on a class of theirs run the model's own code for the rest of the
+        call (their shims taken out where in), said once each; one graph per UNet call stands aside.
+        Returns those region modules."""
+        found = self.overrides.check_classes() if self.overrides is not None else None
+        if found is None:
+            return frozenset()
+        for why in found.regions.values():
+            self.report.note(f"{why}: that region runs the model's own code with it (the pack's code "
+                             f"would skip it)", once=True)
+        if found.classes is not None:
+            self.report.note(f"{found.classes}: it runs as set; one graph per UNet call stands aside while it "
+                             f"is there", once=True)
+        before = self._found
+        merged = Found(dict(before.regions) if before is not None else {}, before.around if before else None,
+                       before.hooked if before else False, found.classes)
+        new = [m for m in found.regions if m not in merged.regions]
+        for m in new:
+            merged.regions[m] = found.regions[m]
+        self._found = merged
+        if self._shims_in:
+            hooks = dict((id(m), getattr(s, "hook", "forward")) for m, s in self._shims)
+            for m in new:
+                if getattr(m.__dict__.get(hooks.get(id(m), "forward")), OWN, False):
+                    m.__dict__.pop(hooks[id(m)])
+                    self.stats["region_eager"] += 1
+                    self.stats["region_eager_overridden"] += 1
+        return frozenset(new)
 
     @contextlib.contextmanager
     def _region_shims(self):

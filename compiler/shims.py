@@ -61,6 +61,18 @@ class Gate:
         self.bypassed = False
         #: a weak method told ``(kinds, why)`` when the compare refuses kinds (None: nobody)
         self.on_refused = None
+        #: set at a UNet call's start: its first region call has ``on_first`` (a weak method) check
+        #: the modules' classes (:meth:`first_call`)
+        self.due = False
+        self.on_first = None
+
+    def first_call(self) -> frozenset:
+        """The UNet call's first region call (or its one-graph decision), after the wrappers around
+        the model's forward ran: the region modules that run the model's own code for the rest of
+        the call (another node's method on a class of theirs)."""
+        self.due = False
+        check = self.on_first() if self.on_first is not None else None
+        return check() if check is not None else frozenset()
 
     def through_regions(self, has_shims: bool) -> bool:
         """Whether this UNet call goes through the regions' shims."""
@@ -208,13 +220,16 @@ def make_shim(region, impl, run, gate: Gate):
     eager_kwargs, casts)`` (``run``: a weak method, so the shim holds no accelerator; ``casts``: the
     leaves whose weights ComfyUI casts or patches this call, :mod:`cast`). A call with a mask, extra
     arguments or an attention override runs the model's own code."""
-    module, kind, leaves = region.module, region.kind, region.leaves
+    module, kind, leaves, hook = region.module, region.kind, region.leaves, region.hook
     watched = cast.watch(leaves)
-    original = getattr(type(module), region.hook)
+    original = getattr(type(module), hook)
     failed = gate.failed
 
     if kind == ATTENTION and region.family == "comfy":
         def shim(x, context=None, value=None, mask=None, transformer_options={}):
+            if gate.due and module in gate.first_call():
+                return getattr(type(module), hook)(module, x, context=context, value=value, mask=mask,
+                                                   transformer_options=transformer_options)
             if (mask is not None or kind in failed or "optimized_attention_override" in transformer_options
                     or (casts := gate.casts(kind, leaves, watched, (x,))) is None):
                 return gate.eager(original, module, x, context=context, value=value, mask=mask,
@@ -223,9 +238,11 @@ def make_shim(region, impl, run, gate: Gate):
                          dict(context=context, value=value, mask=mask, transformer_options=transformer_options), casts)
         return shim
     if kind in DIT_INPUTS:
-        return _dit_shim(module, kind, original, leaves, watched, impl, run, gate)
+        return _dit_shim(module, kind, hook, original, leaves, watched, impl, run, gate)
     if kind == ATTENTION:
         def shim(hidden_states, encoder_hidden_states=None, attention_mask=None, **kw):
+            if gate.due and module in gate.first_call():
+                return getattr(type(module), hook)(module, hidden_states, encoder_hidden_states, attention_mask, **kw)
             if attention_mask is not None or kw or kind in failed or hidden_states.dim() != 3:
                 return gate.eager(original, module, hidden_states, encoder_hidden_states, attention_mask, **kw)
             return run()(kind, impl, module, original, (hidden_states, encoder_hidden_states),
@@ -233,6 +250,8 @@ def make_shim(region, impl, run, gate: Gate):
         return shim
 
     def shim(*args, **kwargs):
+        if gate.due and module in gate.first_call():
+            return getattr(type(module), hook)(module, *args, **kwargs)
         if kwargs.get("scale", 0) in (None, 1.0):
             # diffusers < 0.26 passes its LoRA scale (resnet(h, temb, scale=1.0)); 1.0 is the default
             kwargs = {k: v for k, v in kwargs.items() if k != "scale"}
@@ -242,7 +261,7 @@ def make_shim(region, impl, run, gate: Gate):
     return shim
 
 
-def _dit_shim(module, kind, original, leaves, watched, impl, run, gate):
+def _dit_shim(module, kind, hook, original, leaves, watched, impl, run, gate):
     """A DiT block's gate. ComfyUI calls these blocks by keyword; the body serves the calls
     ``_dit_inputs`` turns into its inputs, whose other arguments are at their defaults (no attention
     mask, no per-token modulation dims); ``transformer_options`` may hold anything but an attention
@@ -253,6 +272,8 @@ def _dit_shim(module, kind, original, leaves, watched, impl, run, gate):
     failed = gate.failed
 
     def shim(*args, **kwargs):
+        if gate.due and module in gate.first_call():
+            return getattr(type(module), hook)(module, *args, **kwargs)
         try:
             bound = _explicit(sig.bind(module, *args, **kwargs).arguments, self_name, DIT_INPUTS[kind])
         except TypeError:

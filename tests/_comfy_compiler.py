@@ -267,8 +267,9 @@ class ComfyCompiler:
         def scoped(self, *args, **kwargs):
             with comfy.model_prefetch.malloc_graph_scope(None):
                 return own(self, *args, **kwargs)
-        module.__class__ = type(cls.__name__, (cls,), {method: scoped, "__module__": cls.__module__,
-                                                       "__qualname__": cls.__qualname__})
+        from ._written import as_written
+        module.__class__ = as_written(type(cls.__name__, (cls,), {method: scoped, "__module__": cls.__module__,
+                                                                  "__qualname__": cls.__qualname__}))
 
     def _current(self):
         return self.module.MALLOC_GRAPHS.get(threading.get_ident())

@@ -762,6 +762,8 @@ def newest_mixed_precision(leaf) -> None:
     import comfy.ops
     from comfy.quant_ops import QuantizedTensor
 
+    from ._written import as_written
+
     def forward(self, input, *args, **kwargs):
         use_quantized = (getattr(self, "layout_type", None) is not None and not self._full_precision_mm
                          and not getattr(self, "comfy_force_cast_weights", False)
@@ -776,8 +778,8 @@ def newest_mixed_precision(leaf) -> None:
             return self._forward(q, weight, bias).reshape(*shape[:-1], weight.shape[0])
         finally:
             comfy.ops.uncast_bias_weight(self, weight, bias, handle)
-    forward.__module__ = "comfy.ops"       # ComfyUI's own forward, as the pack sees it
     cls = type(leaf)
-    leaf.__class__ = type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
-                                                 "__qualname__": cls.__qualname__})
+    # ComfyUI's own forward, written in its class as the pack sees it
+    leaf.__class__ = as_written(type(cls.__name__, (cls,), {"forward": forward, "__module__": cls.__module__,
+                                                            "__qualname__": cls.__qualname__}))
     leaf._full_precision_mm = False

@@ -192,3 +192,126 @@ def test_a_watch_built_again_sees_code_added_beside_a_key_gone(tiny_unet, strict
     accel._install(R.BODIES)
     found = accel.overrides.check(u)
     assert found is not None and "mid_block.forward_orig" in found.around
+
+
+def test_a_method_set_on_a_class_inside_the_call_runs_there(tiny_unet, strict_graph_standin):
+    """A ``forward`` set on diffusers' GEGLU class (whose module a feed-forward body computes itself)
+    by code that runs inside the call, before the first region (as AnimateDiff-Evolved sets
+    ``torch.nn.GroupNorm.forward`` in a diffusion-model wrapper): before, the bodies and their graphs
+    skipped it (the output was the unpatched model's). Now the regions with a GEGLU run the model's own
+    code with it while it is set, said once, one graph per call aside; restored, compiled again."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    cls = type(_geglu(u))
+    planned = cls.forward
+
+    def half(self, *a, **k):
+        return planned(self, *a, **k) * 0.5
+
+    def setting(module, args):      # (a forward pre-hook on the root: it runs inside the call)
+        cls.forward = half
+    for s in range(3):
+        _close(_sample(u, s), _sample(ref, s))
+    feedforward = sum(r.kind == "feedforward" for r in accel.plan.regions)
+    captured = accel.call_graphs.graphs.stats["captured"]
+    hooks = [m.register_forward_pre_hook(setting) for m in (u, ref)]
+    try:
+        for s in range(3, 7):
+            _close(_sample(u, s), _sample(ref, s))
+    finally:
+        cls.forward = planned
+        for h in hooks:
+            h.remove()
+    assert feedforward and accel.stats["region_eager_overridden"] == 4 * feedforward, accel.stats
+    text = accel.text()
+    assert f"another node set {cls.__module__}.GEGLU.forward: that region runs the model's own code" in text, text
+    for s in range(7, 10):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.stats["region_eager_overridden"] == 4 * feedforward
+    assert accel.call_graphs.graphs.stats["replays"] > 0 and accel.call_graphs.graphs.stats["captured"] == captured
+
+
+def test_a_method_set_on_a_class_around_the_regions_is_never_frozen_in_one_graph(tiny_unet, strict_graph_standin):
+    """A method set on the class of a module around the regions (diffusers' ``TimestepEmbedding``)
+    after one graph per call was captured: before, the replay froze the planned code. Now the call
+    goes region by region while it is set, == the reference; restored, the graph replays again."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    cls = type(u.time_embedding)
+    planned = cls.forward
+    for s in range(3):
+        _close(_sample(u, s), _sample(ref, s))
+    replays = accel.call_graphs.graphs.stats["replays"]
+    cls.forward = lambda self, *a, **k: planned(self, *a, **k) * 0.5
+    try:
+        for s in range(3, 6):
+            _close(_sample(u, s), _sample(ref, s))
+    finally:
+        cls.forward = planned
+    assert accel.call_graphs.graphs.stats["replays"] == replays
+    assert "another node set diffusers.models.embeddings.TimestepEmbedding.forward: it runs as set" in accel.text()
+    for s in range(6, 8):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.call_graphs.graphs.stats["replays"] == replays + 2
+
+
+def test_a_method_set_on_a_class_before_compiling_is_seen(tiny_unet, strict_graph_standin):
+    """A method another pack set on a class at import, before the model was compiled (not written in
+    the class's body): the regions with a module of that class run the model's own code every call,
+    == the reference; a decorated method written in its class is the model's (a decorator is unwrapped:
+    a patch made with ``functools.wraps`` of the method it replaces reads as written there)."""
+    from diffusers.models.activations import GEGLU
+    planned = GEGLU.forward
+
+    def half(self, *a, **k):
+        return planned(self, *a, **k) * 0.5
+    GEGLU.forward = half
+    try:
+        u, ref = tiny_unet(), tiny_unet()
+        accel = _diffusers(u, strict_graph_standin())
+        for s in range(3):
+            _close(_sample(u, s), _sample(ref, s))
+        feedforward = sum(r.kind == "feedforward" for r in accel.plan.regions)
+        assert feedforward and accel.stats["region_eager_overridden"] == 3 * feedforward
+    finally:
+        GEGLU.forward = planned
+
+    class Own(torch.nn.Module):
+        @property
+        def scale(self):
+            return 1
+
+        @torch.no_grad()   # (a decorator from elsewhere: what it wraps was written here)
+        def forward(self, x):
+            return x
+    from unet_compiler.compiler.overrides import written_in
+    assert written_in(Own, vars(Own)["forward"]) and written_in(Own, vars(Own)["scale"])
+    assert not written_in(GEGLU, half)
+
+
+def test_the_real_models_classes_hold_their_own_methods(tiny_unet, strict_graph_standin):
+    """No method of a diffusers UNet's classes counts as set by another node (nothing found)."""
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    assert accel.overrides.check_classes() is None
+    assert len(accel.overrides._cls_slots) > 20
+
+
+def test_a_method_set_on_the_attention_processors_class_runs(tiny_unet, strict_graph_standin):
+    """``AttnProcessor2_0.__call__`` set on its class after compiling (the processor an attention body
+    stands in for): before, the bodies kept computing the planned processor. Now the attention regions
+    run the model's own code with it while it is set."""
+    from diffusers.models.attention_processor import AttnProcessor2_0
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    for s in range(2):
+        _close(_sample(u, s), _sample(ref, s))
+    planned = AttnProcessor2_0.__call__
+    AttnProcessor2_0.__call__ = lambda self, *a, **k: planned(self, *a, **k) * 0.5
+    try:
+        for s in range(2, 5):
+            _close(_sample(u, s), _sample(ref, s))
+    finally:
+        AttnProcessor2_0.__call__ = planned
+    attention = sum(r.kind == "attention" for r in accel.plan.regions)
+    assert attention and accel.stats["region_eager_overridden"] == 3 * attention

@@ -12,6 +12,7 @@ import torch
 from unet_compiler.compiler import api
 from unet_compiler.compiler.backends import lookup_backend
 from unet_compiler.compiler.lifecycle.scheduler import process_scheduler
+from unet_compiler.tests._written import written_as
 
 
 def _inputs(seed=1):
@@ -78,7 +79,7 @@ def test_the_models_own_error_propagates_untouched(tiny_unet, failing_resblocks,
 
     def model_raises(self, *a, **k):
         raise ValueError("Expected more than 1 spatial element when training")
-    monkeypatch.setattr(ResnetBlock2D, "forward", model_raises)
+    monkeypatch.setattr(ResnetBlock2D, "forward", written_as(model_raises, ResnetBlock2D, "forward"))
     unet = tiny_unet()
     x, t, ctx = _inputs()
     with pytest.raises(ValueError) as plain:
@@ -132,7 +133,7 @@ def test_out_of_memory_in_a_region_falls_back_after_freeing_the_attempt(tiny_une
     def forward(self, *a, **k):
         alive_when_eager_ran.extend(r() is not None for r in held)
         return original(self, *a, **k)
-    monkeypatch.setattr(ResnetBlock2D, "forward", forward)
+    monkeypatch.setattr(ResnetBlock2D, "forward", written_as(forward, ResnetBlock2D, "forward"))
     unet = tiny_unet()
     x, t, ctx = _inputs()
     with torch.no_grad():
@@ -160,7 +161,7 @@ def test_out_of_memory_in_the_models_own_code_propagates(tiny_unet, failing_resb
 
     def oom(self, *a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory")
-    monkeypatch.setattr(ResnetBlock2D, "forward", oom)
+    monkeypatch.setattr(ResnetBlock2D, "forward", written_as(oom, ResnetBlock2D, "forward"))
     unet = api.compile_unet(tiny_unet(), "inductor")
     with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
         unet(*_inputs())

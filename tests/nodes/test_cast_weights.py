@@ -12,6 +12,7 @@ import torch
 from unet_compiler.compiler import cast
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.nodes import patcher
+from unet_compiler.tests._written import as_written
 
 from .test_comfy_patcher import _apply, _close, _lora
 
@@ -102,7 +103,7 @@ def test_ops_with_their_own_arithmetic_stay_eager_and_are_named(comfy, make_comf
         def forward_comfy_cast_weights(self, input):
             w, b = comfy.ops.cast_bias_weight(self, input)
             return torch.nn.functional.linear(input, w * 1.0, b)
-    DequantLinear.__module__ = "other_pack.ops"
+    as_written(DequantLinear, "other_pack.ops")
     leaf = unet.input_blocks[1][1].transformer_blocks[0].attn1.to_q
     leaf.__class__ = DequantLinear
     assert cast.why_not(leaf) and "other_pack.ops" in cast.why_not(leaf)
@@ -130,8 +131,7 @@ def test_warmup_spends_no_calls_where_every_region_runs_another_packs_ops(comfy,
         class Dequant(base):
             def forward_comfy_cast_weights(self, input, *args, **kwargs):
                 return super().forward_comfy_cast_weights(input, *args, **kwargs)
-        Dequant.__module__ = "other_pack.ops"
-        return Dequant
+        return as_written(Dequant, "other_pack.ops")
     linear, conv = other(comfy.ops.manual_cast.Linear), other(comfy.ops.manual_cast.Conv2d)
     for m in unet.modules():
         if type(m) is comfy.ops.manual_cast.Linear:

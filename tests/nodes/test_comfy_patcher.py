@@ -8,6 +8,7 @@ import torch
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.compiler.passes import prepack_conv
 from unet_compiler.nodes import patcher, warmup as nodes_warmup
+from unet_compiler.tests._written import as_written
 
 pytestmark = pytest.mark.comfy
 CFG = CompileConfig(backend="inductor")
@@ -264,8 +265,8 @@ def _other_packs_ops(module):
             cls = type(m)
             def own_cast(self, *args, _stock=cls.forward_comfy_cast_weights):   # its own function
                 return _stock(self, *args)
-            own = type(cls.__name__, (cls,), {"__module__": "other_pack.ops", "comfy_cast_weights": True,
-                                               "forward_comfy_cast_weights": own_cast})
+            own = as_written(type(cls.__name__, (cls,), {"__module__": "other_pack.ops", "comfy_cast_weights": True,
+                                                          "forward_comfy_cast_weights": own_cast}))
             saved.append((m, cls))
             m.__class__ = own
 

@@ -12,6 +12,7 @@ import torch
 from unet_compiler.compiler import cast
 from unet_compiler.compiler.config import CompileConfig
 from unet_compiler.nodes import patcher
+from unet_compiler.tests._written import as_written
 
 from tests import _gguf
 from .test_comfy_patcher import _apply, _close
@@ -121,7 +122,7 @@ def test_a_gguf_style_leaf_whose_forward_is_not_its_cast_runs_its_own_code(gg):
         def forward_ggml_cast_weights(self, input):
             weight, bias = self.cast_bias_weight(input)
             return torch.nn.functional.linear(input, weight * 1.01, bias)
-    Scaled.__module__ = "other_pack.ops"
+    as_written(Scaled, "other_pack.ops")
     leaf = mp.model.diffusion_model.input_blocks[1][1].transformer_blocks[0].ff.net[2]
     leaf.__class__ = Scaled
     assert cast.own_cast(Scaled) and cast.why_not(leaf) is None
@@ -164,7 +165,7 @@ def test_the_own_cast_check_allows_another_summation_order_not_another_result(gg
             w, b = self.cast_bias_weight(input)
             return torch.nn.functional.conv2d(input, w, b, padding=1) * (1 + 1e-3)
     for cls in (Halves, Off):
-        cls.__module__ = "other_pack.ops"
+        as_written(cls, "other_pack.ops")
     halves, off = conv(Halves), conv(Off)
     with torch.inference_mode():
         x = cast._probe(halves, torch.float32, torch.device("cpu"))

@@ -154,3 +154,42 @@ def test_motion_modules_in_the_model_when_planned_take_whole_videos_too(make_com
     assert "warmup stopped" not in text and "warmed 8x64x64" in text, text
     assert "warmup entry 2x64x64 left out" in text and f"give {2 * FRAMES}x64x64" in text, text
     model.detach()
+
+
+def test_the_groupnorm_hack_of_v1_motion_models_runs(make_comfy_model, mm, comfy):
+    """AnimateDiff-Evolved's GroupNorm hack (v1 motion models, PIA): its diffusion-model wrapper sets
+    ``torch.nn.GroupNorm.forward`` (groups normalised over all of a video's frames) for the call, its
+    own ``groupnorm_mm_factory`` and ``GroupnormInjectHelper``. Compiled before the hack was set: before,
+    the compiled regions kept the plain GroupNorm they traced (off by the hack's whole effect). Now the
+    regions with a GroupNorm run the model's own code with it, == the same model without the pack, and
+    the report names the method; the class's own method is back after the call."""
+    import types
+
+    import torch
+    sampling = _ade.load(comfy.path, module="sampling")
+    planned = torch.nn.GroupNorm.forward
+    params = types.SimpleNamespace(is_using_sliding_context=lambda: False, full_length=FRAMES)
+    holder = types.SimpleNamespace(
+        inject_groupnorm_forward=sampling.groupnorm_mm_factory(params),
+        inject_groupnorm_forward_comfy_cast_weights=sampling.groupnorm_mm_factory(params, manual_cast=True))
+
+    def hacked(mp):
+        out = mp.clone()
+        sampling.create_diffusion_model_groupnormed_wrapper(out.model_options, sampling.GroupnormInjectHelper(holder))
+        return out
+    mp = make_comfy_model("sd15")
+    plain = _apply(mp, "sd15", b=2 * FRAMES)
+    ref = _apply(hacked(mp), "sd15", b=2 * FRAMES)
+    assert (ref - plain).abs().max() > 1e-3, "the hack must matter"
+    cm, _ = patcher.compile_model(mp, CFG)
+    _close(_apply(cm, "sd15", b=2 * FRAMES), plain)
+    model = hacked(cm)
+    _close(_apply(model, "sd15", b=2 * FRAMES), ref)
+    assert torch.nn.GroupNorm.forward is planned
+    accel = patcher.accelerator_of(model)
+    text = accel.text()
+    assert "another node set comfy.ops.disable_weight_init.GroupNorm.forward_comfy_cast_weights: that " \
+           "region runs the model's own code" in text, text   # (each region names the first of the two)
+    assert accel.stats["region_eager_overridden"] > 0 and accel.stats["ran_attention"] > 0, accel.stats
+    _close(_apply(cm, "sd15", b=2 * FRAMES), plain)
+    model.detach()
