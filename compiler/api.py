@@ -141,6 +141,40 @@ def _accelerated_forward(accel: Accelerator, module, *args, **kwargs):
     return _map_out(out, torch.Tensor.clone)
 
 
+class _Forward:
+    """The pack's forward on a compiled diffusers UNet (its instance ``forward``, or accelerate's
+    ``_old_forward``). It holds the accelerator and the module weakly (dropping the module frees both
+    at once). A deep copy or a pickle of the module carries the compile settings, not the accelerator:
+    the copy is compiled the same way (its own accelerator) at its first call or ``accelerator_of``."""
+
+    # (slots: what a wrapper made with functools.update_wrapper copies of it is the OWN mark alone)
+    __slots__ = ("_module", "config", "accel", "__dict__")
+
+    def __init__(self, module: torch.nn.Module, config: CompileConfig, accel: Accelerator | None = None):
+        self._module, self.config, self.accel = weakref.ref(module), config, accel
+        own(self)     # (overrides.OWN: the pack's, not another node's)
+
+    def __call__(self, *args, **kwargs):
+        module = self._module()
+        accel = self.accel if self.accel is not None else accelerator_of(module)
+        return _accelerated_forward(accel, module, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        module = self._module()
+        copy = memo.get(id(module)) if module is not None else None   # (the module's copy, made first)
+        return _Forward(copy, self.config) if copy is not None else self
+
+    def __reduce__(self):
+        return _Forward, (self._module(), self.config)
+
+
+def _pending(module) -> _Forward | None:
+    """The forward a deep copy or an unpickled compiled UNet holds until it is compiled (None: none)."""
+    d = module.__dict__
+    f = d.get("forward") if isinstance(d.get("forward"), _Forward) else d.get("_old_forward")
+    return f if isinstance(f, _Forward) and f.accel is None and d.get(_ATTR) is None else None
+
+
 def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> torch.nn.Module:
     """Accelerate a diffusers ``UNet2DConditionModel`` (or ComfyUI ``UNetModel``)
     in place and return it. Options are :class:`CompileConfig` fields
@@ -149,7 +183,10 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     A ComfyUI diffusion transformer is refused (ValueError, before any work): its conditioning
     is its ComfyUI model's to build, so it compiles and warms through its ModelPatcher.
     """
-    config = CompileConfig.from_options(backend, **options)
+    return _compile(module, CompileConfig.from_options(backend, **options))
+
+
+def _compile(module: torch.nn.Module, config: CompileConfig) -> torch.nn.Module:
     uncompile_unet(module)
     d = module.__dict__
     hooked = "_hf_hook" in d and "_old_forward" in d   # accelerate's hooks (enable_model_cpu_offload, device_map)
@@ -167,12 +204,7 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
                          f"unet_compiler.nodes.patcher.compile_model(patcher, config) and then warmup_model(...)")
     accel = Accelerator(module, config, plan=plan)
     d[_ATTR] = accel
-    # the module holds its forward: a weak reference back, so dropping the module frees it (and the
-    # accelerator) at once, not at Python's next cyclic collection
-    ref = weakref.ref(module)
-    forward = own(lambda *a, **k: _accelerated_forward(accel, ref(), *a, **k))
-    # (held weakly: the forward holds the accelerator, which must not hold it back)
-    accel.__dict__["_api_forward"] = weakref.ref(forward)
+    forward = _Forward(module, config, accel)
     if hooked:   # accelerate's forward runs its hook, then calls _old_forward: the pack's, from now on
         # (in a tuple: no code on the module the overrides watch would take for another node's;
         # accelerate's hook holds the module in a cycle already)
@@ -191,20 +223,20 @@ def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`compile_unet`: the module's own forward again, an accelerate hook added before or
     after compiling kept (it calls the module's own forward)."""
     d = module.__dict__
-    accel = d.pop(_ATTR, None)
-    if accel is None:
-        return module
-    ref = accel.__dict__.pop("_api_forward", None)
-    forward, before = ref() if ref is not None else None, d.pop(_BEFORE, None)
-    if forward is not None and d.get("forward") is forward:
+    d.pop(_ATTR, None)
+    before = d.pop(_BEFORE, None)
+    if isinstance(d.get("forward"), _Forward):
         del d["forward"]
-    if forward is not None and d.get("_old_forward") is forward:
+    if isinstance(d.get("_old_forward"), _Forward):
         d["_old_forward"] = before[0] if before is not None else types.MethodType(type(module).forward, module)
     return module
 
 
 def accelerator_of(module) -> Accelerator:
     accel = module.__dict__.get(_ATTR)
+    if accel is None and (pending := _pending(module)) is not None:   # a copy: compiled as its original was
+        _compile(module, pending.config)
+        accel = module.__dict__.get(_ATTR)
     if accel is None:
         raise ValueError("module was not compiled: call compile_unet(module) first")
     return accel

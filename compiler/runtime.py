@@ -610,3 +610,9 @@ class Accelerator:
 
     def text(self) -> str:
         return accelerator_text(self)
+
+    def __deepcopy__(self, memo):
+        return None     # (a copy of the module it serves gets its own: compile_unet's forward makes it)
+
+    def __reduce__(self):
+        return type(None), ()

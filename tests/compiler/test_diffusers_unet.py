@@ -363,3 +363,43 @@ def test_an_offload_hook_put_on_before_compiling_is_no_override(make_unet):
     _Hooks().add(u)
     compile_unet(u, "eager")
     assert accelerator_of(u).overrides.check(u) is None
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_compiled_unet_is_compiled_the_same_way(make_unet, how):
+    """``copy.deepcopy`` or ``torch.save`` / ``torch.load`` of a compiled UNet: before, both raised
+    (cannot pickle 'WeakMethod'). Now the copy carries the compile settings, not the accelerator: it
+    gets its own at its first call, its regions run compiled code on its own weights (a change to
+    the copy's weights is the copy's alone), == its own code; the original is untouched.
+    ``uncompile_unet`` on a copy never called leaves a plain UNet."""
+    import copy
+    import io
+
+    from unet_compiler.compiler import uncompile_unet
+    u = make_unet("sd15")
+    compile_unet(u, "inductor", prepack_conv=False, prepack_linear=False)
+    inputs = _inputs(u)
+    ref = _run(u, inputs)
+
+    def copied():
+        if how == "deepcopy":
+            return copy.deepcopy(u)
+        buf = io.BytesIO()
+        torch.save(u, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+    c = copied()
+    with torch.no_grad():
+        c.conv_in.weight.mul_(1.5)
+    got = _run(c, inputs)
+    accel = accelerator_of(c)
+    assert accel is not accelerator_of(u) and accel.config == accelerator_of(u).config
+    ran, total = accel.ran_compiled()
+    assert ran == total > 0, accel.text()
+    with accel.bypass():
+        _close(got, _run(c, inputs))
+    assert (got - ref).abs().max() > 1e-3, "the copy's weights are its own"
+    _close(_run(u, inputs), ref)
+    plain = uncompile_unet(copied())
+    assert "forward" not in plain.__dict__ and "_unet_compiler" not in plain.__dict__
+    _close(_run(plain, inputs), ref)
