@@ -21,7 +21,7 @@ methods): the regions with modules of that class run the model's own code while 
 those with a method at planning that was not written in its class's body (set at import by another
 pack); one graph per UNet call stands aside while a class around the regions has one.
 
-With either of the last two the regions' graphs check their weights' addresses before each replay: such
+With any of the last three the regions' graphs check their weights' addresses before each replay: such
 code may move a block's weights inside the call (block swap).
 
 A call that finds nothing costs one pass over the modules' dicts in C (``check``; their hook dicts
@@ -112,8 +112,10 @@ def _code_names(value) -> set:
     code nested in them) looks up."""
     out: set = set()
     fns = [value.fget, value.fset, value.fdel] if isinstance(value, property) else [_function_of(value)]
+    seen: set = set()
     for f in fns:
-        while f is not None:
+        while f is not None and id(f) not in seen:     # (a __wrapped__ chain may loop)
+            seen.add(id(f))
             codes = [getattr(f, "__code__", None)]
             while codes:
                 code = codes.pop()
@@ -173,7 +175,7 @@ class Found:
     @property
     def moving(self) -> bool:
         """Whether code around the regions may move their weights inside the call."""
-        return self.around is not None or self.hooked
+        return self.around is not None or self.hooked or self.classes is not None
 
 
 class Overrides:
@@ -270,29 +272,48 @@ class Overrides:
         self._cls_proxies, self._cls_names = [d for d, _, _, _ in slots], [k for _, k, _, _ in slots]
         self._cls_values = [v for _, _, v, _ in slots]
         self._cls_lens = [_len_within(d, self._class_keys[b]) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
+        self._cls_last = None     # (the class code last found changed, its lengths, what was found)
         #: what a call with the classes as planned finds: methods set at import by another pack
         self._cls_static = self._find_classes()
 
     def check_classes(self) -> Found | None:
-        """What another node set on the modules' classes now, None: nothing (the usual call). Made once
-        per UNet call, at its first region call or its one-graph decision (after the wrappers ComfyUI
-        runs around the model's forward, which may set them)."""
+        """What another node set on the modules' classes now, None: nothing (the usual call). Made at
+        a UNet call's one-graph decision and again at its first region call (after the wrappers ComfyUI
+        runs inside the model's forward, which may set them)."""
         try:
-            same = (list(map(operator.getitem, self._cls_proxies, self._cls_names)) == self._cls_values
-                    and list(map(len, self._cls_dicts)) == self._cls_lens)
+            now, lens = list(map(operator.getitem, self._cls_proxies, self._cls_names)), list(map(len, self._cls_dicts))
+            if now == self._cls_values and lens == self._cls_lens:
+                return self._cls_static
+            if self._cls_last is not None and now == self._cls_last[0] and lens == self._cls_last[1]:
+                return self._cls_last[2]     # (a method set for many calls: judged once)
         except Exception:   # (a key gone; a value that does not compare)
-            same = False
-        return self._cls_static if same else self._find_classes()
+            now = None
+        found = self._find_classes()
+        if now is not None and now == self._cls_values and lens == self._cls_lens:
+            self._cls_static = found     # (a class's own method back: the planned code now)
+        self._cls_last = (now, lens, found) if now is not None else None
+        return found
 
     def _find_classes(self) -> Found | None:
-        changed = [(b, k) for d, k, v, b in self._cls_slots
-                   if d.get(k, _GONE) is not v or not written_in(b, v)]
+        changed = []
+        for j, (d, k, v, b) in enumerate(self._cls_slots):
+            now = d.get(k, _GONE)
+            if now is v:
+                if not written_in(b, v):     # (set at planning by another module)
+                    changed.append((b, k))
+            elif now is not _GONE and not written_in(b, v) and written_in(b, now):
+                # the class's own method back where another module's was when planned: the model's own
+                self._cls_values[j] = self._class_code[b][k] = now
+                self._cls_slots[j] = (d, k, now, b)
+            else:
+                changed.append((b, k))
         for j, (b, d) in enumerate(zip(self._cls_types, self._cls_dicts, strict=True)):
             if len(d) == self._cls_lens[j]:
                 continue
-            new = [k for k in d if k not in self._class_keys[b]]
-            code = [k for k in new if k in self._reach and _code_attr(d[k])
-                    and not getattr(_function_of(d[k]), OWN, False)]
+            items = dict(d)      # (one read: another thread may set a class attribute meanwhile)
+            new = [k for k in items if k not in self._class_keys[b]]
+            code = [k for k in new if k in self._reach and _code_attr(items[k])
+                    and not getattr(_function_of(items[k]), OWN, False)]
             changed += [(b, k) for k in code]
             if not code:   # only values that are not code (class state another node keeps): the new normal
                 self._class_keys[b] = self._class_keys[b] | frozenset(new)

@@ -528,7 +528,9 @@ class Accelerator:
                              f"would skip it)", once=True)
         if found.classes is not None:
             self.report.note(f"{found.classes}: it runs as set; one graph per UNet call stands aside while it "
-                             f"is there", once=True)
+                             f"is there, and the regions' graphs check their weights before each replay", once=True)
+            if self.graphs is not None:     # (such code may move a block's weights inside the call)
+                self.graphs.verify = True
         before = self._found
         merged = Found(dict(before.regions) if before is not None else {}, before.around if before else None,
                        before.hooked if before else False, found.classes)
@@ -551,6 +553,9 @@ class Accelerator:
         if self._shims_in:
             yield
             return
+        # the classes are checked again at the first region call: the wrappers ComfyUI runs inside the
+        # model's forward (a diffusion-model wrapper) have run by then, not at the one-graph decision
+        self.gate.due = self.overrides is not None
         installed = []
         overridden = self._found.regions if self._found is not None else {}
         try:

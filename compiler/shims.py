@@ -67,8 +67,8 @@ class Gate:
         self.on_first = None
 
     def first_call(self) -> frozenset:
-        """The UNet call's first region call (or its one-graph decision), after the wrappers around
-        the model's forward ran: the region modules that run the model's own code for the rest of
+        """The UNet call's one-graph decision, or its first region call (the wrappers inside the
+        model's forward have run): the region modules that run the model's own code for the rest of
         the call (another node's method on a class of theirs)."""
         self.due = False
         check = self.on_first() if self.on_first is not None else None

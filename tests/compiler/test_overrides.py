@@ -315,3 +315,64 @@ def test_a_method_set_on_the_attention_processors_class_runs(tiny_unet, strict_g
         AttnProcessor2_0.__call__ = planned
     attention = sum(r.kind == "attention" for r in accel.plan.regions)
     assert attention and accel.stats["region_eager_overridden"] == 3 * attention
+
+
+def test_a_method_set_when_planned_then_restored_is_the_models_own(tiny_unet, strict_graph_standin):
+    """Planned while another module's ``GEGLU.forward`` was set (a compile inside another pack's
+    wrapper): found while it is set; the class's own method back, it is the model's own again and
+    the other module's function is let go. Before, the restored method was found for good (the
+    regions on the model's own code every call). A method set for many calls is judged once."""
+    import weakref
+
+    from diffusers.models.activations import GEGLU
+    from unet_compiler.compiler.overrides import Found, Overrides
+    planned = GEGLU.forward
+
+    def half(self, *a, **k):
+        return planned(self, *a, **k) * 0.5
+    GEGLU.forward = half
+    try:
+        u, ref = tiny_unet(), tiny_unet()
+        accel = _diffusers(u, strict_graph_standin())
+        assert accel.overrides.check_classes() is not None
+    finally:
+        GEGLU.forward = planned
+    gone = weakref.ref(half)
+    del half
+    assert accel.overrides.check_classes() is None and accel.overrides.check_classes() is None
+    assert gone() is None, "the other module's function is let go"
+    for s in range(2):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.stats["region_eager_overridden"] == 0
+    judged = []
+    real = Overrides._find_classes
+
+    def counting(self):
+        judged.append(1)
+        return real(self)
+    GEGLU.forward = lambda self, *a, **k: planned(self, *a, **k)
+    try:
+        Overrides._find_classes = counting
+        assert accel.overrides.check_classes() is accel.overrides.check_classes() is not None
+    finally:
+        Overrides._find_classes = real
+        GEGLU.forward = planned
+    assert judged == [1]
+    assert Found(classes="a class method").moving      # (the regions' graphs check their weights)
+
+
+def test_reachable_ends_on_a_wrapped_chain_that_loops():
+    """A function whose ``__wrapped__`` chain loops (a mock, a careless decorator): the names its
+    code reaches are found and the walk ends. Before, it never ended (a hang inside the UNet call)."""
+    import threading
+
+    from unet_compiler.compiler.overrides import reachable
+
+    def forward(self, x):
+        return self.norm(x)
+    forward.__wrapped__ = forward
+    out = []
+    t = threading.Thread(target=lambda: out.append(reachable([{"forward": forward}], {"forward"})), daemon=True)
+    t.start()
+    t.join(10)
+    assert out and "norm" in out[0]

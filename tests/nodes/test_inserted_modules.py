@@ -193,3 +193,46 @@ def test_the_groupnorm_hack_of_v1_motion_models_runs(make_comfy_model, mm, comfy
     assert accel.stats["region_eager_overridden"] > 0 and accel.stats["ran_attention"] > 0, accel.stats
     _close(_apply(cm, "sd15", b=2 * FRAMES), plain)
     model.detach()
+
+
+def test_the_groupnorm_hack_runs_with_graphs_captured_before_it(make_comfy_model, mm, comfy, strict_graph_standin):
+    """The same hack with CUDA graphs (the stand-in: a replay re-runs the recorded ops, no Python) and
+    one graph per UNet call, as on a GPU: the regions' graphs were captured without it (earlier
+    calls with another diffusion-model wrapper went region by region). Before, the classes were
+    checked at the one-graph decision, before ComfyUI ran the wrappers inside the model's forward:
+    the graphs replayed the plain GroupNorm (0.96-2.14 off). Now they are checked again at the first
+    region call: every call == the reference, each region with a GroupNorm on the model's own code."""
+    import types
+
+    from unet_compiler.compiler.call_graph import CallGraphs
+    from unet_compiler.compiler.graphs import RegionGraphs
+    sampling = _ade.load(comfy.path, module="sampling")
+    params = types.SimpleNamespace(is_using_sliding_context=lambda: False, full_length=FRAMES)
+    holder = types.SimpleNamespace(
+        inject_groupnorm_forward=sampling.groupnorm_mm_factory(params),
+        inject_groupnorm_forward_comfy_cast_weights=sampling.groupnorm_mm_factory(params, manual_cast=True))
+
+    def wrapped(mp, hack):
+        out = mp.clone()
+        if hack:
+            sampling.create_diffusion_model_groupnormed_wrapper(out.model_options, sampling.GroupnormInjectHelper(holder))
+        else:
+            comfy.ext.add_wrapper_with_key(comfy.ext.WrappersMP.DIFFUSION_MODEL, "plain", lambda ex, *a, **k: ex(*a, **k),
+                                           out.model_options, is_model_options=True)
+        return out
+    mp = make_comfy_model("sd15")
+    plain = _apply(mp, "sd15", b=2 * FRAMES)
+    ref = _apply(wrapped(mp, True), "sd15", b=2 * FRAMES)
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    accel.graphs = RegionGraphs(graphs=strict_graph_standin())
+    accel.call_graphs = CallGraphs(accel.root, accel.graphs, accel.stats)
+    for _ in range(3):
+        _close(_apply(wrapped(cm, False), "sd15", b=2 * FRAMES), plain)
+    assert accel.graphs.stats["replays"] > 0 and accel.stats["region_eager_overridden"] == 0
+    model = wrapped(cm, True)
+    for _ in range(3):
+        _close(_apply(model, "sd15", b=2 * FRAMES), ref)
+    with_norm = accel.stats["region_eager_overridden"]
+    assert with_norm and with_norm % 3 == 0, accel.stats
+    model.detach()
