@@ -376,11 +376,19 @@ def main(argv=None) -> int:
     ap.add_argument("--budget", type=float, default=470, help="seconds for all steps (default %(default)s)")
     ap.add_argument("--only", default="", help="comma list of steps (a targeted rerun)")
     ap.add_argument("--dry-run", action="store_true", help="print the steps and their caps, run nothing")
+    ap.add_argument("--prepare", action="store_true", help="make what the call carries here (.gpu/whl, .gpu/comfy: "
+                    "bench/gpu_carry.py), check it imports, size it; run nothing")
+    ap.add_argument("--python", default="3.12", help="with --prepare: the GPU image's Python (default %(default)s)")
     o = ap.parse_args(argv)
     only = set(filter(None, o.only.split(","))) or None
     unknown = (only or set()) - {s.name for s in steps()}
     if unknown:
         ap.error(f"--only: no step {', '.join(sorted(unknown))}; steps: {', '.join(s.name for s in steps())}")
+    if o.prepare:
+        from .gpu_carry import prepare
+        for line in prepare(ROOT, o.python) + carry_lines():
+            print(line)
+        return 0
     if o.dry_run:
         needs = {s.name: s.needs for s in steps()}
         for name, c in plan(o.budget, only):

@@ -202,3 +202,34 @@ def test_a_sigterm_to_the_check_ends_the_running_step_whole(tmp_path):
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _alive(pid), f"the step's child {pid} outlived the check"
+
+
+def test_the_carry_is_made_here_trimmed_and_pinned(tmp_path, monkeypatch):
+    """``bench gpu --prepare``'s parts: a ComfyUI tree trimmed to its top-level modules and the
+    packages the steps import (code and data files; no .git, models, front end, tests or caches),
+    a tree without main.py refused with the variable to set; the wheels pinned at the versions
+    installed here, for the image's Python, binary only, no dependencies pulled."""
+    from unet_compiler.bench import gpu_carry as C  # noqa: N812
+    src = tmp_path / "ComfyUI"
+    files = {"main.py": "x", "nodes.py": "x", "comfy/ops.py": "x", "comfy/sd1_tokenizer/vocab.json": "{}",
+             "comfy/__pycache__/ops.cpython-311.pyc": "x", "comfy_api/torch_helpers/__init__.py": "x",
+             "models/checkpoints/a.safetensors": "x", "web/index.html": "x", ".git/HEAD": "x",
+             "tests/test_x.py": "x", "comfy/weights.bin": "x", "custom_nodes/pack/__init__.py": "x"}
+    for rel, text in files.items():
+        (src / rel).parent.mkdir(parents=True, exist_ok=True)
+        (src / rel).write_text(text)
+    dest = tmp_path / "out"
+    assert C.trim_tree(src, dest) > 0
+    kept = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert kept == ["comfy/ops.py", "comfy/sd1_tokenizer/vocab.json", "comfy_api/torch_helpers/__init__.py",
+                    "main.py", "nodes.py"]
+    (src / "main.py").unlink()
+    with pytest.raises(FileNotFoundError, match="COMFYUI_PATH"):
+        C.trim_tree(src, dest)
+    cmd = C.download_command(tmp_path / "whl")
+    from importlib.metadata import version
+    assert f"diffusers=={version('diffusers')}" in cmd
+    assert {"--no-deps", "--only-binary=:all:", "manylinux_2_17_x86_64"} <= set(cmd)
+    assert cmd[cmd.index("--python-version") + 1] == "3.12"
+    monkeypatch.setattr(C, "WHEELS", ("diffusers", "no-such-distribution"))
+    assert not any(a.startswith("no-such-distribution") for a in C.download_command(tmp_path / "whl"))
