@@ -6,6 +6,7 @@ compiler reads)."""
 from __future__ import annotations
 
 import logging
+import threading
 import types
 import weakref
 
@@ -148,7 +149,8 @@ class _Forward:
     the copy is compiled the same way (its own accelerator) at its first call or ``accelerator_of``."""
 
     # (slots: what a wrapper made with functools.update_wrapper copies of it is the OWN mark alone)
-    __slots__ = ("_module", "config", "accel", "__dict__")
+    __slots__ = ("_module", "config", "accel", "__dict__", "__weakref__")
+    __name__ = "forward"
 
     def __init__(self, module: torch.nn.Module, config: CompileConfig, accel: Accelerator | None = None):
         self._module, self.config, self.accel = weakref.ref(module), config, accel
@@ -232,11 +234,18 @@ def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
+#: held while a copy compiles (two threads calling a fresh copy: one compiles, the other waits for it)
+_COPY_LOCK = threading.RLock()
+
+
 def accelerator_of(module) -> Accelerator:
     accel = module.__dict__.get(_ATTR)
-    if accel is None and (pending := _pending(module)) is not None:   # a copy: compiled as its original was
-        _compile(module, pending.config)
-        accel = module.__dict__.get(_ATTR)
+    if accel is None:
+        with _COPY_LOCK:
+            accel = module.__dict__.get(_ATTR)
+            if accel is None and (pending := _pending(module)) is not None:   # a copy: compiled as its original was
+                _compile(module, pending.config)
+                accel = module.__dict__.get(_ATTR)
     if accel is None:
         raise ValueError("module was not compiled: call compile_unet(module) first")
     return accel

@@ -160,6 +160,16 @@ def written_in(cls: type, value) -> bool:
     return any(f.__module__ == c.__module__ and where.startswith(c.__qualname__ + ".") for c in cls.__mro__)
 
 
+def _own_method(cls: type, key: str, value) -> bool:
+    """Whether ``value`` is method ``key`` exactly as written in the body of ``cls`` or of a base: no
+    wrapper over it (a patch made with ``functools.wraps`` reads as written there, so it is not)."""
+    f = _function_of(value)
+    if not isinstance(f, types.FunctionType) or hasattr(f, "__wrapped__"):
+        return False
+    where = getattr(f.__code__, "co_qualname", f.__qualname__)
+    return any(f.__module__ == c.__module__ and where == f"{c.__qualname__}.{key}" for c in cls.__mro__)
+
+
 def _global_hooks() -> bool:
     from torch.nn.modules import module as nn_module
     return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
@@ -260,19 +270,27 @@ class Overrides:
         self._class_code = {b: c for b, c in self._class_code.items() if b in where}   # (bounded)
         self._class_keys = {b: k for b, k in self._class_keys.items() if b in where}
         self._cls_types = sorted(where, key=lambda b: (b.__module__, b.__qualname__))
-        self._cls_dicts, slots = [vars(b) for b in self._cls_types], []
+        self._cls_dicts = [vars(b) for b in self._cls_types]
         # (as planned: a method set since is looked up by the code it replaced)
         planned = [self._class_code.setdefault(b, {k: v for k, v in d.items() if _code_attr(v)})
                    for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
         self._reach = reachable(planned, {"forward", *(hook for _, hook, _ in self._regions)})
-        for b, d, code in zip(self._cls_types, self._cls_dicts, planned, strict=True):
+        for b, d in zip(self._cls_types, self._cls_dicts, strict=True):
             self._class_keys.setdefault(b, frozenset(d))
-            slots += [(d, k, v, b) for k, v in code.items() if k in self._reach]
+        self._slots()
+
+    def _slots(self) -> None:
+        """The watched slots from the planned code: (class dict, key, planned value, class), and
+        what ``check_classes`` compares in C; then what a call with the classes as planned finds
+        (methods another module set before planning)."""
+        slots = [(d, k, v, b) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)
+                 for k, v in self._class_code[b].items() if k in self._reach]
         self._cls_slots = slots
         self._cls_proxies, self._cls_names = [d for d, _, _, _ in slots], [k for _, k, _, _ in slots]
         self._cls_values = [v for _, _, v, _ in slots]
         self._cls_lens = [_len_within(d, self._class_keys[b]) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
         self._cls_last = None     # (the class code last found changed, its lengths, what was found)
+        self._cls_replanned = False
         #: what a call with the classes as planned finds: methods set at import by another pack
         self._cls_static = self._find_classes()
 
@@ -283,28 +301,36 @@ class Overrides:
         try:
             now, lens = list(map(operator.getitem, self._cls_proxies, self._cls_names)), list(map(len, self._cls_dicts))
             if now == self._cls_values and lens == self._cls_lens:
+                if self._cls_last is not None or self._cls_replanned:   # (back as planned: let what was set go)
+                    self._slots()
                 return self._cls_static
             if self._cls_last is not None and now == self._cls_last[0] and lens == self._cls_last[1]:
                 return self._cls_last[2]     # (a method set for many calls: judged once)
         except Exception:   # (a key gone; a value that does not compare)
             now = None
         found = self._find_classes()
-        if now is not None and now == self._cls_values and lens == self._cls_lens:
-            self._cls_static = found     # (a class's own method back: the planned code now)
+        if self._cls_replanned:     # (a class's own method back where another module's was: planned again)
+            self._slots()
+            return self.check_classes()
         self._cls_last = (now, lens, found) if now is not None else None
         return found
 
     def _find_classes(self) -> Found | None:
         changed = []
-        for j, (d, k, v, b) in enumerate(self._cls_slots):
+        for d, k, v, b in self._cls_slots:
             now = d.get(k, _GONE)
             if now is v:
                 if not written_in(b, v):     # (set at planning by another module)
                     changed.append((b, k))
-            elif now is not _GONE and not written_in(b, v) and written_in(b, now):
-                # the class's own method back where another module's was when planned: the model's own
-                self._cls_values[j] = self._class_code[b][k] = now
-                self._cls_slots[j] = (d, k, now, b)
+            elif not written_in(b, v) and (now is _GONE or _own_method(b, k, now)):
+                # where another module's method was when planned, the class's own (or its base's, the
+                # key gone): the model's own code, planned from now on
+                if now is _GONE:
+                    del self._class_code[b][k]
+                    self._class_keys[b] = self._class_keys[b] - {k}
+                else:
+                    self._class_code[b][k] = now
+                self._cls_replanned = True
             else:
                 changed.append((b, k))
         for j, (b, d) in enumerate(zip(self._cls_types, self._cls_dicts, strict=True)):

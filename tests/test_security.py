@@ -207,6 +207,9 @@ PROCESSES = {
                                    "with its own log and time cap",
     ("bench/gpu.py", "Check.env_line"): "the GPU check's first summary line: the env's python prints its torch / "
                                         "triton / GPU, and nvidia-smi its driver",
+    ("bench/gpu_carry.py", "prepare"): "the GPU call's carry, made on request (`bench gpu --prepare`): `pip "
+                                       "download` of the wheels the GPU image lacks (nothing is installed) and the "
+                                       "trimmed ComfyUI tree's import check in a fresh python",
     ("bench/gpu_probes.py", "alloc"): "each CUDA graph capture stage in its own python process under one allocator "
                                       "(a C++ abort there kills only that process)",
 }

@@ -403,3 +403,37 @@ def test_a_copy_of_a_compiled_unet_is_compiled_the_same_way(make_unet, how):
     plain = uncompile_unet(copied())
     assert "forward" not in plain.__dict__ and "_unet_compiler" not in plain.__dict__
     _close(_run(plain, inputs), ref)
+
+
+def test_two_threads_on_a_fresh_copy_share_one_compile(make_unet, monkeypatch):
+    """Two threads reaching a fresh copy at once (its plan slowed down): one compiles it, the other
+    waits and gets the same accelerator. Before, the second found neither an accelerator nor the
+    copy's pending forward and raised 'module was not compiled'."""
+    import copy
+    import threading
+    import time
+
+    from unet_compiler.compiler import api
+    u = make_unet("sd15")
+    compile_unet(u, "eager")
+    c = copy.deepcopy(u)
+    real = api.build_plan
+
+    def slow(module):
+        time.sleep(0.3)
+        return real(module)
+    monkeypatch.setattr(api, "build_plan", slow)
+    got, errors = [], []
+
+    def reach(delay):
+        time.sleep(delay)
+        try:
+            got.append(accelerator_of(c))
+        except Exception as e:   # noqa: BLE001 - what a thread met is the finding
+            errors.append(repr(e))
+    threads = [threading.Thread(target=reach, args=(d,)) for d in (0, 0.1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and len(got) == 2 and got[0] is got[1] is c.__dict__["_unet_compiler"]

@@ -376,3 +376,73 @@ def test_reachable_ends_on_a_wrapped_chain_that_loops():
     t.start()
     t.join(10)
     assert out and "norm" in out[0]
+
+
+def test_only_the_classs_own_method_is_planned_again(tiny_unet, strict_graph_standin):
+    """Planned while another module's ``GEGLU.forward`` was set: a later patch made with
+    ``functools.wraps`` of the class's method (which reads as written in the class) is still another
+    node's, the regions on the model's own code with it (a review found it taken for the class's
+    own: 0.34-0.42 off); the class's own method back, with another method added beside it in the
+    same step and then removed, is planned again (before: found for good)."""
+    import functools
+
+    from diffusers.models.activations import GEGLU
+    planned = GEGLU.forward
+
+    def half(self, *a, **k):
+        return planned(self, *a, **k) * 0.5
+
+    @functools.wraps(planned)
+    def third(self, *a, **k):
+        return planned(self, *a, **k) * 3.0
+    GEGLU.forward = half
+    try:
+        u, ref = tiny_unet(), tiny_unet()
+        accel = _diffusers(u, strict_graph_standin())
+        o = accel.overrides
+        GEGLU.forward = third
+        assert o.check_classes() is not None
+        for s in range(2):
+            _close(_sample(u, s), _sample(ref, s))
+        feedforward = sum(r.kind == "feedforward" for r in accel.plan.regions)
+        assert accel.stats["region_eager_overridden"] == 2 * feedforward
+        GEGLU.forward = planned
+        GEGLU.chunk = lambda self, *a: None      # (a code key in reach: GEGLU's forward calls chunk)
+        assert o.check_classes() is not None
+        del GEGLU.chunk
+        assert o.check_classes() is None and o.check_classes() is None
+    finally:
+        GEGLU.forward = planned
+        vars(GEGLU).get("chunk") and delattr(GEGLU, "chunk")
+
+
+def test_a_method_set_for_a_while_is_let_go_when_restored(tiny_unet, strict_graph_standin):
+    """A method another node set at run time, then restored: nothing of it is kept (its closure,
+    AnimateDiff-Evolved's parameters, freed). Before, the last finding held it."""
+    import gc
+    import weakref
+
+    from diffusers.models.activations import GEGLU
+    planned = GEGLU.forward
+    u = tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+
+    class State:
+        pass
+    state = State()
+
+    def make(held):
+        def hack(self, *a, **k):
+            assert held is not None
+            return planned(self, *a, **k)
+        return hack
+    GEGLU.forward = make(state)
+    try:
+        assert accel.overrides.check_classes() is not None
+    finally:
+        GEGLU.forward = planned
+    assert accel.overrides.check_classes() is None
+    gone = weakref.ref(state)
+    del state
+    gc.collect()
+    assert gone() is None
