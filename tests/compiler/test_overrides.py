@@ -6,6 +6,8 @@ re-runs the captured aten ops, not the model's Python), its regions' own bodies 
 reference is the same model, unaccelerated, with the same code set on it."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from unet_compiler.compiler.overrides import Overrides
@@ -20,6 +22,23 @@ def _close(a, b):
 
 def _geglu(u):
     return u.down_blocks[0].attentions[0].transformer_blocks[0].ff.net[0]
+
+
+@contextlib.contextmanager
+def _geglu_set(scale: float):
+    """Inside: diffusers' ``GEGLU.forward`` is another module's method (the class's own times
+    ``scale``), compiled models made inside planned with it. Yields (GEGLU, its own forward, the
+    other method); the own one is back after."""
+    from diffusers.models.activations import GEGLU
+    planned = GEGLU.forward
+
+    def other(self, *a, **k):
+        return planned(self, *a, **k) * scale
+    GEGLU.forward = other
+    try:
+        yield GEGLU, planned, other
+    finally:
+        GEGLU.forward = planned
 
 
 def test_a_forward_set_inside_a_region_runs_there(tiny_unet, strict_graph_standin):
@@ -260,21 +279,13 @@ def test_a_method_set_on_a_class_before_compiling_is_seen(tiny_unet, strict_grap
     the class's body): the regions with a module of that class run the model's own code every call,
     == the reference; a decorated method written in its class is the model's (a decorator is unwrapped:
     a patch made with ``functools.wraps`` of the method it replaces reads as written there)."""
-    from diffusers.models.activations import GEGLU
-    planned = GEGLU.forward
-
-    def half(self, *a, **k):
-        return planned(self, *a, **k) * 0.5
-    GEGLU.forward = half
-    try:
+    with _geglu_set(0.5) as (GEGLU, _, half):
         u, ref = tiny_unet(), tiny_unet()
         accel = _diffusers(u, strict_graph_standin())
         for s in range(3):
             _close(_sample(u, s), _sample(ref, s))
         feedforward = sum(r.kind == "feedforward" for r in accel.plan.regions)
         assert feedforward and accel.stats["region_eager_overridden"] == 3 * feedforward
-    finally:
-        GEGLU.forward = planned
 
     class Own(torch.nn.Module):
         @property
@@ -324,19 +335,11 @@ def test_a_method_set_when_planned_then_restored_is_the_models_own(tiny_unet, st
     regions on the model's own code every call). A method set for many calls is judged once."""
     import weakref
 
-    from diffusers.models.activations import GEGLU
     from unet_compiler.compiler.overrides import Found, Overrides
-    planned = GEGLU.forward
-
-    def half(self, *a, **k):
-        return planned(self, *a, **k) * 0.5
-    GEGLU.forward = half
-    try:
+    with _geglu_set(0.5) as (GEGLU, planned, half):
         u, ref = tiny_unet(), tiny_unet()
         accel = _diffusers(u, strict_graph_standin())
         assert accel.overrides.check_classes() is not None
-    finally:
-        GEGLU.forward = planned
     gone = weakref.ref(half)
     del half
     assert accel.overrides.check_classes() is None and accel.overrides.check_classes() is None
@@ -385,18 +388,10 @@ def test_only_the_classs_own_method_is_planned_again(tiny_unet, strict_graph_sta
     own: 0.34-0.42 off); the class's own method back, with another method added beside it in the
     same step and then removed, is planned again (before: found for good)."""
     import functools
-
-    from diffusers.models.activations import GEGLU
-    planned = GEGLU.forward
-
-    def half(self, *a, **k):
-        return planned(self, *a, **k) * 0.5
-
-    @functools.wraps(planned)
-    def third(self, *a, **k):
-        return planned(self, *a, **k) * 3.0
-    GEGLU.forward = half
-    try:
+    with _geglu_set(0.5) as (GEGLU, planned, _):
+        @functools.wraps(planned)
+        def third(self, *a, **k):
+            return planned(self, *a, **k) * 3.0
         u, ref = tiny_unet(), tiny_unet()
         accel = _diffusers(u, strict_graph_standin())
         o = accel.overrides
@@ -408,12 +403,11 @@ def test_only_the_classs_own_method_is_planned_again(tiny_unet, strict_graph_sta
         assert accel.stats["region_eager_overridden"] == 2 * feedforward
         GEGLU.forward = planned
         GEGLU.chunk = lambda self, *a: None      # (a code key in reach: GEGLU's forward calls chunk)
-        assert o.check_classes() is not None
-        del GEGLU.chunk
+        try:
+            assert o.check_classes() is not None
+        finally:
+            del GEGLU.chunk
         assert o.check_classes() is None and o.check_classes() is None
-    finally:
-        GEGLU.forward = planned
-        vars(GEGLU).get("chunk") and delattr(GEGLU, "chunk")
 
 
 def test_a_method_set_for_a_while_is_let_go_when_restored(tiny_unet, strict_graph_standin):
