@@ -34,6 +34,7 @@ import inspect
 import itertools
 import operator
 import types
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -160,14 +161,38 @@ def written_in(cls: type, value) -> bool:
     return any(f.__module__ == c.__module__ and where.startswith(c.__qualname__ + ".") for c in cls.__mro__)
 
 
+#: where the decorators of a class's own methods may be written beside its own package (``_own_method``)
+_DECORATORS = ("torch", "functools", "contextlib")
+
+
 def _own_method(cls: type, key: str, value) -> bool:
-    """Whether ``value`` is method ``key`` exactly as written in the body of ``cls`` or of a base: no
-    wrapper over it (a patch made with ``functools.wraps`` reads as written there, so it is not)."""
+    """Whether ``value`` is method ``key`` as written in the body of ``cls`` or of a base, under
+    decorators written in the class's own top-level package or torch's (a patch made elsewhere with
+    ``functools.wraps`` reads as written in the class: the wrapper's own module tells it apart)."""
     f = _function_of(value)
-    if not isinstance(f, types.FunctionType) or hasattr(f, "__wrapped__"):
+    home, seen = {cls.__module__.split(".")[0], *_DECORATORS}, set()
+    while isinstance(f, types.FunctionType) and hasattr(f, "__wrapped__"):
+        if id(f) in seen or (f.__globals__.get("__name__") or "").split(".")[0] not in home:
+            return False
+        seen.add(id(f))
+        f = f.__wrapped__
+    if not isinstance(f, types.FunctionType):
         return False
     where = getattr(f.__code__, "co_qualname", f.__qualname__)
     return any(f.__module__ == c.__module__ and where == f"{c.__qualname__}.{key}" for c in cls.__mro__)
+
+
+def _weakly(value):
+    """A weak reference to ``value`` where it takes one, else ``value``."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return value
+
+
+def _held(ref):
+    """What :func:`_weakly` kept (None once it is gone)."""
+    return ref() if isinstance(ref, weakref.ref) else ref
 
 
 def _global_hooks() -> bool:
@@ -205,7 +230,8 @@ class Overrides:
                 self._planned_procs.setdefault(id(m), type(m.processor))
         self._bases: dict[int, frozenset] = dict(before._bases) if before is not None else {}
         # each watched class's code as planned ({key: value}) and its keys (code or not)
-        self._class_code: dict[type, dict] = dict(before._class_code) if before is not None else {}
+        self._class_code: dict[type, dict] = ({b: dict(c) for b, c in before._class_code.items()}
+                                              if before is not None else {})
         self._class_keys: dict[type, frozenset] = dict(before._class_keys) if before is not None else {}
         self._build(root)
 
@@ -271,28 +297,30 @@ class Overrides:
         self._class_keys = {b: k for b, k in self._class_keys.items() if b in where}
         self._cls_types = sorted(where, key=lambda b: (b.__module__, b.__qualname__))
         self._cls_dicts = [vars(b) for b in self._cls_types]
-        # (as planned: a method set since is looked up by the code it replaced)
-        planned = [self._class_code.setdefault(b, {k: v for k, v in d.items() if _code_attr(v)})
-                   for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
-        self._reach = reachable(planned, {"forward", *(hook for _, hook, _ in self._regions)})
         for b, d in zip(self._cls_types, self._cls_dicts, strict=True):
+            # (as planned: a method set since is looked up by the code it replaced)
+            self._class_code.setdefault(b, {k: v for k, v in d.items() if _code_attr(v)})
             self._class_keys.setdefault(b, frozenset(d))
         self._slots()
 
     def _slots(self) -> None:
         """The watched slots from the planned code: (class dict, key, planned value, class), and
         what ``check_classes`` compares in C; then what a call with the classes as planned finds
-        (methods another module set before planning)."""
+        (methods another module set before planning), found at the first such call."""
+        self._reach = reachable([self._class_code[b] for b in self._cls_types],
+                                {"forward", *(hook for _, hook, _ in self._regions)})
         slots = [(d, k, v, b) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)
                  for k, v in self._class_code[b].items() if k in self._reach]
         self._cls_slots = slots
         self._cls_proxies, self._cls_names = [d for d, _, _, _ in slots], [k for _, k, _, _ in slots]
         self._cls_values = [v for _, _, v, _ in slots]
         self._cls_lens = [_len_within(d, self._class_keys[b]) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
-        self._cls_last = None     # (the class code last found changed, its lengths, what was found)
+        #: the class code last found changed (weakly, where it can be: what a node set and took back
+        #: is let go), its lengths, what was found
+        self._cls_last = None
         self._cls_replanned = False
         #: what a call with the classes as planned finds: methods set at import by another pack
-        self._cls_static = self._find_classes()
+        self._cls_static = _GONE
 
     def check_classes(self) -> Found | None:
         """What another node set on the modules' classes now, None: nothing (the usual call). Made at
@@ -300,19 +328,21 @@ class Overrides:
         runs inside the model's forward, which may set them)."""
         try:
             now, lens = list(map(operator.getitem, self._cls_proxies, self._cls_names)), list(map(len, self._cls_dicts))
-            if now == self._cls_values and lens == self._cls_lens:
-                if self._cls_last is not None or self._cls_replanned:   # (back as planned: let what was set go)
-                    self._slots()
+            if now == self._cls_values and lens == self._cls_lens and self._cls_static is not _GONE:
                 return self._cls_static
-            if self._cls_last is not None and now == self._cls_last[0] and lens == self._cls_last[1]:
-                return self._cls_last[2]     # (a method set for many calls: judged once)
+            last = self._cls_last
+            if last is not None and lens == last[1] and all(map(operator.is_, now, map(_held, last[0]))):
+                return last[2]     # (a method set for many calls, or inside each: judged once)
         except Exception:   # (a key gone; a value that does not compare)
             now = None
         found = self._find_classes()
         if self._cls_replanned:     # (a class's own method back where another module's was: planned again)
             self._slots()
             return self.check_classes()
-        self._cls_last = (now, lens, found) if now is not None else None
+        if now is not None and now == self._cls_values and lens == self._cls_lens:
+            self._cls_static = found
+        else:
+            self._cls_last = (list(map(_weakly, now)), lens, found) if now is not None else None
         return found
 
     def _find_classes(self) -> Found | None:

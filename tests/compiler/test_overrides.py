@@ -440,3 +440,45 @@ def test_a_method_set_for_a_while_is_let_go_when_restored(tiny_unet, strict_grap
     del state
     gc.collect()
     assert gone() is None
+
+
+def test_a_method_planned_again_brings_what_its_code_reaches(tiny_unet, strict_graph_standin):
+    """Planned while another module's ``GEGLU.forward`` was set (whose code reaches none of GEGLU's
+    other methods), then the class's own back: what its code reaches is watched from then on, so
+    ``GEGLU.gelu`` set after is found, == the reference (a review: 0.34 off, the reach kept from the
+    other module's method)."""
+    import torch.nn.functional as F  # noqa: N812
+    with _geglu_set(0.5) as (GEGLU, planned, _):
+        u, ref = tiny_unet(), tiny_unet()
+        accel = _diffusers(u, strict_graph_standin())
+    assert accel.overrides.check_classes() is None
+    own = GEGLU.gelu
+    GEGLU.gelu = lambda self, gate: F.gelu(gate) * 3
+    try:
+        assert accel.overrides.check_classes() is not None
+        for s in range(2):
+            _close(_sample(u, s), _sample(ref, s))
+    finally:
+        GEGLU.gelu = own
+
+
+def test_a_decorated_own_method_back_is_planned_again(tiny_unet, strict_graph_standin):
+    """diffusers' ``UNet2DConditionModel.forward`` is wrapped by its own decorator (``apply_lora_scale``,
+    with ``functools.wraps``): planned while another pack's forward was set, then restored, it is the
+    model's own again and one graph per UNet call captures (a review: found for good, no graph)."""
+    from diffusers import UNet2DConditionModel
+    planned = UNet2DConditionModel.forward
+
+    def other(self, *a, **k):
+        return planned(self, *a, **k)
+    UNet2DConditionModel.forward = other
+    try:
+        u = tiny_unet()
+        accel = _diffusers(u, strict_graph_standin())
+        assert accel.overrides.check_classes() is not None
+    finally:
+        UNet2DConditionModel.forward = planned
+    assert accel.overrides.check_classes() is None and accel.overrides.check_classes() is None
+    for s in range(3):
+        _sample(u, s)
+    assert accel.call_graphs.graphs.stats["captured"] == 1
