@@ -161,18 +161,26 @@ def written_in(cls: type, value) -> bool:
     return any(f.__module__ == c.__module__ and where.startswith(c.__qualname__ + ".") for c in cls.__mro__)
 
 
-#: where the decorators of a class's own methods may be written beside its own package (``_own_method``)
-_DECORATORS = ("torch", "functools", "contextlib")
+def _plain_cell(cell) -> bool:
+    """Whether a wrapper's closure cell holds only a function or a constant (no context manager, as
+    ``torch.autocast`` or another node's decorator object holds)."""
+    try:
+        return isinstance(cell.cell_contents, (types.FunctionType, str, int, float, type(None)))
+    except ValueError:   # (an empty cell)
+        return True
 
 
 def _own_method(cls: type, key: str, value) -> bool:
     """Whether ``value`` is method ``key`` as written in the body of ``cls`` or of a base, under
-    decorators written in the class's own top-level package or torch's (a patch made elsewhere with
-    ``functools.wraps`` reads as written in the class: the wrapper's own module tells it apart)."""
+    decorators written in the class's own top-level package holding nothing but functions and
+    constants (diffusers' ``apply_lora_scale``); a patch made elsewhere with ``functools.wraps`` reads
+    as written in the class: the wrapper's own module tells it apart."""
     f = _function_of(value)
-    home, seen = {cls.__module__.split(".")[0], *_DECORATORS}, set()
+    home, seen = str(cls.__module__).split(".")[0], set()
     while isinstance(f, types.FunctionType) and hasattr(f, "__wrapped__"):
-        if id(f) in seen or (f.__globals__.get("__name__") or "").split(".")[0] not in home:
+        name = f.__globals__.get("__name__")
+        if (id(f) in seen or not isinstance(name, str) or name.split(".")[0] != home
+                or not all(map(_plain_cell, f.__closure__ or ()))):
             return False
         seen.add(id(f))
         f = f.__wrapped__
@@ -328,7 +336,8 @@ class Overrides:
         runs inside the model's forward, which may set them)."""
         try:
             now, lens = list(map(operator.getitem, self._cls_proxies, self._cls_names)), list(map(len, self._cls_dicts))
-            if now == self._cls_values and lens == self._cls_lens and self._cls_static is not _GONE:
+            if (all(map(operator.is_, now, self._cls_values)) and lens == self._cls_lens
+                    and self._cls_static is not _GONE):
                 return self._cls_static
             last = self._cls_last
             if last is not None and lens == last[1] and all(map(operator.is_, now, map(_held, last[0]))):
@@ -339,7 +348,7 @@ class Overrides:
         if self._cls_replanned:     # (a class's own method back where another module's was: planned again)
             self._slots()
             return self.check_classes()
-        if now is not None and now == self._cls_values and lens == self._cls_lens:
+        if now is not None and all(map(operator.is_, now, self._cls_values)) and lens == self._cls_lens:
             self._cls_static = found
         else:
             self._cls_last = (list(map(_weakly, now)), lens, found) if now is not None else None

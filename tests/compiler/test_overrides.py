@@ -482,3 +482,72 @@ def test_a_decorated_own_method_back_is_planned_again(tiny_unet, strict_graph_st
     for s in range(3):
         _sample(u, s)
     assert accel.call_graphs.graphs.stats["captured"] == 1
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.lin = torch.nn.GroupNorm(2, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(self.norm(x))
+
+
+class _Root(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = _Block()
+
+    def forward(self, x):
+        return self.b(x)
+
+
+def test_wrappers_that_run_code_around_a_method_are_anothers():
+    """Where another module's method was when planned: ``torch.autocast(...)`` or a node's context
+    decorator over the class's own method is still another node's code (a review: taken for the
+    class's own, the compiled regions left the autocast out); the plain own method back is the
+    model's. A patch object that compares equal to the method it wraps (wrapt's proxies) is found."""
+    import contextlib
+
+    class Node(contextlib.ContextDecorator):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    class Proxy:   # (what wrapt.wrap_function_wrapper sets: == the function it wraps)
+        __hash__ = None
+
+        def __init__(self, f):
+            self.__wrapped__ = f
+
+        def __eq__(self, other):
+            return self.__wrapped__ == other
+
+        def __call__(self, *a, **k):
+            return self.__wrapped__(*a, **k) * 3
+    for cls, wrap in ((torch.nn.GroupNorm, torch.autocast("cpu", dtype=torch.bfloat16)), (torch.nn.Linear, Node())):
+        own = cls.forward
+
+        def other(self, x, own=own):
+            return own(self, x)
+        cls.forward = other
+        try:
+            r = _Root()
+            watch = Overrides(r, [(r.b, "forward", "b")])
+            assert watch.check_classes() is not None
+            cls.forward = wrap(own)
+            assert watch.check_classes() is not None, cls
+            cls.forward = own
+            assert watch.check_classes() is None
+        finally:
+            cls.forward = own
+    r = _Root()
+    watch = Overrides(r, [(r.b, "forward", "b")])
+    own = _Block.forward
+    _Block.forward = Proxy(own)
+    try:
+        assert watch.check_classes() is not None
+    finally:
+        _Block.forward = own
