@@ -16,8 +16,8 @@ frozen there. :class:`Overrides` finds them; :class:`Found` says where:
 
 A method set on a class (:meth:`Overrides.check_classes`: AnimateDiff-Evolved's GroupNorm hack sets
 ``torch.nn.GroupNorm.forward`` inside a diffusion-model wrapper) is skipped by a body as an instance's
-is, and dynamo's traces of module calls keep the method they traced (it does not guard a class's
-methods): the regions with modules of that class run the model's own code while it is set, as do
+is, a graph replays the method it captured, and dynamo inlines a builtin torch module's method
+without a guard: the regions with modules of that class run the model's own code while it is set, as do
 those with a method at planning that was not written in its class's body (set at import by another
 pack); one graph per UNet call stands aside while a class around the regions has one.
 
