@@ -32,11 +32,6 @@ KEEP = ("comfy", "comfy_api", "comfy_execution", "comfy_config", "comfy_extras",
 KEEP_SUFFIXES = (".py", ".json", ".txt", ".yaml", ".yml", ".model")
 
 
-def comfy_tree() -> Path:
-    """The ComfyUI tree the tests use: ``COMFYUI_PATH``, else ~/comfy/ComfyUI."""
-    return Path(os.environ.get("COMFYUI_PATH") or Path.home() / "comfy" / "ComfyUI")
-
-
 def download_command(dest: Path, python: str = PYTHON) -> list[str]:
     """The ``pip download`` of ``WHEELS`` at the versions installed here (those not installed left
     out) for ``python`` on Linux x86-64, into ``dest``."""
@@ -91,9 +86,13 @@ def prepare(root: Path, python: str = PYTHON) -> list[str]:
     if r.returncode != 0:
         raise RuntimeError(f"pip download failed ({r.returncode}): {' '.join(cmd[3:])}\n{r.stderr[-2000:]}")
     out.append(f"wheels for Python {python}: " + ", ".join(sorted(p.name for p in whl.glob("*.whl"))))
+    from ..tests._families import COMFY_NOT_FOUND, comfy_path
+    src = comfy_path()     # (the tests' own lookup: COMFYUI_PATH, else ~/comfy/ComfyUI)
+    if src is None:
+        raise FileNotFoundError(COMFY_NOT_FOUND)
     tree = root / ".gpu" / "comfy"
-    n = trim_tree(comfy_tree(), tree)
-    out.append(f"ComfyUI tree from {comfy_tree()}: {n / 2**20:.1f} MiB at {tree.relative_to(root)}")
+    n = trim_tree(src, tree)
+    out.append(f"ComfyUI tree from {src}: {n / 2**20:.1f} MiB at {tree.relative_to(root)}")
     env = {**os.environ, "COMFYUI_PATH": str(tree)}
     r = subprocess.run([sys.executable, "-m", "unet_compiler.bench", "dynamic", "--imports-only", "--device", "cpu"],
                        capture_output=True, text=True, env=env, timeout=300)
