@@ -289,11 +289,10 @@ class Overrides:
         outside: set[type] = {type(root), *map(type, around)}
         for i, (module, _, _) in enumerate(self._regions):
             regions_of.setdefault(type(module), set()).add(i)
+            if id(module) in self._planned_procs:   # (a diffusers attention's processor, as planned)
+                regions_of.setdefault(self._planned_procs[id(module)], set()).add(i)
         for i, _, m in self._inside:
             regions_of.setdefault(type(m), set()).add(i)
-        for i, (module, _, _) in enumerate(self._regions):   # (a diffusers attention's processor, as planned)
-            if id(module) in self._planned_procs:
-                regions_of.setdefault(self._planned_procs[id(module)], set()).add(i)
         where: dict[type, tuple] = {}
         for cls in {*regions_of, *outside}:
             for b in cls.__mro__:
