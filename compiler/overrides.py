@@ -190,6 +190,70 @@ def _own_method(cls: type, key: str, value) -> bool:
     return any(f.__module__ == c.__module__ and where == f"{c.__qualname__}.{key}" for c in cls.__mro__)
 
 
+#: the module globals ComfyUI's model code calls its chosen attention by: ``--use-sage-attention``
+#: (``--use-flash-attention``, ``--use-ck-attention``) sets them at import, other nodes set them later
+ATTENTION_GLOBALS = frozenset({"optimized_attention", "optimized_attention_masked"})
+#: ComfyUI's own attention functions that compute exact attention, as the pack's bodies do (SDPA);
+#: its sage, sage3 and comfy-kitchen int8 functions quantize
+EXACT_ATTENTION = frozenset({"attention_basic", "attention_sub_quad", "attention_split", "attention_pytorch",
+                             "attention_xformers", "attention_flash"})
+_COMFY_ATTENTION = "comfy.ldm.modules.attention"
+
+
+def exact_attention(fn) -> bool:
+    """Whether attention function ``fn`` computes what the pack's bodies do: one of ComfyUI's own
+    exact functions as its attention module wrote it (under its own ``wrap_attn``, no
+    ``container_function`` set on it), or None (a module's own choice left unset)."""
+    if fn is None:
+        return True
+    if getattr(fn, "container_function", None) is not None:
+        return False
+    seen = set()
+    while isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"):
+        if id(fn) in seen or fn.__globals__.get("__name__") != _COMFY_ATTENTION:
+            return False
+        seen.add(id(fn))
+        fn = fn.__wrapped__
+    return (isinstance(fn, types.FunctionType) and fn.__globals__.get("__name__") == _COMFY_ATTENTION
+            and getattr(fn.__code__, "co_qualname", fn.__qualname__) in EXACT_ATTENTION)
+
+
+def attention_name(fn) -> str:
+    """``module.name`` of an attention function (under its wrappers), for the report."""
+    try:
+        f = inspect.unwrap(fn)
+    except ValueError:
+        f = fn
+    return f"{getattr(f, '__module__', None) or '?'}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+
+
+def _attention_globals(fn, home: str) -> list:
+    """(module globals, name) of each attention global (:data:`ATTENTION_GLOBALS`) the code of ``fn``
+    names, directly or through the module-level functions of its top-level package ``home`` it calls
+    by name (Flux's blocks call ``comfy.ldm.flux.math.attention``, which calls its module's
+    ``optimized_attention``)."""
+    out, todo, seen = [], [fn], set()
+    while todo:
+        f = todo.pop()
+        while isinstance(f, types.FunctionType) and id(f) not in seen:
+            seen.add(id(f))
+            g = f.__globals__
+            names, codes = set(), [f.__code__]
+            while codes:
+                code = codes.pop()
+                names.update(code.co_names)
+                codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            for n in names:
+                v = g.get(n)
+                if n in ATTENTION_GLOBALS and n in g:
+                    out.append((g, n))
+                elif (isinstance(v, types.FunctionType) and id(v) not in seen
+                      and str(v.__module__).split(".")[0] == home):
+                    todo.append(v)
+            f = getattr(f, "__wrapped__", None)
+    return out
+
+
 def _weakly(value):
     """A weak reference to ``value`` where it takes one, else ``value``."""
     try:
@@ -300,6 +364,10 @@ class Overrides:
                     idx, out = where.get(b, (frozenset(), False))
                     where[b] = (idx | regions_of.get(cls, set()), out or cls in outside)
         self._class_where = where
+        # the classes (and bases) of the code around the regions that is no region module's
+        region_ids = {id(m) for m, _, _ in self._regions}
+        self._around_only = frozenset(b for cls in {type(root), *(type(m) for m in around if id(m) not in region_ids)}
+                                      for b in cls.__mro__)
         self._class_code = {b: c for b, c in self._class_code.items() if b in where}   # (bounded)
         self._class_keys = {b: k for b, k in self._class_keys.items() if b in where}
         self._cls_types = sorted(where, key=lambda b: (b.__module__, b.__qualname__))
@@ -319,8 +387,11 @@ class Overrides:
         slots = [(d, k, v, b) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)
                  for k, v in self._class_code[b].items() if k in self._reach]
         self._cls_slots = slots
-        self._cls_proxies, self._cls_names = [d for d, _, _, _ in slots], [k for _, k, _, _ in slots]
-        self._cls_values = [v for _, _, v, _ in slots]
+        self._attn_slots = self._attention_slots()
+        attn = self._attn_slots
+        self._cls_proxies = [d for d, _, _, _ in slots] + [d for d, _, _, _, _, _ in attn]
+        self._cls_names = [k for _, k, _, _ in slots] + [k for _, k, _, _, _, _ in attn]
+        self._cls_values = [v for _, _, v, _ in slots] + [v for _, _, v, _, _, _ in attn]
         self._cls_lens = [_len_within(d, self._class_keys[b]) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
         #: the class code last found changed (weakly, where it can be: what a node set and took back
         #: is let go), its lengths, what was found
@@ -328,6 +399,28 @@ class Overrides:
         self._cls_replanned = False
         #: what a call with the classes as planned finds: methods set at import by another pack
         self._cls_static = _GONE
+
+    def _attention_slots(self) -> list:
+        """Where the watched code takes ComfyUI's attention choice: the module globals it calls
+        (:func:`_attention_globals` of the methods it reaches) and the ``ComfyAttention`` modules inside
+        the regions (the newest ComfyUI: a checkpoint's choice per attention module). Each as (dict,
+        key, value now, the regions whose code takes it, whether code around the regions does, where)."""
+        found: dict[tuple, list] = {}
+        for b in self._cls_types:
+            home = str(b.__module__).split(".")[0]
+            regions, outside = self._class_where[b][0], b in self._around_only
+            for k, v in self._class_code[b].items():
+                if k in self._reach and _code_attr(v):
+                    for g, n in _attention_globals(_function_of(v), home):
+                        e = found.setdefault((id(g), n), [g, n, set(), False, f"{g.get('__name__')}.{n}"])
+                        e[2] |= regions
+                        e[3] = e[3] or outside
+        for i, name, m in self._inside:
+            cls = type(m)
+            if cls.__name__ == "ComfyAttention" and cls.__module__ == _COMFY_ATTENTION and "function" in m.__dict__:
+                found[(id(m.__dict__), "function")] = [m.__dict__, "function", {i}, False,
+                                                       f"{self._regions[i][2]}.{name}.function"]
+        return [(d, k, d.get(k), frozenset(r), out, where) for d, k, r, out, where in found.values()]
 
     def check_classes(self) -> Found | None:
         """What another node set on the modules' classes now, None: nothing (the usual call). Made at
@@ -382,9 +475,19 @@ class Overrides:
             if not code:   # only values that are not code (class state another node keeps): the new normal
                 self._class_keys[b] = self._class_keys[b] | frozenset(new)
                 self._cls_lens[j] = _len_within(d, self._class_keys[b])
-        if not changed:
+        chosen = [(now, r, out, where) for d, k, _, r, out, where in self._attn_slots
+                  if not exact_attention(now := d.get(k))]
+        if not changed and not chosen:
             return None
         found = Found()
+        for now, regions, outside, where in chosen:
+            # (the pack's bodies compute exact attention: another choice runs where ComfyUI calls it)
+            what = f"ComfyUI's attention is {attention_name(now)} ({where})"
+            for i in sorted(regions):
+                module, _, path = self._regions[i]
+                found.regions.setdefault(module, f"{path}: {what}")
+            if outside:
+                found.classes = found.classes or what
         for b, k in changed:
             what = f"{b.__module__}.{b.__qualname__}.{k}"
             regions, outside = self._class_where[b]

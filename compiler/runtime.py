@@ -506,14 +506,28 @@ class Accelerator:
         if self.graphs is not None:
             self.graphs.verify = found is not None and found.moving
         if found is not None:
-            for why in found.regions.values():
-                self.report.note(f"{why}: that region runs the model's own code with it (the pack's code "
-                                 f"would skip it)", once=True)
+            self._say_overridden(found.regions)
             if found.around is not None:
                 self.report.note(f"{found.around}: it runs as set; one graph per UNet call stands aside while "
                                  f"it is there, and the regions' graphs check their weights before each replay",
                                  once=True)
         return found
+
+    def _say_overridden(self, regions: dict) -> None:
+        """One report note per reason another node's code runs (``Found.regions``' values: ``path:
+        reason``), said once: a reason that holds for several regions names the first few."""
+        by: dict[str, list] = {}
+        for why in regions.values():
+            path, _, reason = why.partition(": ")
+            by.setdefault(reason, []).append(path)
+        for reason, paths in by.items():
+            if len(paths) == 1:
+                self.report.note(f"{paths[0]}: {reason}: that region runs the model's own code with it (the "
+                                 f"pack's code would skip it)", once=True)
+                continue
+            named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+            self.report.note(f"{reason}: {len(paths)} regions run the model's own code with it (the pack's "
+                             f"code would skip it): {named}", once=True)
 
     def _classes_checked(self) -> frozenset:
         """The modules' classes checked for this UNet call (``Overrides.check_classes``): the regions
@@ -523,9 +537,7 @@ class Accelerator:
         found = self.overrides.check_classes() if self.overrides is not None else None
         if found is None:
             return frozenset()
-        for why in found.regions.values():
-            self.report.note(f"{why}: that region runs the model's own code with it (the pack's code "
-                             f"would skip it)", once=True)
+        self._say_overridden(found.regions)
         if found.classes is not None:
             self.report.note(f"{found.classes}: it runs as set; one graph per UNet call stands aside while it "
                              f"is there, and the regions' graphs check their weights before each replay", once=True)
