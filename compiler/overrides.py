@@ -203,55 +203,77 @@ _COMFY_ATTENTION = "comfy.ldm.modules.attention"
 def exact_attention(fn) -> bool:
     """Whether attention function ``fn`` computes what the pack's bodies do: one of ComfyUI's own
     exact functions as its attention module wrote it (under its own ``wrap_attn``, no
-    ``container_function`` set on it), or None (a module's own choice left unset)."""
+    ``container_function`` set on it), or None (a module's own choice left unset). Never raises."""
     if fn is None:
         return True
-    if getattr(fn, "container_function", None) is not None:
-        return False
-    seen = set()
-    while isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"):
-        if id(fn) in seen or fn.__globals__.get("__name__") != _COMFY_ATTENTION:
+    try:
+        if getattr(fn, "container_function", None) is not None:
             return False
-        seen.add(id(fn))
-        fn = fn.__wrapped__
-    return (isinstance(fn, types.FunctionType) and fn.__globals__.get("__name__") == _COMFY_ATTENTION
-            and getattr(fn.__code__, "co_qualname", fn.__qualname__) in EXACT_ATTENTION)
+        seen = set()
+        while isinstance(fn, types.FunctionType) and hasattr(fn, "__wrapped__"):
+            if id(fn) in seen or fn.__globals__.get("__name__") != _COMFY_ATTENTION:
+                return False
+            seen.add(id(fn))
+            fn = fn.__wrapped__
+        return (isinstance(fn, types.FunctionType) and fn.__globals__.get("__name__") == _COMFY_ATTENTION
+                and getattr(fn.__code__, "co_qualname", fn.__code__.co_name) in EXACT_ATTENTION)
+    except Exception:   # (an object whose attribute lookup raises: not one of ComfyUI's functions)
+        return False
 
 
 def attention_name(fn) -> str:
-    """``module.name`` of an attention function (under its wrappers), for the report."""
+    """``module.name`` of an attention function (under its wrappers), for the report. Never raises."""
     try:
         f = inspect.unwrap(fn)
-    except ValueError:
-        f = fn
-    return f"{getattr(f, '__module__', None) or '?'}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+        return f"{getattr(f, '__module__', None) or '?'}.{getattr(f, '__qualname__', type(f).__qualname__)}"
+    except Exception:
+        return f"a {type(fn).__module__}.{type(fn).__qualname__}"
 
 
-def _attention_globals(fn, home: str) -> list:
-    """(module globals, name) of each attention global (:data:`ATTENTION_GLOBALS`) the code of ``fn``
-    names, directly or through the module-level functions of its top-level package ``home`` it calls
-    by name (Flux's blocks call ``comfy.ldm.flux.math.attention``, which calls its module's
-    ``optimized_attention``)."""
-    out, todo, seen = [], [fn], set()
+def _home(f, home: str) -> bool:
+    """Whether function ``f``'s code lives in top-level package ``home`` (the module its globals are)."""
+    return isinstance(f, types.FunctionType) and str(f.__globals__.get("__name__")).split(".")[0] == home
+
+
+def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
+    """Where the code of ``fn`` takes ComfyUI's attention choice: (module globals, name) of each
+    attention global (:data:`ATTENTION_GLOBALS`) it names, directly or through the module-level
+    functions of its top-level package ``home`` it calls by name (Flux's blocks call
+    ``comfy.ldm.flux.math.attention``, which calls its module's ``optimized_attention``); and
+    (module globals, name, function) of each such function's binding on the way to one. ``planned``:
+    {(id of module globals, name): function} of the bindings as planned, followed where set."""
+    direct: dict[int, list] = {}     # function -> the attention globals its code names
+    edges: dict[int, list] = {}      # function -> [((globals, name) or None, the function it calls)]
+    todo, funcs = [fn], []
     while todo:
         f = todo.pop()
-        while isinstance(f, types.FunctionType) and id(f) not in seen:
-            seen.add(id(f))
-            g = f.__globals__
-            names, codes = set(), [f.__code__]
-            while codes:
-                code = codes.pop()
-                names.update(code.co_names)
-                codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-            for n in names:
-                v = g.get(n)
-                if n in ATTENTION_GLOBALS and n in g:
-                    out.append((g, n))
-                elif (isinstance(v, types.FunctionType) and id(v) not in seen
-                      and str(v.__module__).split(".")[0] == home):
-                    todo.append(v)
-            f = getattr(f, "__wrapped__", None)
-    return out
+        if not isinstance(f, types.FunctionType) or id(f) in direct:
+            continue
+        funcs.append(f)
+        g = f.__globals__
+        names, codes = set(), [f.__code__]
+        while codes:
+            code = codes.pop()
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        direct[id(f)] = [(g, n) for n in sorted(names & ATTENTION_GLOBALS) if n in g]
+        edges[id(f)] = [((g, n), v) for n in sorted(names - ATTENTION_GLOBALS)
+                        if _home(v := planned.get((id(g), n), g.get(n)), home)]
+        wrapped = getattr(f, "__wrapped__", None)
+        if isinstance(wrapped, types.FunctionType):
+            edges[id(f)].append((None, wrapped))
+        todo += reversed([v for _, v in edges[id(f)]])
+    reaches = {i for i, d in direct.items() if d}
+    grew = True
+    while grew:     # (the functions that reach an attention global, through the calls between them)
+        grew = False
+        for f in funcs:
+            if id(f) not in reaches and any(id(v) in reaches for _, v in edges[id(f)]):
+                reaches.add(id(f))
+                grew = True
+    chosen = [gn for f in funcs for gn in direct[id(f)]]
+    bindings = [(b[0], b[1], v) for f in funcs for b, v in edges[id(f)] if b is not None and id(v) in reaches]
+    return chosen, bindings
 
 
 def _weakly(value):
@@ -263,8 +285,11 @@ def _weakly(value):
 
 
 def _held(ref):
-    """What :func:`_weakly` kept (None once it is gone)."""
-    return ref() if isinstance(ref, weakref.ref) else ref
+    """What :func:`_weakly` kept (:data:`_GONE` once it is gone: never a value a slot holds)."""
+    if isinstance(ref, weakref.ref):
+        value = ref()
+        return _GONE if value is None else value
+    return ref
 
 
 def _global_hooks() -> bool:
@@ -305,6 +330,9 @@ class Overrides:
         self._class_code: dict[type, dict] = ({b: dict(c) for b, c in before._class_code.items()}
                                               if before is not None else {})
         self._class_keys: dict[type, frozenset] = dict(before._class_keys) if before is not None else {}
+        #: the functions on the way to ComfyUI's attention choice as planned: {(id of the module
+        #: globals, name): function}
+        self._bindings: dict[tuple, object] = dict(before._bindings) if before is not None else {}
         self._build(root)
 
     def _build(self, root) -> None:
@@ -389,9 +417,9 @@ class Overrides:
         self._cls_slots = slots
         self._attn_slots = self._attention_slots()
         attn = self._attn_slots
-        self._cls_proxies = [d for d, _, _, _ in slots] + [d for d, _, _, _, _, _ in attn]
-        self._cls_names = [k for _, k, _, _ in slots] + [k for _, k, _, _, _, _ in attn]
-        self._cls_values = [v for _, _, v, _ in slots] + [v for _, _, v, _, _, _ in attn]
+        self._cls_proxies = [d for d, _, _, _ in slots] + [a[0] for a in attn]
+        self._cls_names = [k for _, k, _, _ in slots] + [a[1] for a in attn]
+        self._cls_values = [v for _, _, v, _ in slots] + [a[2] for a in attn]
         self._cls_lens = [_len_within(d, self._class_keys[b]) for b, d in zip(self._cls_types, self._cls_dicts, strict=True)]
         #: the class code last found changed (weakly, where it can be: what a node set and took back
         #: is let go), its lengths, what was found
@@ -401,26 +429,34 @@ class Overrides:
         self._cls_static = _GONE
 
     def _attention_slots(self) -> list:
-        """Where the watched code takes ComfyUI's attention choice: the module globals it calls
-        (:func:`_attention_globals` of the methods it reaches) and the ``ComfyAttention`` modules inside
-        the regions (the newest ComfyUI: a checkpoint's choice per attention module). Each as (dict,
-        key, value now, the regions whose code takes it, whether code around the regions does, where)."""
+        """Where the watched code takes ComfyUI's attention choice (:func:`_attention_reach` of the
+        methods it reaches: the module globals it calls, and the bindings of the functions on the way)
+        and the ``ComfyAttention`` modules inside the regions (the newest ComfyUI: a checkpoint's choice
+        per attention module). Each as (dict, key, value now, the regions whose code takes it, whether
+        code around the regions does, where, whether it is a binding: any change to it is a change)."""
         found: dict[tuple, list] = {}
+
+        def add(d, k, regions, outside, where, binding):
+            e = found.setdefault((id(d), k), [d, k, set(), False, where, binding])
+            e[2] |= regions
+            e[3] = e[3] or outside
         for b in self._cls_types:
             home = str(b.__module__).split(".")[0]
             regions, outside = self._class_where[b][0], b in self._around_only
             for k, v in self._class_code[b].items():
                 if k in self._reach and _code_attr(v):
-                    for g, n in _attention_globals(_function_of(v), home):
-                        e = found.setdefault((id(g), n), [g, n, set(), False, f"{g.get('__name__')}.{n}"])
-                        e[2] |= regions
-                        e[3] = e[3] or outside
+                    chosen, bindings = _attention_reach(_function_of(v), home, self._bindings)
+                    for g, n in chosen:
+                        add(g, n, regions, outside, f"{g.get('__name__')}.{n}", False)
+                    for g, n, f in bindings:
+                        self._bindings.setdefault((id(g), n), f)   # (module globals live as long as the process)
+                        add(g, n, regions, outside, f"{g.get('__name__')}.{n}", True)
         for i, name, m in self._inside:
             cls = type(m)
             if cls.__name__ == "ComfyAttention" and cls.__module__ == _COMFY_ATTENTION and "function" in m.__dict__:
-                found[(id(m.__dict__), "function")] = [m.__dict__, "function", {i}, False,
-                                                       f"{self._regions[i][2]}.{name}.function"]
-        return [(d, k, d.get(k), frozenset(r), out, where) for d, k, r, out, where in found.values()]
+                add(m.__dict__, "function", {i}, False, f"{name}.function", False)
+        return [(d, k, self._bindings[(id(d), k)] if binding else d.get(k), frozenset(r), out, where, binding)
+                for d, k, r, out, where, binding in found.values()]
 
     def check_classes(self) -> Found | None:
         """What another node set on the modules' classes now, None: nothing (the usual call). Made at
@@ -475,14 +511,18 @@ class Overrides:
             if not code:   # only values that are not code (class state another node keeps): the new normal
                 self._class_keys[b] = self._class_keys[b] | frozenset(new)
                 self._cls_lens[j] = _len_within(d, self._class_keys[b])
-        chosen = [(now, r, out, where) for d, k, _, r, out, where in self._attn_slots
-                  if not exact_attention(now := d.get(k))]
+        chosen = []
+        for d, k, planned, regions, outside, where, binding in self._attn_slots:
+            # (the pack's bodies compute exact attention: another choice runs where ComfyUI calls it)
+            now = d.get(k, _GONE)
+            if binding and now is not planned:
+                chosen.append((f"another node set {where}", regions, outside))
+            elif not binding and not exact_attention(now):
+                chosen.append((f"ComfyUI's attention is {attention_name(now)} ({where})", regions, outside))
         if not changed and not chosen:
             return None
         found = Found()
-        for now, regions, outside, where in chosen:
-            # (the pack's bodies compute exact attention: another choice runs where ComfyUI calls it)
-            what = f"ComfyUI's attention is {attention_name(now)} ({where})"
+        for what, regions, outside in chosen:
             for i in sorted(regions):
                 module, _, path = self._regions[i]
                 found.regions.setdefault(module, f"{path}: {what}")

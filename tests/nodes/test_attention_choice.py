@@ -53,7 +53,9 @@ def test_the_attention_set_before_compiling_runs(make_comfy_model, comfy, monkey
     A = comfy.attention
     mp = make_comfy_model("sd15")
     plain = _apply(mp, "sd15")
-    monkeypatch.setattr(A, "optimized_attention", _other(A))
+    other = _other(A)
+    monkeypatch.setattr(A, "optimized_attention", other)
+    monkeypatch.setattr(A, "optimized_attention_masked", other)      # (as the flag sets both)
     ref = _apply(mp, "sd15")
     assert (ref - plain).abs().max() > 0.1, "the choice must matter"
     cm, _ = patcher.compile_model(mp, CFG)
@@ -63,8 +65,8 @@ def test_the_attention_set_before_compiling_runs(make_comfy_model, comfy, monkey
     attention = sum(r.kind == "attention" for r in accel.plan.regions)
     assert accel.stats["region_eager_overridden"] == 2 * attention and accel.stats["ran_resblock"] > 0, accel.stats
     assert accel.stats["ran_attention"] == 0, accel.stats
-    lines = _lines(accel)
-    assert len(lines) == 1 and "other_attention (comfy.ldm.modules.attention.optimized_attention)" in lines[0] \
+    lines = _lines(accel)       # (one line, naming the first of the two globals: the same each run)
+    assert len(lines) == 1 and "other_attention (comfy.ldm.modules.attention.optimized_attention):" in lines[0] \
         and f"{attention} regions run the model's own code" in lines[0], accel.text()
 
 
@@ -220,7 +222,7 @@ def test_a_checkpoints_attention_per_module_runs(make_comfy_model, comfy, newest
     _close(_apply(cm, "sd15"), at_load)
     assert accel.stats["region_eager_overridden"] == 1 and accel.stats["ran_attention"] > 0, accel.stats
     assert "input_blocks.1.1.transformer_blocks.0.attn1: ComfyUI's attention is" in accel.text()
-    assert "transformer_blocks.0.attn1.comfy_attention.function)" in accel.text()
+    assert "other_attention (comfy_attention.function): that region runs" in accel.text()
     patched = cm.clone()
     patched.add_object_patch("diffusion_model.middle_block.1.transformer_blocks.0.attn2.comfy_attention.function",
                              _other(A))
@@ -228,8 +230,72 @@ def test_a_checkpoints_attention_per_module_runs(make_comfy_model, comfy, newest
         ref = _apply(patched, "sd15")
     assert (ref - at_load).abs().max() > 0.1
     _close(_apply(patched, "sd15"), ref)
-    assert "middle_block.1.transformer_blocks.0.attn2: ComfyUI's attention is" in accel.text()
+    assert "2 regions run the model's own code with it (the pack's code would skip it): input_blocks.1.1." \
+           "transformer_blocks.0.attn1, middle_block.1.transformer_blocks.0.attn2" in accel.text(), accel.text()
     _close(_apply(cm, "sd15"), at_load)      # (ComfyUI's unpatch: the load's choice again)
+
+
+def test_a_checkpoints_choice_on_every_module_is_one_line(make_comfy_model, comfy, newest_attention):
+    """Every attention module's choice set alike (an int8 checkpoint): each region runs ComfyUI's code
+    with it, said in one line; a choice that another took the place of and that is gone is no longer
+    taken for the current one (the watch's memo holds what it judged weakly)."""
+    import gc
+    A = comfy.attention
+    mp = newest_attention(make_comfy_model("sd15"))
+    modules = [m.comfy_attention for m in mp.model.diffusion_model.modules() if hasattr(m, "comfy_attention")]
+    first = _other(A)
+    for m in modules:
+        m.function = first
+    ref = _apply(mp, "sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    _close(_apply(cm, "sd15"), ref)
+    lines = _lines(accel)
+    assert len(lines) == 1 and f"{len(modules)} regions run the model's own code" in lines[0], accel.text()
+    modules[0].function = _other(A)        # another choice, for one call
+    _apply(cm, "sd15")
+    modules[0].function = None             # ... then none, the other one gone
+    gc.collect()
+    before = accel.stats["region_eager_overridden"]
+    with accel.bypass():
+        own = _apply(cm, "sd15")
+    _close(_apply(cm, "sd15"), own)
+    assert accel.stats["region_eager_overridden"] - before == len(modules) - 1, accel.stats
+
+
+def test_a_function_on_the_way_to_the_attention_set_runs(comfy, uncompiled, monkeypatch):
+    """A pack sets the function Flux's blocks call on the way to ComfyUI's attention
+    (``comfy.ldm.flux.layers.attention``), after compiling: the blocks run ComfyUI's code with it,
+    == the model without the pack, the report naming it, also once the watch was built again (a module
+    tree change); taken back, they run compiled."""
+    import comfy.ldm.flux.layers as layers
+
+    from unet_compiler.compiler import graphs
+    mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
+    plain = F.dit_apply(mp, 1, 8, 8, seed=3)
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), plain, rtol=1e-4, atol=1e-4)
+    planned = layers.attention
+
+    def other(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    monkeypatch.setattr(layers, "attention", other)
+    with accel.bypass():
+        ref = F.dit_apply(cm, 1, 8, 8, seed=3)
+    assert (ref - plain).abs().max() > 1e-3, "the function must matter"
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), ref, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] > 0
+    assert "another node set comfy.ldm.flux.layers.attention:" in accel.text(), accel.text()
+    graphs.structure_moved()    # (the watch built again, in place and anew as a one-shape warmup's new
+    accel._watch()              # shims make it: what was planned stays the model's)
+    before = accel.stats["region_eager_overridden"]
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), ref, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] > before
+    monkeypatch.setattr(layers, "attention", planned)
+    before = accel.stats["region_eager_overridden"]
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), plain, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] == before
 
 
 def test_a_checkpoints_exact_choice_stays_compiled(make_comfy_model, comfy, newest_attention):
@@ -251,7 +317,7 @@ def test_exact_attention_judges_the_function_not_its_name(comfy):
     wrapper made elsewhere, a container function set on one, a partial: not."""
     import functools
 
-    from unet_compiler.compiler.overrides import exact_attention
+    from unet_compiler.compiler.overrides import attention_name, exact_attention
     A = comfy.attention
     assert all(exact_attention(getattr(A, n)) for n in ("attention_pytorch", "attention_basic", "attention_split",
                                                          "attention_sub_quad", "attention_xformers"))
@@ -265,3 +331,14 @@ def test_exact_attention_judges_the_function_not_its_name(comfy):
     wrapped = functools.wraps(A.attention_pytorch.__wrapped__)(lambda *a, **k: None)
     wrapped.container_function = lambda *a, **k: None
     assert not exact_attention(wrapped)
+
+    class Dispatcher:      # (a callable whose attribute lookup raises what its dict raises)
+        table: dict = {}
+
+        def __call__(self, *a, **k):
+            return A.attention_pytorch(*a, **k)
+
+        def __getattr__(self, name):
+            return self.table[name]
+    assert not exact_attention(Dispatcher())
+    assert attention_name(Dispatcher()).endswith("Dispatcher")
