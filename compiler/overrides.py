@@ -235,13 +235,18 @@ def _home(f, home: str) -> bool:
     return isinstance(f, types.FunctionType) and str(f.__globals__.get("__name__")).split(".")[0] == home
 
 
+#: the most functions one method's walk to ComfyUI's attention choice looks at
+_REACH_LIMIT = 5000
+
+
 def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
     """Where the code of ``fn`` takes ComfyUI's attention choice: (module globals, name) of each
     attention global (:data:`ATTENTION_GLOBALS`) it names, directly or through the module-level
     functions of its top-level package ``home`` it calls by name (Flux's blocks call
-    ``comfy.ldm.flux.math.attention``, which calls its module's ``optimized_attention``); and
-    (module globals, name, function) of each such function's binding on the way to one. ``planned``:
-    {(id of module globals, name): function} of the bindings as planned, followed where set."""
+    ``comfy.ldm.flux.math.attention``, which calls its module's ``optimized_attention``; another
+    pack's function set there is followed into); and (module globals, name, function) of each
+    function's binding in the package's own code on the way to one. ``planned``: {(id of module
+    globals, name): function} of the bindings as planned, followed where set."""
     direct: dict[int, list] = {}     # function -> the attention globals its code names
     edges: dict[int, list] = {}      # function -> [((globals, name) or None, the function it calls)]
     todo, funcs = [fn], []
@@ -257,12 +262,18 @@ def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
             names.update(code.co_names)
             codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         direct[id(f)] = [(g, n) for n in sorted(names & ATTENTION_GLOBALS) if n in g]
+        # (from the package's own code any Python function it calls by name: another pack's set in its
+        # place is followed too; from another package's code only the package's own functions)
+        own = _home(f, home)
         edges[id(f)] = [((g, n), v) for n in sorted(names - ATTENTION_GLOBALS)
-                        if _home(v := planned.get((id(g), n), g.get(n)), home)]
+                        if isinstance(v := planned.get((id(g), n), g.get(n)), types.FunctionType)
+                        and (own or _home(v, home))]
         wrapped = getattr(f, "__wrapped__", None)
         if isinstance(wrapped, types.FunctionType):
             edges[id(f)].append((None, wrapped))
         todo += reversed([v for _, v in edges[id(f)]])
+        if len(funcs) > _REACH_LIMIT:   # (bounded: a package calling deep into another)
+            break
     reaches = {i for i, d in direct.items() if d}
     grew = True
     while grew:     # (the functions that reach an attention global, through the calls between them)
@@ -272,7 +283,8 @@ def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
                 reaches.add(id(f))
                 grew = True
     chosen = [gn for f in funcs for gn in direct[id(f)]]
-    bindings = [(b[0], b[1], v) for f in funcs for b, v in edges[id(f)] if b is not None and id(v) in reaches]
+    bindings = [(b[0], b[1], v) for f in funcs if _home(f, home) for b, v in edges[id(f)]
+                if b is not None and id(v) in reaches]
     return chosen, bindings
 
 
@@ -433,7 +445,8 @@ class Overrides:
         methods it reaches: the module globals it calls, and the bindings of the functions on the way)
         and the ``ComfyAttention`` modules inside the regions (the newest ComfyUI: a checkpoint's choice
         per attention module). Each as (dict, key, value now, the regions whose code takes it, whether
-        code around the regions does, where, whether it is a binding: any change to it is a change)."""
+        code around the regions does, where, whether it is a binding: any change to it is a change;
+        "foreign": another package's function was there when planned)."""
         found: dict[tuple, list] = {}
 
         def add(d, k, regions, outside, where, binding):
@@ -450,7 +463,9 @@ class Overrides:
                         add(g, n, regions, outside, f"{g.get('__name__')}.{n}", False)
                     for g, n, f in bindings:
                         self._bindings.setdefault((id(g), n), f)   # (module globals live as long as the process)
-                        add(g, n, regions, outside, f"{g.get('__name__')}.{n}", True)
+                        # (another package's function there when planned: a pack set it at import)
+                        add(g, n, regions, outside, f"{g.get('__name__')}.{n}",
+                            "foreign" if not _home(self._bindings[(id(g), n)], home) else True)
         for i, name, m in self._inside:
             cls = type(m)
             if cls.__name__ == "ComfyAttention" and cls.__module__ == _COMFY_ATTENTION and "function" in m.__dict__:
@@ -513,12 +528,18 @@ class Overrides:
                 self._cls_lens[j] = _len_within(d, self._class_keys[b])
         chosen = []
         for d, k, planned, regions, outside, where, binding in self._attn_slots:
-            # (the pack's bodies compute exact attention: another choice runs where ComfyUI calls it)
+            # (the pack's bodies compute exact attention: another choice runs where ComfyUI calls it; the
+            # code around the regions runs its own code: only a change since planning matters there)
             now = d.get(k, _GONE)
-            if binding and now is not planned:
-                chosen.append((f"another node set {where}", regions, outside))
-            elif not binding and not exact_attention(now):
-                chosen.append((f"ComfyUI's attention is {attention_name(now)} ({where})", regions, outside))
+            moved = now is not planned
+            if binding:
+                what = f"another node set {where}"
+                inside = moved or binding == "foreign"
+            else:
+                what = f"ComfyUI's attention is {attention_name(now)} ({where})"
+                inside = not exact_attention(now)
+            if (inside and regions) or (outside and moved):
+                chosen.append((what, regions if inside else frozenset(), outside and moved))
         if not changed and not chosen:
             return None
         found = Found()

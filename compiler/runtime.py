@@ -248,6 +248,8 @@ class Accelerator:
                                    before=getattr(self, "overrides", None)) if root is not None else None
         #: what another node set on the modules at the start of this UNet call (None: nothing)
         self._found = None
+        #: reason -> the region paths the report named for it (:meth:`_say_overridden`)
+        self._said = getattr(self, "_said", {})
 
     @property
     def root(self) -> torch.nn.Module | None:
@@ -515,19 +517,27 @@ class Accelerator:
 
     def _say_overridden(self, regions: dict) -> None:
         """One report note per reason another node's code runs (``Found.regions``' values: ``path:
-        reason``), said once: a reason that holds for several regions names the first few."""
+        reason``), naming the first few regions it holds for; a later call that finds it on regions not
+        named yet adds a note for those ("also")."""
         by: dict[str, list] = {}
         for why in regions.values():
             path, _, reason = why.partition(": ")
             by.setdefault(reason, []).append(path)
         for reason, paths in by.items():
-            if len(paths) == 1:
-                self.report.note(f"{paths[0]}: {reason}: that region runs the model's own code with it (the "
+            said = self._said.setdefault(reason, set())
+            new = [p for p in paths if p not in said]
+            if not new:
+                continue
+            also = "also " if said else ""
+            said.update(new)
+            if len(new) == 1 and not also:
+                self.report.note(f"{new[0]}: {reason}: that region runs the model's own code with it (the "
                                  f"pack's code would skip it)", once=True)
                 continue
-            named = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
-            self.report.note(f"{reason}: {len(paths)} regions run the model's own code with it (the pack's "
-                             f"code would skip it): {named}", once=True)
+            named = ", ".join(new[:3]) + (f" and {len(new) - 3} more" if len(new) > 3 else "")
+            self.report.note(f"{reason}: {also}{len(new)} region{'s' if len(new) > 1 else ''} run"
+                             f"{'' if len(new) > 1 else 's'} the model's own code with it (the pack's code "
+                             f"would skip it): {named}", once=True)
 
     def _classes_checked(self) -> frozenset:
         """The modules' classes checked for this UNet call (``Overrides.check_classes``): the regions

@@ -230,8 +230,8 @@ def test_a_checkpoints_attention_per_module_runs(make_comfy_model, comfy, newest
         ref = _apply(patched, "sd15")
     assert (ref - at_load).abs().max() > 0.1
     _close(_apply(patched, "sd15"), ref)
-    assert "2 regions run the model's own code with it (the pack's code would skip it): input_blocks.1.1." \
-           "transformer_blocks.0.attn1, middle_block.1.transformer_blocks.0.attn2" in accel.text(), accel.text()
+    assert "other_attention (comfy_attention.function): also 1 region runs the model's own code with it (the " \
+           "pack's code would skip it): middle_block.1.transformer_blocks.0.attn2" in accel.text(), accel.text()
     _close(_apply(cm, "sd15"), at_load)      # (ComfyUI's unpatch: the load's choice again)
 
 
@@ -342,3 +342,86 @@ def test_exact_attention_judges_the_function_not_its_name(comfy):
             return self.table[name]
     assert not exact_attention(Dispatcher())
     assert attention_name(Dispatcher()).endswith("Dispatcher")
+
+
+def _another_packs(fn, name: str, **module_globals):
+    """``fn`` as another pack's module would hold it: its globals that module's (``module_globals``)."""
+    out = types.FunctionType(fn.__code__, {"__name__": "another_pack.nodes", **module_globals}, name,
+                             fn.__defaults__, fn.__closure__)
+    out.__kwdefaults__ = fn.__kwdefaults__
+    return out
+
+
+def _handler(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+    """Another pack's Flux attention handler (its module imports ComfyUI's ``optimized_attention``)."""
+    q, k = apply_rope(q * 0.5, k, pe)  # noqa: F821 (the handler's module's)
+    heads = q.shape[1]
+    return optimized_attention(q, k, v, heads, skip_reshape=True, mask=mask,  # noqa: F821
+                               transformer_options=transformer_options)
+
+
+@pytest.mark.parametrize("how", ["own_handler", "wraps"])
+def test_a_function_set_on_the_way_before_compiling_runs(comfy, uncompiled, monkeypatch, how):
+    """Another pack sets Flux's ``attention`` in ``layers`` and ``math`` at its import, before
+    compiling: its own handler calling ComfyUI's attention, or a ``functools.wraps`` wrapper of
+    ComfyUI's. Before, the walk followed only ComfyUI's own functions: the blocks ran the pack's
+    attention (0.65 off) and even the attention global behind went unwatched. Now they run their own
+    code with it, == the model without the pack."""
+    import functools
+
+    import comfy.ldm.flux.layers as layers
+    import comfy.ldm.flux.math as fmath
+    mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
+    plain = F.dit_apply(mp, 1, 8, 8, seed=3)
+    planned = layers.attention
+    if how == "own_handler":
+        handler = _another_packs(_handler, "_handler", apply_rope=fmath.apply_rope,
+                                 optimized_attention=comfy.attention.optimized_attention)
+    else:
+        def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+            return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+        handler = functools.wraps(planned)(_another_packs(halved, "halved", planned=planned))
+    monkeypatch.setattr(layers, "attention", handler)
+    monkeypatch.setattr(fmath, "attention", handler)
+    ref = F.dit_apply(mp, 1, 8, 8, seed=3)
+    assert (ref - plain).abs().max() > 1e-3, "the handler must matter"
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), ref, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] > 0
+    assert "another node set comfy.ldm.flux.layers.attention:" in accel.text(), accel.text()
+
+
+def test_an_attention_only_the_code_around_the_regions_calls_keeps_everything(comfy, uncompiled, monkeypatch):
+    """HunyuanVideo's token refiner (around the blocks) calls its module's attention global: another
+    function set there before compiling leaves every block compiled and one graph per UNet call on
+    (that code runs as it is); set after, one graph per UNet call stands aside (it would replay the
+    function it captured)."""
+    import comfy.ldm.hunyuan_video.model as hv
+    mp = F.build_dit(F.DIT_FAMILIES["hunyuan_video"])
+    monkeypatch.setattr(hv, "optimized_attention", _other(comfy.attention))
+    ref = F.dit_apply(mp, 1, 8, 8, seed=3, frames=1)
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3, frames=1), ref, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] == 0 and not _lines(accel), accel.text()
+    assert accel.overrides.check_classes() is None
+    monkeypatch.setattr(hv, "optimized_attention", _other(comfy.attention))
+    found = accel.overrides.check_classes()
+    assert found is not None and not found.regions and found.classes, found
+
+
+def test_a_reason_found_on_more_regions_later_names_only_those(make_comfy_model):
+    """The report says a reason once for the regions it names, and for regions found with it later
+    only those ("also"), never the same regions again."""
+    mp = make_comfy_model("sd15")
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    a, b, c = (torch.nn.Module() for _ in range(3))
+    why = "another node set x.y"
+    for found in ({a: f"p.a: {why}", b: f"p.b: {why}"}, {a: f"p.a: {why}", b: f"p.b: {why}", c: f"p.c: {why}"},
+                  {a: f"p.a: {why}"}, {b: f"p.b: {why}", a: f"p.a: {why}"}):
+        accel._say_overridden(found)
+    notes = [n for n in accel.report.notes if why in n]
+    assert notes == [f"{why}: 2 regions run the model's own code with it (the pack's code would skip it): p.a, p.b",
+                     f"{why}: also 1 region runs the model's own code with it (the pack's code would skip it): p.c"], notes
