@@ -153,6 +153,10 @@ class Accelerator:
                                   for r in self.plan.regions if impls.get((r.family, r.kind)) is None]
         self._shims = shims.install(self.plan, impls, weakref.WeakMethod(self._run), self.gate)
         self._watch()
+        if self.overrides is not None and (found := self.overrides.check_classes()) is not None:
+            # said in the plan's report already: regions another node's code (ComfyUI's attention choice,
+            # a method set at import) keeps on the model's own code as things stand
+            self._say_overridden(found.regions)
         rep.regions = self.plan.kind_counts(impls)
         rep.skipped = self.plan.skipped_summary()
         log.info("%s", rep.text().replace("\n", " |"))

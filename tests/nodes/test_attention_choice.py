@@ -49,7 +49,8 @@ def _lines(accel) -> list:
 
 def test_the_attention_set_before_compiling_runs(make_comfy_model, comfy, monkeypatch):
     """Set at import (``--use-sage-attention``): every attention region runs ComfyUI's code with it,
-    == the model without the pack; the other regions run compiled; one report line says so."""
+    == the model without the pack; the other regions run compiled; one report line says so, in
+    Compile UNet's report already."""
     A = comfy.attention
     mp = make_comfy_model("sd15")
     plain = _apply(mp, "sd15")
@@ -58,8 +59,9 @@ def test_the_attention_set_before_compiling_runs(make_comfy_model, comfy, monkey
     monkeypatch.setattr(A, "optimized_attention_masked", other)      # (as the flag sets both)
     ref = _apply(mp, "sd15")
     assert (ref - plain).abs().max() > 0.1, "the choice must matter"
-    cm, _ = patcher.compile_model(mp, CFG)
+    cm, plan_text = patcher.compile_model(mp, CFG)
     accel = patcher.accelerator_of(cm)
+    assert "ComfyUI's attention is" in plan_text, plan_text          # (said by Compile UNet already)
     _close(_apply(cm, "sd15"), ref)
     _close(_apply(cm, "sd15"), ref)
     attention = sum(r.kind == "attention" for r in accel.plan.regions)
