@@ -230,23 +230,27 @@ def attention_name(fn) -> str:
         return f"a {type(fn).__module__}.{type(fn).__qualname__}"
 
 
-def _home(f, home: str) -> bool:
-    """Whether function ``f``'s code lives in top-level package ``home`` (the module its globals are)."""
-    return isinstance(f, types.FunctionType) and str(f.__globals__.get("__name__")).split(".")[0] == home
+#: ComfyUI's top-level package: where its attention choice and the functions on the way to it live
+_COMFY = "comfy"
+
+
+def _comfys(f) -> bool:
+    """Whether function ``f``'s code lives in ComfyUI's package (the module its globals are)."""
+    return isinstance(f, types.FunctionType) and str(f.__globals__.get("__name__")).split(".")[0] == _COMFY
 
 
 #: the most functions one method's walk to ComfyUI's attention choice looks at
 _REACH_LIMIT = 5000
 
 
-def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
+def _attention_reach(fn, planned: dict) -> tuple[list, list]:
     """Where the code of ``fn`` takes ComfyUI's attention choice: (module globals, name) of each
     attention global (:data:`ATTENTION_GLOBALS`) it names, directly or through the module-level
-    functions of its top-level package ``home`` it calls by name (Flux's blocks call
+    functions it calls by name: from ComfyUI's code any Python function (Flux's blocks call
     ``comfy.ldm.flux.math.attention``, which calls its module's ``optimized_attention``; another
-    pack's function set there is followed into); and (module globals, name, function) of each
-    function's binding in the package's own code on the way to one. ``planned``: {(id of module
-    globals, name): function} of the bindings as planned, followed where set."""
+    pack's function set there is followed into), from other code ComfyUI's functions; and (module
+    globals, name, function) of each binding in ComfyUI's code on the way to one. ``planned``: {(id of
+    module globals, name): function} of the bindings as planned, followed where set."""
     direct: dict[int, list] = {}     # function -> the attention globals its code names
     edges: dict[int, list] = {}      # function -> [((globals, name) or None, the function it calls)]
     todo, funcs = [fn], []
@@ -264,10 +268,10 @@ def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
         direct[id(f)] = [(g, n) for n in sorted(names & ATTENTION_GLOBALS) if n in g]
         # (from the package's own code any Python function it calls by name: another pack's set in its
         # place is followed too; from another package's code only the package's own functions)
-        own = _home(f, home)
+        own = _comfys(f)
         edges[id(f)] = [((g, n), v) for n in sorted(names - ATTENTION_GLOBALS)
                         if isinstance(v := planned.get((id(g), n), g.get(n)), types.FunctionType)
-                        and (own or _home(v, home))]
+                        and (own or _comfys(v))]
         wrapped = getattr(f, "__wrapped__", None)
         if isinstance(wrapped, types.FunctionType):
             edges[id(f)].append((None, wrapped))
@@ -283,7 +287,7 @@ def _attention_reach(fn, home: str, planned: dict) -> tuple[list, list]:
                 reaches.add(id(f))
                 grew = True
     chosen = [gn for f in funcs for gn in direct[id(f)]]
-    bindings = [(b[0], b[1], v) for f in funcs if _home(f, home) for b, v in edges[id(f)]
+    bindings = [(b[0], b[1], v) for f in funcs if _comfys(f) for b, v in edges[id(f)]
                 if b is not None and id(v) in reaches]
     return chosen, bindings
 
@@ -454,18 +458,17 @@ class Overrides:
             e[2] |= regions
             e[3] = e[3] or outside
         for b in self._cls_types:
-            home = str(b.__module__).split(".")[0]
             regions, outside = self._class_where[b][0], b in self._around_only
             for k, v in self._class_code[b].items():
                 if k in self._reach and _code_attr(v):
-                    chosen, bindings = _attention_reach(_function_of(v), home, self._bindings)
+                    chosen, bindings = _attention_reach(_function_of(v), self._bindings)
                     for g, n in chosen:
                         add(g, n, regions, outside, f"{g.get('__name__')}.{n}", False)
                     for g, n, f in bindings:
                         self._bindings.setdefault((id(g), n), f)   # (module globals live as long as the process)
                         # (another package's function there when planned: a pack set it at import)
                         add(g, n, regions, outside, f"{g.get('__name__')}.{n}",
-                            "foreign" if not _home(self._bindings[(id(g), n)], home) else True)
+                            "foreign" if not _comfys(self._bindings[(id(g), n)]) else True)
         for i, name, m in self._inside:
             cls = type(m)
             if cls.__name__ == "ComfyAttention" and cls.__module__ == _COMFY_ATTENTION and "function" in m.__dict__:
@@ -532,6 +535,11 @@ class Overrides:
             # code around the regions runs its own code: only a change since planning matters there)
             now = d.get(k, _GONE)
             moved = now is not planned
+            if binding == "foreign" and _comfys(now):
+                # ComfyUI's own function back where another pack's was when planned: planned from now on
+                self._bindings[(id(d), k)] = now
+                self._cls_replanned = True
+                continue
             if binding:
                 what = f"another node set {where}"
                 inside = moved or binding == "foreign"

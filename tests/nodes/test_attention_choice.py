@@ -330,9 +330,12 @@ def test_exact_attention_judges_the_function_not_its_name(comfy):
     assert not exact_attention(lookalike)
     assert not exact_attention(functools.wraps(A.attention_pytorch)(lambda *a, **k: A.attention_pytorch(*a, **k)))
     assert not exact_attention(functools.partial(A.attention_pytorch))
-    wrapped = functools.wraps(A.attention_pytorch.__wrapped__)(lambda *a, **k: None)
-    wrapped.container_function = lambda *a, **k: None
-    assert not exact_attention(wrapped)
+    wrapper = A.attention_pytorch          # (a copy of ComfyUI's own wrapper, judged exact until one is set)
+    copy = functools.update_wrapper(types.FunctionType(wrapper.__code__, wrapper.__globals__, "wrapper", None,
+                                                       wrapper.__closure__), wrapper.__wrapped__)
+    assert exact_attention(copy)
+    copy.container_function = lambda *a, **k: None
+    assert not exact_attention(copy)
 
     class Dispatcher:      # (a callable whose attribute lookup raises what its dict raises)
         table: dict = {}
@@ -392,13 +395,37 @@ def test_a_function_set_on_the_way_before_compiling_runs(comfy, uncompiled, monk
     torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), ref, rtol=1e-4, atol=1e-4)
     assert accel.stats["region_eager_overridden"] > 0
     assert "another node set comfy.ldm.flux.layers.attention:" in accel.text(), accel.text()
+    monkeypatch.setattr(layers, "attention", planned)       # (the pack takes it back: ComfyUI's own)
+    monkeypatch.setattr(fmath, "attention", planned)
+    before = accel.stats["region_eager_overridden"]
+    for _ in range(2):
+        torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), plain, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] == before and accel.overrides.check_classes() is None
+
+
+def test_another_packs_module_calling_comfyuis_attention_is_no_patch(comfy, uncompiled):
+    """A module of another pack inside a block whose code calls ComfyUI's Flux attention by a name it
+    imported: that import is the pack's own, not a patch; the block runs compiled."""
+    import comfy.ldm.flux.math as fmath
+
+    def probe(self, x):
+        return x + 0 * flux_attention  # noqa: F821 (the pack's module's)
+    cls = type("Probe", (torch.nn.Module,), {"__module__": "another_pack.nodes"})
+    cls.forward = written_as(_another_packs(probe, "forward", flux_attention=fmath.attention), cls, "forward")
+    mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
+    mp.model.diffusion_model.double_blocks[0].probe = cls()
+    plain = F.dit_apply(mp, 1, 8, 8, seed=3)
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), plain, rtol=1e-4, atol=1e-4)
+    assert accel.stats["region_eager_overridden"] == 0 and "another node set" not in accel.text(), accel.text()
 
 
 def test_an_attention_only_the_code_around_the_regions_calls_keeps_everything(comfy, uncompiled, monkeypatch):
     """HunyuanVideo's token refiner (around the blocks) calls its module's attention global: another
-    function set there before compiling leaves every block compiled and one graph per UNet call on
-    (that code runs as it is); set after, one graph per UNet call stands aside (it would replay the
-    function it captured)."""
+    function set there before compiling leaves every block compiled and nothing found (that code runs
+    as it is); set after, the finding is for the code around the regions alone (one graph per UNet
+    call, where a model has one, would replay the function it captured)."""
     import comfy.ldm.hunyuan_video.model as hv
     mp = F.build_dit(F.DIT_FAMILIES["hunyuan_video"])
     monkeypatch.setattr(hv, "optimized_attention", _other(comfy.attention))
