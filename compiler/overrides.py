@@ -24,6 +24,11 @@ pack); one graph per UNet call stands aside while a class around the regions has
 With any of the last three the regions' graphs check their weights' addresses before each replay: such
 code may move a block's weights inside the call (block swap).
 
+ComfyUI's attention choice is watched with the classes: the bodies compute exact attention, so a region
+whose code would call another function (``--use-sage-attention``, a pack that sets
+``optimized_attention``, the newest ComfyUI's per-module ``comfy_attention.function``, another function
+on the way to it) runs the model's own code for the call (:func:`exact_attention`).
+
 A call that finds nothing costs one pass over the modules' dicts in C (``check``; their hook dicts
 only after a hook was registered somewhere: torch counts the handles it makes). The pack's own
 callables carry :data:`OWN`.
@@ -266,8 +271,8 @@ def _attention_reach(fn, planned: dict) -> tuple[list, list]:
             names.update(code.co_names)
             codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         direct[id(f)] = [(g, n) for n in sorted(names & ATTENTION_GLOBALS) if n in g]
-        # (from the package's own code any Python function it calls by name: another pack's set in its
-        # place is followed too; from another package's code only the package's own functions)
+        # (from ComfyUI's code any Python function it calls by name: another pack's set in its place is
+        # followed too; from other code only ComfyUI's functions)
         own = _comfys(f)
         edges[id(f)] = [((g, n), v) for n in sorted(names - ATTENTION_GLOBALS)
                         if isinstance(v := planned.get((id(g), n), g.get(n)), types.FunctionType)
