@@ -35,9 +35,11 @@ callables carry :data:`OWN`.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import operator
+import sys
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -227,9 +229,10 @@ def exact_attention(fn) -> bool:
 
 
 def attention_name(fn) -> str:
-    """``module.name`` of an attention function (under its wrappers), for the report. Never raises."""
+    """``module.name`` of an attention function (under its wrappers and partials), for the report.
+    Never raises."""
     try:
-        f = inspect.unwrap(fn)
+        f = inspect.unwrap(fn.func if isinstance(fn, functools.partial) else fn)
         return f"{getattr(f, '__module__', None) or '?'}.{getattr(f, '__qualname__', type(f).__qualname__)}"
     except Exception:
         return f"a {type(fn).__module__}.{type(fn).__qualname__}"
@@ -248,10 +251,28 @@ def _comfys(f) -> bool:
 _REACH_LIMIT = 5000
 
 
+def _code_of(v):
+    """The Python function a call of ``v`` runs first: ``v`` itself, a partial's or a bound method's
+    function, a callable object's ``__call__`` (None: no Python function, a class, a builtin)."""
+    for _ in range(8):
+        if isinstance(v, types.FunctionType):
+            return v
+        if isinstance(v, functools.partial):
+            v = v.func
+        elif isinstance(v, types.MethodType):
+            v = v.__func__
+        elif not isinstance(v, type) and isinstance(call := vars(type(v)).get("__call__"), types.FunctionType):
+            v = call
+        else:
+            return None
+    return None
+
+
 def _attention_reach(fn, planned: dict) -> tuple[list, list]:
     """Where the code of ``fn`` takes ComfyUI's attention choice: (module globals, name) of each
     attention global (:data:`ATTENTION_GLOBALS`) it names, directly or through the module-level
-    functions it calls by name: from ComfyUI's code any Python function (Flux's blocks call
+    functions it calls by name or holds in its closure: from ComfyUI's code any Python function
+    (a partial's, a callable object's ``__call__``; Flux's blocks call
     ``comfy.ldm.flux.math.attention``, which calls its module's ``optimized_attention``; another
     pack's function set there is followed into), from other code ComfyUI's functions; and (module
     globals, name, function) of each binding in ComfyUI's code on the way to one. ``planned``: {(id of
@@ -270,17 +291,27 @@ def _attention_reach(fn, planned: dict) -> tuple[list, list]:
             code = codes.pop()
             names.update(code.co_names)
             codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        direct[id(f)] = [(g, n) for n in sorted(names & ATTENTION_GLOBALS) if n in g]
+        # (a name the code reads as a module's attribute: ComfyUI's attention module's, where the choice is)
+        source = getattr(sys.modules.get(_COMFY_ATTENTION), "__dict__", {})
+        direct[id(f)] = [(g, n) if n in g else (source, n) for n in sorted(names & ATTENTION_GLOBALS)
+                         if n in g or n in source]
         # (from ComfyUI's code any Python function it calls by name: another pack's set in its place is
         # followed too; from other code only ComfyUI's functions)
         own = _comfys(f)
-        edges[id(f)] = [((g, n), v) for n in sorted(names - ATTENTION_GLOBALS)
-                        if isinstance(v := planned.get((id(g), n), g.get(n)), types.FunctionType)
-                        and (own or _comfys(v))]
+        edges[id(f)] = [((g, n), v, c) for n in sorted(names - ATTENTION_GLOBALS)
+                        if (c := _code_of(v := planned.get((id(g), n), g.get(n)))) is not None
+                        and (own or _comfys(c))]
         wrapped = getattr(f, "__wrapped__", None)
         if isinstance(wrapped, types.FunctionType):
-            edges[id(f)].append((None, wrapped))
-        todo += reversed([v for _, v in edges[id(f)]])
+            edges[id(f)].append((None, wrapped, wrapped))
+        for cell in f.__closure__ or ():      # (a handler made around the function it calls)
+            try:
+                c = _code_of(v := cell.cell_contents)
+            except ValueError:   # (an empty cell)
+                continue
+            if c is not None and (own or _comfys(c)):
+                edges[id(f)].append((None, v, c))
+        todo += reversed([c for _, _, c in edges[id(f)]])
         if len(funcs) > _REACH_LIMIT:   # (bounded: a package calling deep into another)
             break
     reaches = {i for i, d in direct.items() if d}
@@ -288,12 +319,12 @@ def _attention_reach(fn, planned: dict) -> tuple[list, list]:
     while grew:     # (the functions that reach an attention global, through the calls between them)
         grew = False
         for f in funcs:
-            if id(f) not in reaches and any(id(v) in reaches for _, v in edges[id(f)]):
+            if id(f) not in reaches and any(id(c) in reaches for _, _, c in edges[id(f)]):
                 reaches.add(id(f))
                 grew = True
     chosen = [gn for f in funcs for gn in direct[id(f)]]
-    bindings = [(b[0], b[1], v) for f in funcs if _comfys(f) for b, v in edges[id(f)]
-                if b is not None and id(v) in reaches]
+    bindings = [(b[0], b[1], v) for f in funcs if _comfys(f) for b, v, c in edges[id(f)]
+                if b is not None and id(c) in reaches]
     return chosen, bindings
 
 
@@ -324,6 +355,9 @@ class Found:
     around: str | None = None
     hooked: bool = False
     classes: str | None = None
+    #: why the code around the regions calls another attention function than when planned (it runs as
+    #: it is; one graph per UNet call would replay the one it captured, which moves no weights)
+    around_attention: str | None = None
 
     @property
     def moving(self) -> bool:
@@ -453,7 +487,7 @@ class Overrides:
         """Where the watched code takes ComfyUI's attention choice (:func:`_attention_reach` of the
         methods it reaches: the module globals it calls, and the bindings of the functions on the way)
         and the ``ComfyAttention`` modules inside the regions (the newest ComfyUI: a checkpoint's choice
-        per attention module). Each as (dict, key, value now, the regions whose code takes it, whether
+        per attention module). Each as (dict, key, value as planned (a binding) or now, the regions whose code takes it, whether
         code around the regions does, where, whether it is a binding: any change to it is a change;
         "foreign": another package's function was there when planned)."""
         found: dict[tuple, list] = {}
@@ -561,7 +595,7 @@ class Overrides:
                 module, _, path = self._regions[i]
                 found.regions.setdefault(module, f"{path}: {what}")
             if outside:
-                found.classes = found.classes or what
+                found.around_attention = found.around_attention or what
         for b, k in changed:
             what = f"{b.__module__}.{b.__qualname__}.{k}"
             regions, outside = self._class_where[b]

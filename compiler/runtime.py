@@ -289,7 +289,8 @@ class Accelerator:
         return self.call_graphs.call(forward, module, args, kwargs, self.gate.failed, self.regions_ran_last,
                                      self._region_shims,
                                      overridden=OVERRIDDEN if found is not None
-                                     and (found.regions or found.around or found.classes) else None,
+                                     and (found.regions or found.around or found.classes
+                                          or found.around_attention) else None,
                                      hooks_seen_none=found is None and self.overrides is not None)
 
     # ---- one region call ----------------------------------------------
@@ -557,9 +558,12 @@ class Accelerator:
                              f"is there, and the regions' graphs check their weights before each replay", once=True)
             if self.graphs is not None:     # (such code may move a block's weights inside the call)
                 self.graphs.verify = True
+        if found.around_attention is not None and self.call_graphs is not None:
+            self.report.note(f"{found.around_attention}, called around the regions: one graph per UNet call "
+                             f"stands aside while it is there", once=True)
         before = self._found
         merged = Found(dict(before.regions) if before is not None else {}, before.around if before else None,
-                       before.hooked if before else False, found.classes)
+                       before.hooked if before else False, found.classes, found.around_attention)
         new = [m for m in found.regions if m not in merged.regions]
         for m in new:
             merged.regions[m] = found.regions[m]

@@ -365,13 +365,21 @@ def _handler(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
                                transformer_options=transformer_options)
 
 
-@pytest.mark.parametrize("how", ["own_handler", "wraps"])
+def _handler_by_attribute(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+    """Another pack's handler that reads ComfyUI's choice live, as its attention module's attribute."""
+    q, k = apply_rope(q * 0.5, k, pe)  # noqa: F821 (the handler's module's)
+    return comfy_attention.optimized_attention(q, k, v, q.shape[1], skip_reshape=True, mask=mask,  # noqa: F821
+                                               transformer_options=transformer_options)
+
+
+@pytest.mark.parametrize("how", ["own_handler", "by_attribute", "wraps", "partial", "callable_object"])
 def test_a_function_set_on_the_way_before_compiling_runs(comfy, uncompiled, monkeypatch, how):
     """Another pack sets Flux's ``attention`` in ``layers`` and ``math`` at its import, before
-    compiling: its own handler calling ComfyUI's attention, or a ``functools.wraps`` wrapper of
-    ComfyUI's. Before, the walk followed only ComfyUI's own functions: the blocks ran the pack's
-    attention (0.65 off) and even the attention global behind went unwatched. Now they run their own
-    code with it, == the model without the pack."""
+    compiling: its own handler calling ComfyUI's attention (by its imported name, or as the attention
+    module's attribute), a ``functools.wraps`` wrapper of ComfyUI's, a partial, a callable object.
+    Before, the walk followed only ComfyUI's own functions: the blocks ran the pack's attention (0.65
+    off) and even the attention global behind went unwatched. Now they run their own code with it,
+    == the model without the pack."""
     import functools
 
     import comfy.ldm.flux.layers as layers
@@ -379,13 +387,22 @@ def test_a_function_set_on_the_way_before_compiling_runs(comfy, uncompiled, monk
     mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
     plain = F.dit_apply(mp, 1, 8, 8, seed=3)
     planned = layers.attention
+    def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
     if how == "own_handler":
         handler = _another_packs(_handler, "_handler", apply_rope=fmath.apply_rope,
                                  optimized_attention=comfy.attention.optimized_attention)
-    else:
-        def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
-            return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    elif how == "by_attribute":
+        handler = _another_packs(_handler_by_attribute, "_handler_by_attribute", apply_rope=fmath.apply_rope,
+                                 comfy_attention=comfy.attention)
+    elif how == "wraps":
         handler = functools.wraps(planned)(_another_packs(halved, "halved", planned=planned))
+    elif how == "partial":
+        handler = functools.partial(_another_packs(halved, "halved", planned=planned))
+    else:
+        def call(self, q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+            return original(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)  # noqa: F821
+        handler = type("Handler", (), {"__call__": _another_packs(call, "__call__", original=planned)})()
     monkeypatch.setattr(layers, "attention", handler)
     monkeypatch.setattr(fmath, "attention", handler)
     ref = F.dit_apply(mp, 1, 8, 8, seed=3)
@@ -436,8 +453,10 @@ def test_an_attention_only_the_code_around_the_regions_calls_keeps_everything(co
     assert accel.stats["region_eager_overridden"] == 0 and not _lines(accel), accel.text()
     assert accel.overrides.check_classes() is None
     monkeypatch.setattr(hv, "optimized_attention", _other(comfy.attention))
-    found = accel.overrides.check_classes()
-    assert found is not None and not found.regions and found.classes, found
+    found = accel.overrides.check_classes()     # (an attention moves no weights: no weight checks)
+    assert found is not None and not found.regions and found.around_attention and not found.moving, found
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3, frames=1), ref, rtol=1e-4, atol=1e-4)
+    assert not _lines(accel) and "stands aside" not in accel.text(), accel.text()   # (a DiT has no such graph)
 
 
 def test_a_reason_found_on_more_regions_later_names_only_those(make_comfy_model):
