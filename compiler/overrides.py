@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import itertools
+import logging
 import operator
 import sys
 import types
@@ -48,6 +49,8 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import graphs
+
+log = logging.getLogger(__name__)
 
 #: the attribute that marks the pack's own callables set on modules (region shims, the root's forward)
 OWN = "unet_compiler_own"
@@ -278,7 +281,7 @@ def _attention_reach(fn, planned: dict) -> tuple[list, list]:
     globals, name, function) of each binding in ComfyUI's code on the way to one. ``planned``: {(id of
     module globals, name): function} of the bindings as planned, followed where set."""
     direct: dict[int, list] = {}     # function -> the attention globals its code names
-    edges: dict[int, list] = {}      # function -> [((globals, name) or None, the function it calls)]
+    edges: dict[int, list] = {}      # function -> [((globals, name) or None, what it calls, its function)]
     todo, funcs = [fn], []
     while todo:
         f = todo.pop()
@@ -500,7 +503,12 @@ class Overrides:
             regions, outside = self._class_where[b][0], b in self._around_only
             for k, v in self._class_code[b].items():
                 if k in self._reach and _code_attr(v):
-                    chosen, bindings = _attention_reach(_function_of(v), self._bindings)
+                    try:
+                        chosen, bindings = _attention_reach(_function_of(v), self._bindings)
+                    except Exception:   # (an object in the code's reach that raises when looked at)
+                        log.debug("UNet Compiler: %s.%s not walked for the attention choice", b.__qualname__, k,
+                                  exc_info=True)
+                        continue
                     for g, n in chosen:
                         add(g, n, regions, outside, f"{g.get('__name__')}.{n}", False)
                     for g, n, f in bindings:

@@ -473,3 +473,18 @@ def test_a_reason_found_on_more_regions_later_names_only_those(make_comfy_model)
     notes = [n for n in accel.report.notes if why in n]
     assert notes == [f"{why}: 2 regions run the model's own code with it (the pack's code would skip it): p.a, p.b",
                      f"{why}: also 1 region runs the model's own code with it (the pack's code would skip it): p.c"], notes
+
+
+def test_an_object_that_raises_when_looked_at_does_not_stop_compiling(comfy, uncompiled, monkeypatch):
+    """An object on the way whose class lookup raises (a lazy proxy): Compile UNet still plans, the
+    method it sits in is left out of the walk (logged)."""
+    import comfy.ldm.flux.layers as layers
+
+    class Lazy:
+        @property
+        def __class__(self):
+            raise RuntimeError("not loaded")
+    mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
+    monkeypatch.setattr(layers, "attention", Lazy())
+    cm, text = patcher.compile_model(mp, CFG)
+    assert patcher.accelerator_of(cm).overrides is not None, text
