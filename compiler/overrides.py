@@ -246,8 +246,12 @@ _COMFY = "comfy"
 
 
 def _comfys(f) -> bool:
-    """Whether function ``f``'s code lives in ComfyUI's package (the module its globals are)."""
-    return isinstance(f, types.FunctionType) and str(f.__globals__.get("__name__")).split(".")[0] == _COMFY
+    """Whether function ``f``'s code lives in ComfyUI's package (the module its globals are). Never
+    raises."""
+    try:
+        return isinstance(f, types.FunctionType) and str(f.__globals__.get("__name__")).split(".")[0] == _COMFY
+    except Exception:   # (an object whose class lookup raises: a lazy proxy)
+        return False
 
 
 #: the most functions one method's walk to ComfyUI's attention choice looks at
@@ -256,18 +260,22 @@ _REACH_LIMIT = 5000
 
 def _code_of(v):
     """The Python function a call of ``v`` runs first: ``v`` itself, a partial's or a bound method's
-    function, a callable object's ``__call__`` (None: no Python function, a class, a builtin)."""
-    for _ in range(8):
-        if isinstance(v, types.FunctionType):
-            return v
-        if isinstance(v, functools.partial):
-            v = v.func
-        elif isinstance(v, types.MethodType):
-            v = v.__func__
-        elif not isinstance(v, type) and isinstance(call := vars(type(v)).get("__call__"), types.FunctionType):
-            v = call
-        else:
-            return None
+    function, a callable object's ``__call__`` (None: no Python function, a class, a builtin, an object
+    that raises when looked at). Never raises."""
+    try:
+        for _ in range(8):
+            if isinstance(v, types.FunctionType):
+                return v
+            if isinstance(v, functools.partial):
+                v = v.func
+            elif isinstance(v, types.MethodType):
+                v = v.__func__
+            elif not isinstance(v, type) and isinstance(call := vars(type(v)).get("__call__"), types.FunctionType):
+                v = call
+            else:
+                return None
+    except Exception:   # (a lazy proxy whose class lookup raises)
+        return None
     return None
 
 
@@ -309,9 +317,10 @@ def _attention_reach(fn, planned: dict) -> tuple[list, list]:
             edges[id(f)].append((None, wrapped, wrapped))
         for cell in f.__closure__ or ():      # (a handler made around the function it calls)
             try:
-                c = _code_of(v := cell.cell_contents)
+                v = cell.cell_contents
             except ValueError:   # (an empty cell)
                 continue
+            c = _code_of(v)
             if c is not None and (own or _comfys(c)):
                 edges[id(f)].append((None, v, c))
         todo += reversed([c for _, _, c in edges[id(f)]])
@@ -505,7 +514,7 @@ class Overrides:
                 if k in self._reach and _code_attr(v):
                     try:
                         chosen, bindings = _attention_reach(_function_of(v), self._bindings)
-                    except Exception:   # (an object in the code's reach that raises when looked at)
+                    except Exception:   # (last resort: the objects in its reach are judged one by one)
                         log.debug("UNet Compiler: %s.%s not walked for the attention choice", b.__qualname__, k,
                                   exc_info=True)
                         continue

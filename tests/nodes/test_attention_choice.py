@@ -475,16 +475,48 @@ def test_a_reason_found_on_more_regions_later_names_only_those(make_comfy_model)
                      f"{why}: also 1 region runs the model's own code with it (the pack's code would skip it): p.c"], notes
 
 
-def test_an_object_that_raises_when_looked_at_does_not_stop_compiling(comfy, uncompiled, monkeypatch):
-    """An object on the way whose class lookup raises (a lazy proxy): Compile UNet still plans, the
-    method it sits in is left out of the walk (logged)."""
-    import comfy.ldm.flux.layers as layers
+class _Lazy:
+    """A lazy proxy: callable (it calls ``target``), its class lookup raises."""
 
-    class Lazy:
-        @property
-        def __class__(self):
-            raise RuntimeError("not loaded")
+    def __init__(self, target):
+        self.target = target
+
+    def __call__(self, *a, **k):
+        return self.target(*a, **k)
+
+    @property
+    def __class__(self):
+        raise RuntimeError("not loaded")
+
+
+def test_an_object_that_raises_when_looked_at_is_judged_not_raised(comfy, uncompiled, monkeypatch):
+    """Objects whose class lookup raises (lazy proxies): one under an unrelated name the blocks' code
+    reads (``img_mod``) leaves the watch whole (the global behind it set after compiling is seen), one
+    set on the way at a call after another pack's handler is judged, not raised: each call == the
+    model without the pack."""
+    import comfy.ldm.flux.layers as layers
+    import comfy.ldm.flux.math as fmath
     mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
-    monkeypatch.setattr(layers, "attention", Lazy())
-    cm, text = patcher.compile_model(mp, CFG)
-    assert patcher.accelerator_of(cm).overrides is not None, text
+    plain = F.dit_apply(mp, 1, 8, 8, seed=3)
+    monkeypatch.setattr(layers, "img_mod", _Lazy(None), raising=False)
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    monkeypatch.setattr(fmath, "optimized_attention", _other(comfy.attention))
+    with accel.bypass():
+        ref = F.dit_apply(cm, 1, 8, 8, seed=3)
+    assert (ref - plain).abs().max() > 1e-3
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), ref, rtol=1e-4, atol=1e-4)
+    monkeypatch.undo()
+    planned = layers.attention
+
+    def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    monkeypatch.setattr(layers, "attention", _another_packs(halved, "halved", planned=planned))
+    mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
+    cm, _ = patcher.compile_model(mp, CFG)
+    accel = patcher.accelerator_of(cm)
+    with accel.bypass():
+        ref = F.dit_apply(cm, 1, 8, 8, seed=3)
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), ref, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(layers, "attention", _Lazy(planned))
+    torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), plain, rtol=1e-4, atol=1e-4)
