@@ -118,6 +118,18 @@ _IMPLICIT = frozenset({"__call__", "__getattr__", "__getattribute__", "__getitem
                        "__contains__", "__bool__", "__enter__", "__exit__"})
 
 
+def _names_in(code) -> set:
+    """The names ``code`` and the code nested in it (inner functions, comprehensions) look up."""
+    out: set = set()
+    codes = [code]
+    while codes:
+        code = codes.pop()
+        if code is not None:
+            out.update(code.co_names)
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return out
+
+
 def _code_names(value) -> set:
     """The names the code of a class attribute (its functions, their decorated originals and the
     code nested in them) looks up."""
@@ -127,12 +139,7 @@ def _code_names(value) -> set:
     for f in fns:
         while f is not None and id(f) not in seen:     # (a __wrapped__ chain may loop)
             seen.add(id(f))
-            codes = [getattr(f, "__code__", None)]
-            while codes:
-                code = codes.pop()
-                if code is not None:
-                    out.update(code.co_names)
-                    codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+            out |= _names_in(getattr(f, "__code__", None))
             f = getattr(f, "__wrapped__", None)
     return out
 
@@ -291,19 +298,15 @@ def _attention_reach(fn, planned: dict) -> tuple[list, list]:
     direct: dict[int, list] = {}     # function -> the attention globals its code names
     edges: dict[int, list] = {}      # function -> [((globals, name) or None, what it calls, its function)]
     todo, funcs = [fn], []
+    # (a name the code reads as a module's attribute: ComfyUI's attention module's, where the choice is)
+    source = getattr(sys.modules.get(_COMFY_ATTENTION), "__dict__", {})
     while todo:
         f = todo.pop()
         if not isinstance(f, types.FunctionType) or id(f) in direct:
             continue
         funcs.append(f)
         g = f.__globals__
-        names, codes = set(), [f.__code__]
-        while codes:
-            code = codes.pop()
-            names.update(code.co_names)
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        # (a name the code reads as a module's attribute: ComfyUI's attention module's, where the choice is)
-        source = getattr(sys.modules.get(_COMFY_ATTENTION), "__dict__", {})
+        names = _names_in(f.__code__)
         direct[id(f)] = [(g, n) if n in g else (source, n) for n in sorted(names & ATTENTION_GLOBALS)
                          if n in g or n in source]
         # (from ComfyUI's code any Python function it calls by name: another pack's set in its place is
@@ -499,9 +502,9 @@ class Overrides:
         """Where the watched code takes ComfyUI's attention choice (:func:`_attention_reach` of the
         methods it reaches: the module globals it calls, and the bindings of the functions on the way)
         and the ``ComfyAttention`` modules inside the regions (the newest ComfyUI: a checkpoint's choice
-        per attention module). Each as (dict, key, value as planned (a binding) or now, the regions whose code takes it, whether
-        code around the regions does, where, whether it is a binding: any change to it is a change;
-        "foreign": another package's function was there when planned)."""
+        per attention module). Each as (dict, key, value as planned (a binding) or now, the regions
+        whose code takes it, whether code around the regions does, where, whether it is a binding: any
+        change to it is a change; "foreign": another package's function was there when planned)."""
         found: dict[tuple, list] = {}
 
         def add(d, k, regions, outside, where, binding):
