@@ -265,6 +265,13 @@ def test_a_checkpoints_choice_on_every_module_is_one_line(make_comfy_model, comf
     assert accel.stats["region_eager_overridden"] - before == len(modules) - 1, accel.stats
 
 
+def _halving(planned):
+    """Flux's attention function ``planned`` at half the softmax temperature (another pack's handler)."""
+    def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
+        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    return halved
+
+
 def test_a_function_on_the_way_to_the_attention_set_runs(comfy, uncompiled, monkeypatch):
     """A pack sets the function Flux's blocks call on the way to ComfyUI's attention
     (``comfy.ldm.flux.layers.attention``), after compiling: the blocks run ComfyUI's code with it,
@@ -280,8 +287,7 @@ def test_a_function_on_the_way_to_the_attention_set_runs(comfy, uncompiled, monk
     torch.testing.assert_close(F.dit_apply(cm, 1, 8, 8, seed=3), plain, rtol=1e-4, atol=1e-4)
     planned = layers.attention
 
-    def other(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
-        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    other = _halving(planned)
     monkeypatch.setattr(layers, "attention", other)
     with accel.bypass():
         ref = F.dit_apply(cm, 1, 8, 8, seed=3)
@@ -387,8 +393,7 @@ def test_a_function_set_on_the_way_before_compiling_runs(comfy, uncompiled, monk
     mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
     plain = F.dit_apply(mp, 1, 8, 8, seed=3)
     planned = layers.attention
-    def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
-        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    halved = _halving(planned)
     if how == "own_handler":
         handler = _another_packs(_handler, "_handler", apply_rope=fmath.apply_rope,
                                  optimized_attention=comfy.attention.optimized_attention)
@@ -509,8 +514,7 @@ def test_an_object_that_raises_when_looked_at_is_judged_not_raised(comfy, uncomp
     monkeypatch.undo()
     planned = layers.attention
 
-    def halved(q, k, v, pe, mask=None, transformer_options={}):  # noqa: B006
-        return planned(q * 0.5, k, v, pe, mask=mask, transformer_options=transformer_options)
+    halved = _halving(planned)
     monkeypatch.setattr(layers, "attention", _another_packs(halved, "halved", planned=planned))
     mp = F.build_dit(F.DIT_FAMILIES["flux_dev"])
     cm, _ = patcher.compile_model(mp, CFG)
