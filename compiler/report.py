@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from . import cast, settings
 from .reasons import DISABLE_ENV, NOTHING_TO_COMPILE, Reason, Slower
 
-_DYNAMIC = {True: "on", False: "off", None: "on, the one warmup shape compiled for exactly it"}
+_DYNAMIC = {True: "on", False: "off",
+            None: "on, static first (a warmup of one shape): a size that changes compiles once more, then for any"}
 
 
 @dataclass
@@ -39,8 +40,9 @@ class Report:
     diff_tolerance: float | None = None
     #: why the tolerance is not the model dtype's ("" when it is): e.g. an attention patch's own code
     diff_tolerance_why: str = ""
-    #: when ``max_abs_diff`` was measured, if not in this warmup: an earlier warmup recorded it in the
-    #: compile cache entry whose code this one ran whole (``warmup.recorded_compare``)
+    #: when ``max_abs_diff`` was measured, if not in this warmup: an earlier one (in this process or
+    #: before a restart) recorded it in the compile cache entry whose code this one ran whole
+    #: (``warmup.recorded_compare``)
     diff_recorded: str | None = None
     #: optional ``callable(text)`` told of each note added (the report's accelerator's ``note`` event)
     tell_note: object = field(default=None, repr=False, compare=False)
@@ -54,6 +56,10 @@ class Report:
         if self.tell_note is not None:
             self.tell_note(text)
         return True
+
+    def drop_notes(self, prefix: str) -> None:
+        """Remove the notes that start with ``prefix`` (advice a later run has followed)."""
+        self.notes = [n for n in self.notes if not n.startswith(prefix)]
 
     def _kind(self) -> str:
         """``UNet (UNetModel)``, ``DiT (Flux)``, ``model (AuraFlow)``: what the pack took it for, and its class."""
@@ -81,8 +87,8 @@ class Report:
                             + (f": {self.diff_tolerance_why}" if self.diff_tolerance_why else "")
                             + (", over it: refused" if self.max_abs_diff > self.diff_tolerance else "") + ")"
                             if self.diff_tolerance is not None else "")
-                         + (f" (measured when this code was compiled, {self.diff_recorded}; all of it came from "
-                            f"the compile cache, so the eager reference did not run again: "
+                         + (f" (measured by an earlier warmup of the same code, {self.diff_recorded}; this one "
+                            f"compiled nothing anew for it, so the eager reference did not run again: "
                             f"UNET_COMPILER_COMPARE=always runs it)" if self.diff_recorded else ""))
         if stats is not None:
             lines.append(

@@ -61,6 +61,8 @@ def _call_modes(device_type: str, autocast: torch.dtype | None):
 
 #: why a UNet call went region by region: another node's code set on the modules (``overrides``)
 OVERRIDDEN = "another node's code set on the model's modules runs inside the call"
+#: the start of the note a warmup of one shape leaves (dropped by a later warmup of a range)
+ONE_SHAPE_NOTE = "one warmup shape: "
 
 
 class Accelerator:
@@ -612,7 +614,7 @@ class Accelerator:
         and the misses compile in the calling thread. Returns the background mode, or None."""
         if one_shape:
             self.reconfigure(self.config.replace(dynamic_shapes=None))
-            self.report.note(f"one warmup shape: compiled for exactly {one_shape}; another shape compiles "
+            self.report.note(f"{ONE_SHAPE_NOTE}compiled for exactly {one_shape}; another shape compiles "
                              f"once, then for any size. Warm a range: list its smallest and largest shapes")
         why = background.problem(self) if in_background else None
         if why:

@@ -21,7 +21,7 @@ from .lifecycle import pacing, variants
 from .lifecycle.background import BackgroundMode
 from .reasons import Slower
 from .report import Report, compiled_and_loaded, warmup_facts
-from .runtime import Accelerator
+from .runtime import ONE_SHAPE_NOTE, Accelerator
 from .shapes import LATENT_SCALE, MIN_SIDE, Shape
 
 #: backend auto keeps a region kind compiled unless the model's own code in its place made a forward at
@@ -244,6 +244,8 @@ def plan_warmup(accel: Accelerator, shapes: list[Shape], compare: bool = True,
     compiles exactly that shape, ``background`` records the calls for the compile thread where this
     model's code can compile there, else a note says why not). Nothing runs yet."""
     fixed = one_shape(accel, shapes)
+    if len(shapes) > 1 and accel.config.dynamic_shapes is None:   # a range after a one-shape warmup
+        accel.report.drop_notes(ONE_SHAPE_NOTE)
     compare = compare and bool(shapes)
     in_entry = frozenset(primed_probes(accel))
     kept = recorded_compare(accel, shapes[0]) if compare else None
@@ -263,7 +265,20 @@ def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
     shape against the model's own code (the gate: a region kind that makes the difference runs the
     model's own code). Tells ``warmup_step`` (a :class:`Step`) before each call and
     ``warmup_shape`` (index, shape, seconds) after each listed shape, on ``accel.events``. Marks the
-    accelerator warmed (later compiles are counted as recompiles). Returns the report."""
+    accelerator warmed (later compiles are counted as recompiles; a warmup's own never are, also
+    when an earlier warmup ran on the model). Returns the report."""
+    was_warmed, accel.warmed = accel.warmed, False
+    try:
+        _run_plan(accel, plan, run_one)
+    except BaseException:
+        accel.warmed = was_warmed
+        raise
+    accel.warmed = True
+    accel.warmed_shapes += [s.label for s in plan.shapes if s.label not in accel.warmed_shapes]
+    return accel.report
+
+
+def _run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> None:
     rep, shapes, mode = accel.report, plan.shapes, plan.mode
     background, compare, kept = mode is not None, plan.compare, plan.kept
 
@@ -358,9 +373,6 @@ def run_plan(accel: Accelerator, plan: WarmupPlan, run_one) -> Report:
             accel.events.emit("warmup_shape", i, shape, secs)
         if plan.measure:
             keep_the_faster(accel, told(Step("measure", shapes[0])), shapes[0])
-    accel.warmed = True
-    accel.warmed_shapes += [s.label for s in shapes if s.label not in accel.warmed_shapes]
-    return rep
 
 
 @dataclass(frozen=True)

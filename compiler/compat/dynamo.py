@@ -49,6 +49,21 @@ _DIMS = {"unet": {0: "batch (dim 0)", 1: "channels or tokens (dim 1)", 2: "heigh
 _RAISED = re.compile(r"object has no attribute|object is not subscriptable|not supported between|Error\b")
 
 
+#: region inputs that carry the prompt's tokens (their dim 1): ComfyUI's UNet and Wan/MMDiT blocks'
+#: ``context``, Flux's ``txt``, diffusers' and Qwen-Image's ``encoder_hidden_states``
+_TEXT_INPUTS = frozenset({"context", "txt", "encoder_hidden_states"})
+
+
+def prompt_tokens(reasons) -> int | None:
+    """The prompt length a recompile was for, where one of ``reasons`` (raw guard failures) is the
+    token count of a region input that carries the prompt (None: no such guard)."""
+    for reason in reasons:
+        m = _SIZE.search(str(reason))
+        if m is not None and m.group("dim") == "1" and _name(m.group("name")) in _TEXT_INPUTS:
+            return int(m.group("act"))
+    return None
+
+
 def _name(raw: str) -> str:
     m = _NAME.match(raw)
     return m.group("n") if m else raw

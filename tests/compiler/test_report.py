@@ -74,7 +74,7 @@ def test_report_text_says_what_ran():
     for part in ("accelerated regions: resblock x22", "note: a note", "warmed 2x64x64: 3.2 s, 0 graph(s) compiled, "
                  "4 loaded from the compile cache", "graphs compiled: 0; loaded from the compile cache: 4", "max |compiled - eager| at 2x64x64: 1e-05", "recompiles after warmup: 0"):
         assert part in text, text
-    assert "dynamic shapes on, the one warmup shape compiled for exactly it" in _report(dynamic_shapes=None).text()
+    assert "dynamic shapes on, static first (a warmup of one shape)" in _report(dynamic_shapes=None).text()
 
 
 def test_a_warmup_in_which_nothing_ran_compiled_is_no_compiled_state():
@@ -99,6 +99,39 @@ def test_a_recompile_at_half_a_warmed_batch_names_the_cond_uncond_split():
     assert "Fix: add 1x64x64 to Warmup Shapes" in text and "cond and uncond apart" in text and "hook LoRA" in text
     other = recompile_sentence(dict(e, shape="1x128x128"), ["2x64x64"])
     assert "Fix: add 1x128x128 to Warmup Shapes" in other and "cond and uncond" not in other
+
+
+def test_a_recompile_the_node_cannot_warm_says_so():
+    """A call Warmup Shapes would refuse as an entry (a crop under 64 px from area conditioning, a
+    batch over 64) is not told to add itself; a prompt length is told to warm ``context_tokens``; a
+    model warmed at more shapes than one warmup takes still knows which are inside, and the line
+    names only the first few."""
+    from unet_compiler.compiler.lifecycle.recompiles import recompile_sentence
+    e = dict(prompt="p1", shape="1x32x32", graphs=2, seconds=1.0, guards=["x"])
+    crop = recompile_sentence(e, ["2x64x64", "2x128x128"])
+    assert "add 1x32x32" not in crop and "Warmup Shapes cannot warm a 1x32x32 call (width 32 must be" in crop, crop
+    assert "area or mask conditioning" in crop
+    batch = recompile_sentence(dict(e, shape="130x64x64"), ["2x64x64"])
+    assert "cannot warm a 130x64x64 call (batch 130 must be between 1 and 64)" in batch and "area" not in batch
+    prompt = recompile_sentence(dict(e, shape="2x64x64", tokens=154), ["2x64x64"])
+    assert "(a 154-token prompt, a length the code was not compiled for)" in prompt, prompt
+    assert "Fix: set Warmup Shapes' context_tokens to 154, or list two shapes" in prompt, prompt
+    assert "inside the warmed range" not in prompt
+    ranged = recompile_sentence(dict(e, shape="2x64x64", tokens=154), ["2x64x64", "2x128x128"])
+    assert "context_tokens to 154; the new code" in ranged, ranged
+    many = [f"2x{64 + 8 * i}x{64 + 8 * i}" for i in range(40)]
+    inside = recompile_sentence(dict(e, shape="2x96x96"), many)
+    assert "(inside the warmed range" in inside and "add 2x96x96" not in inside, inside
+    assert "2x120x120 and 32 more; why" in inside and "2x128x128" not in inside, inside
+
+
+def test_a_prompt_length_is_read_from_the_text_inputs_guard():
+    from unet_compiler.compiler.compat.dynamo import prompt_tokens
+    ctx = "0/1: tensor 'L['context']' size mismatch at index 1. expected 77, actual 154"
+    assert prompt_tokens([ctx]) == 154
+    assert prompt_tokens(["0/1: tensor 'L['txt']' size mismatch at index 1. expected 256, actual 512"]) == 512
+    assert prompt_tokens(["0/1: tensor 'L['x']' size mismatch at index 1. expected 77, actual 154"]) is None
+    assert prompt_tokens(["0/1: tensor 'L['context']' size mismatch at index 0. expected 2, actual 1"]) is None
 
 
 def test_another_packs_classes_are_named_by_their_pack_folder():

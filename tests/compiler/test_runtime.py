@@ -203,6 +203,27 @@ def test_a_recompile_names_its_prompt_shape_and_guard(tiny_unet, monkeypatch):
     assert "warmed shapes: 1x64x64" in text and "Fix: add 2x64x64 to Warmup Shapes" in text, text
 
 
+def test_warmup_run_again_counts_no_recompiles(tiny_unet, monkeypatch):
+    """Warmup Shapes run again on the same compiled model (its shapes edited: ComfyUI keeps Compile
+    UNet's output) compiles as a warmup: nothing counted or named as a recompile after warmup, the
+    first warmup's one-shape note goes once a range is warmed, and later calls count again."""
+    from unet_compiler.compiler import regions as R
+    monkeypatch.setattr(lookup_backend("inductor"), "impls", lambda self, config, scheduler: {
+        key: torch.compile(body, backend="eager", dynamic=False) for key, body in R.BODIES.items()})
+    unet = api.compile_unet(tiny_unet(), "inductor")
+    accel = api.accelerator_of(unet)
+    api.warmup(unet, "1x64x64", context_tokens=6)
+    assert accel.config.dynamic_shapes is None and any(n.startswith("one warmup shape") for n in accel.report.notes)
+    text = api.warmup(unet, "1x64x64, 2x128x128", context_tokens=6)
+    assert accel.stats["recompiles_after_warmup"] == 0 and accel.recompiles.events == [], text
+    assert "recompile:" not in text and "one warmup shape" not in text, text
+    assert accel.warmed and accel.warmed_shapes == ["1x64x64", "2x128x128"]
+    x, t, ctx = _inputs()
+    with torch.inference_mode():
+        unet(x.repeat(3, 1, 1, 1), t, ctx.repeat(3, 1, 1))      # batch 3: compiles after warmup
+    assert accel.stats["recompiles_after_warmup"] > 0 and len(accel.recompiles.events) == 1
+
+
 def test_guards_in_plain_words():
     from unet_compiler.compiler.compat.dynamo import plain_guard
     assert plain_guard("0/1: tensor 'L['hidden_states']' size mismatch at index 0. expected 1, actual 2") == (
