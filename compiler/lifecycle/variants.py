@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import inspect
 import logging
 import sys
 import threading
@@ -353,15 +354,44 @@ _DESERIALIZING = threading.Lock()    # one at a time: ``_aliases`` edits sys.mod
 
 
 def _deserialize(blob: bytes):
+    """A variant from its bytes, or None (logged): torch could not load it, or code it traced has
+    changed since (:func:`changed_source`)."""
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction
         saved, _, data = blob.partition(b"\n")
         with _DESERIALIZING, _aliases(saved.decode()):
-            return AOTCompiledFunction.deserialize(data)
+            fn = AOTCompiledFunction.deserialize(data)
+            changed = changed_source(fn)
     except Exception as e:
         log.warning("UNet Compiler: a precompiled region from the compile cache could not be loaded (%s); "
                     "it compiles again", error_summary(e))
         return None
+    if changed:
+        log.warning("UNet Compiler: a precompiled region from the compile cache was compiled from other code "
+                    "than this process runs (%s changed: ComfyUI or a package updated between its releases); "
+                    "it compiles again", changed)
+        return None
+    return fn
+
+
+def changed_source(fn) -> str | None:
+    """The first function a variant traced whose source differs now from when it was compiled
+    ("module lines a-b"), or None. The variant runs that code as compiled, and its key names
+    ComfyUI by version alone (a git update between releases keeps it), so a change must be found
+    here. Checked with the torch's own record of what each variant inlined (its source info)."""
+    info = getattr(getattr(fn, "_artifacts", None), "source_info", None)
+    for src in sorted(getattr(info, "inlined_sources", ()) or (), key=lambda s: (s.module, s.firstlineno)):
+        where = f"{src.module} lines {src.firstlineno}-{src.lastlineno}"
+        module = sys.modules.get(src.module)
+        if module is None:
+            return f"{where} (not imported)"
+        try:
+            lines = inspect.getsourcelines(module)[0][src.firstlineno - 1:src.lastlineno - 1]
+        except (OSError, TypeError):
+            return f"{where} (no source)"
+        if hashlib.sha256("".join(lines).encode()).hexdigest() != src.checksum:
+            return where
+    return None
 
 
 def failed_parts(fn, f_locals) -> list[str]:

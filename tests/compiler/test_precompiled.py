@@ -160,6 +160,37 @@ def test_a_variant_pickled_under_another_install_path_loads(tiny_unet, store, mo
     assert other not in __import__("sys").modules, "the aliases are gone after loading"
 
 
+def test_a_cached_variant_whose_traced_code_changed_is_compiled_again(tiny_unet, store, monkeypatch):
+    """The compile cache's key names ComfyUI and the other packages by version, which a git update
+    between releases keeps: a variant whose traced functions' source differs now (here: saved with
+    another checksum for one function it inlined, as a variant compiled before an update records it)
+    is not served; its region compiles again, == eager. Unchanged variants still load."""
+    import dataclasses
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    _both(first, _inputs())
+    src = min((s for fns in store.live.values() for fn in fns for s in fn._artifacts.source_info.inlined_sources
+               if not s.module.startswith(V.PACKAGE)), key=lambda s: (s.module, s.firstlineno))
+    before_update = dataclasses.replace(src, checksum="0" * 64)
+    blobs, stale = {}, 0
+    for key, fns in store.live.items():
+        for fn in fns:
+            info = fn._artifacts.source_info
+            if src in info.inlined_sources:
+                info.inlined_sources = (info.inlined_sources - {src}) | {before_update}
+                stale += 1
+            blobs.setdefault(key, []).append(V.serialize(fn))
+    assert 0 < stale < store.compiled, (stale, store.compiled)
+    restarted = _fed(blobs)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
+    second = tiny_unet(seed=2)
+    api.compile_unet(second, "inductor", dynamic_shapes=False)
+    out, ref = _both(second, _inputs(seed=6))
+    assert torch.allclose(out, ref, atol=1e-4, rtol=1e-4)
+    assert restarted.unusable == stale and restarted.compiled == stale, vars(restarted)
+    assert restarted.from_cache == store.compiled - stale
+
+
 def test_a_cached_variant_that_fails_at_its_first_call_is_dropped_and_compiled_again(tiny_unet, store, monkeypatch):
     """(The starts bench met one: a custom op the variants call was not registered in the new
     process.) The region compiles instead of its kind falling back to eager for good."""
