@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 DIR_ENV = settings.env("CACHE_DIR")
 MODE_ENV = settings.env("CACHE")
+#: a save's temporary file older than this is a leftover of a process killed mid-write (a save
+#: writes its entry in seconds)
+LEFT_PARTIAL_SECONDS = 600
 _MAGIC = b"UNET-COMPILER-ENTRY-2\n"
 _loaded: set = set()       # keys loaded into this process's torch caches
 _cleared = [False]
@@ -280,8 +284,8 @@ class CompileCache:
             return
         try:
             self.folder.mkdir(parents=True, exist_ok=True)
-            with files.lock(self.folder / f"{self.key}.lock"):
-                data = self._write(got[0] if got else None, compiled)
+            with files.lock(self.folder / f"{self.key}.lock") as held:
+                data = self._write(got[0] if got else None, compiled, held)
         except OSError as e:
             if self.folder.is_dir() and not files.writable(self.folder):
                 # a fleet's shared read-only mount: by design, not a fault (no save is tried again)
@@ -306,10 +310,11 @@ class CompileCache:
         self._entry = data
         self.saved_mib = len(data) / 2**20
 
-    def _write(self, new_mega: bytes | None, compiled: dict) -> bytes:
+    def _write(self, new_mega: bytes | None, compiled: dict, held: bool = True) -> bytes:
         """Merge what is on disk now with what this process has, write it as a new .bin, then
         commit it by replacing the .json (a reader sees the old entry or the new one, whole); the
-        old .bin goes last (where another process still reads it, it stays until the next save)."""
+        old .bin goes last (where another process still reads it, it stays until the next save),
+        and, ``held`` the lock (no other save under way), what killed saves left."""
         # the entry keeps what it held (another process's graphs, this process's earlier saves)
         try:
             old_mega, old_variants = unpack_entry(self._current_entry())
@@ -333,7 +338,17 @@ class CompileCache:
                     bin_path.unlink(missing_ok=True)
             raise
         self._meta = meta
-        for stale in {old_bin, self.folder / f"{self.key}.bin"} - {None, bin_path}:
+        # the old .bin, and any another save left when its process was killed between writing its .bin
+        # and its .json, or mid-write (a .partial no process writes any more)
+        leftovers = {old_bin, self.folder / f"{self.key}.bin"}
+        if held:
+            leftovers.update(self.folder.glob(f"{self.key}.*.bin"))
+        now = time.time()
+        for partial in self.folder.glob(f"{self.key}.*.partial") if held else ():
+            with contextlib.suppress(OSError):
+                if now - partial.stat().st_mtime > LEFT_PARTIAL_SECONDS:
+                    leftovers.add(partial)
+        for stale in leftovers - {None, bin_path}:
             try:
                 stale.unlink(missing_ok=True)
             except OSError:   # Windows: another process has it open; the next save removes it
@@ -379,13 +394,21 @@ class CompileCache:
                 pass
 
     def _clear(self):
+        """Empty the folder of what the pack and torch keep there: entries, leftovers of saves that
+        were killed, locks whose holder is gone, the CPU ISA record and inductor's own folder."""
         n = 0
-        for p in list(self.folder.glob("*.bin")) + list(self.folder.glob("*.json")) + [self.folder / cpu_isa.FILE]:
+        found = [p for pattern in ("*.bin", "*.json", "*.partial", "*.stale") for p in self.folder.glob(pattern)]
+        found += [p for p in self.folder.glob("*.lock") if files.holder_gone(p)]
+        for p in found + [self.folder / cpu_isa.FILE]:
             try:   # (no record: FileNotFoundError, not counted)
                 p.unlink()
                 n += 1
             except OSError:
                 pass
+        for tree in {self.folder / "inductor", torch_dirs.short_root(self.folder)}:
+            if tree.is_dir():
+                n += sum(1 for f in tree.rglob("*") if f.is_file())
+                shutil.rmtree(tree, ignore_errors=True)
         log.warning("UNet Compiler: compile cache cleared (%s=clear): %d file(s) removed from %s",
                     MODE_ENV, n, self.folder)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import tempfile
 import time
 import uuid
@@ -58,11 +59,13 @@ def read_text(path: Path) -> str:
 @contextlib.contextmanager
 def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
     """Hold ``path`` as a lock file (created exclusively) inside the block: two processes saving one
-    entry take turns, so neither's merge misses what the other wrote. A lock older than ``stale``
-    seconds (a process killed while holding it) is broken; after ``timeout`` seconds, or where the
-    folder cannot hold one (read-only), the block runs without it rather than hang or fail."""
+    entry take turns, so neither's merge misses what the other wrote. A lock whose holder is gone (a
+    process on this machine that was killed while holding it) or older than ``stale`` seconds (one
+    on another machine) is broken; after ``timeout`` seconds, or where the folder cannot hold one
+    (read-only), the block runs without it rather than hang or fail."""
     end, wait, held = time.monotonic() + timeout, 0.02, False
-    token = uuid.uuid4().hex.encode()     # what this holder wrote: it removes only its own lock
+    # what this holder wrote (it removes only its own lock), and who it is: its process and machine
+    token = f"{uuid.uuid4().hex} {os.getpid()} {platform.node()}".encode()
     while True:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -74,7 +77,7 @@ def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
             break
         except FileExistsError:
             try:
-                if time.time() - path.stat().st_mtime > stale:
+                if time.time() - path.stat().st_mtime > stale or holder_gone(path):
                     _break_stale(path)
                     continue
             except OSError:
@@ -91,6 +94,33 @@ def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
         if held and _token(path) == token:   # (held past ``stale``, another process may have broken it)
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+def holder_gone(path: Path) -> bool:
+    """Whether the lock ``path`` was taken by a process on this machine that no longer runs (a lock
+    from another machine, or one that cannot be read, is not judged here)."""
+    parts = (_token(path) or b"").decode(errors="replace").split(" ", 2)
+    if len(parts) != 3 or parts[2] != platform.node() or not parts[1].isdigit():
+        return False
+    return not _alive(int(parts[1]))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (where that cannot be told, as on Windows without psutil: True)."""
+    try:
+        import psutil
+        return psutil.pid_exists(pid)
+    except ImportError:
+        pass
+    if os.name == "nt":    # (os.kill there terminates the process: never used to ask)
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:        # (another user's process: it runs)
+        return True
+    return True
 
 
 def _token(path: Path) -> bytes | None:

@@ -142,10 +142,19 @@ def test_clear_and_off(tiny_unet, folder, monkeypatch, tmp_path):
     monkeypatch.setenv(C.MODE_ENV, "off")
     off = _entry(tiny_unet(), folder)
     assert off.load() is False and "off" in "\n".join(off.lines())
+    # and what killed saves left, a lock whose holder is gone, inductor's own folder (the pack put it there)
+    import platform
+    (folder / "inductor" / "fxgraph").mkdir(parents=True)
+    (folder / "inductor" / "fxgraph" / "artifact").write_bytes(b"old")
+    (folder / f"{entry.key}.0123456789abcdef.bin.x.partial").write_bytes(b"part")
+    (folder / f"{entry.key}.lock").write_text(f"abc {_dead_pid()} {platform.node()}")
+    live = folder / "0ther.lock"
+    live.write_text(f"abc {os.getpid()} {platform.node()}")
     monkeypatch.setenv(C.MODE_ENV, "clear")
     monkeypatch.setattr(C.entry, "_cleared", [False])
     assert _entry(tiny_unet(), folder).load() is False
-    assert not any(folder.iterdir()), ("clear empties the folder once", list(folder.iterdir()))
+    assert list(folder.iterdir()) == [live], ("clear empties the folder once, but a live save's lock",
+                                              list(folder.iterdir()))
 
 
 # ---- two processes, real torch caches ------------------------------------------------------
@@ -669,3 +678,48 @@ def test_a_lock_is_removed_only_by_its_holder_and_a_fresh_one_is_never_broken(tm
     monkeypatch.setattr(files, "_token", token)
     files._break_stale(path)
     assert path.read_bytes() == b"fresh" and not list(tmp_path.glob("*.stale"))
+
+
+def _dead_pid() -> int:
+    """The pid of a process that has exited (a killed ComfyUI's)."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_a_lock_left_by_a_killed_process_is_broken_at_once(tmp_path):
+    """A ComfyUI killed while saving leaves its lock: the next save on this machine breaks it at once,
+    where before each save in the next two minutes waited its whole 30 s timeout. A live holder's lock
+    and another machine's are waited for as before."""
+    import platform
+    files = C.files
+    path = tmp_path / "k.lock"
+    path.write_bytes(f"abc {_dead_pid()} {platform.node()}".encode())
+    t0 = time.monotonic()
+    with files.lock(path, timeout=10) as held:
+        assert held and time.monotonic() - t0 < 2
+        assert path.read_bytes().split()[1:] == [str(os.getpid()).encode(), platform.node().encode()]
+    for holder in (f"abc {os.getpid()} {platform.node()}", f"abc {_dead_pid()} another-machine", "abc"):
+        path.write_bytes(holder.encode())
+        with files.lock(path, timeout=0.3) as held:
+            assert not held, holder
+        assert path.read_bytes() == holder.encode(), "not its lock: left as it was"
+
+
+def test_a_save_removes_what_killed_saves_left(tiny_unet, folder, monkeypatch):
+    """A process killed between writing its .bin and its .json, or mid-write, leaves files no .json
+    names: the next save of that entry removes them (a .partial once it is old enough that no save
+    still writes it); other entries' files stay."""
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    entry = _entry(tiny_unet(), folder)
+    orphan = folder / f"{entry.key}.0123456789abcdef.bin"
+    old_partial, fresh_partial = folder / f"{entry.key}.json.a.partial", folder / f"{entry.key}.json.b.partial"
+    other = folder / "0ther.0123456789abcdef.bin"
+    for p in (orphan, old_partial, fresh_partial, other):
+        p.write_bytes(b"left")
+    hour_ago = time.time() - 3600
+    os.utime(old_partial, (hour_ago, hour_ago))
+    entry.save()
+    meta = json.loads((folder / f"{entry.key}.json").read_text())
+    assert sorted(p.name for p in folder.iterdir()) == sorted([meta["bin"], f"{entry.key}.json", fresh_partial.name,
+                                                                other.name])
