@@ -77,10 +77,15 @@ def _compiler_facts() -> list:
 
 
 def isa_flags() -> list:
-    """The vector ISAs this CPU has, as inductor checks them (x86; [] elsewhere)."""
+    """The vector ISAs this CPU has: on x86 as inductor checks them; elsewhere (ARM: NEON, SVE and
+    its vector length, which inductor's ISA choice reads) the features torch's CPU info reports."""
     try:
-        from torch._inductor.cpu_vec_isa import x86_isa_checker
-        return sorted(x86_isa_checker()) if platform.machine() in ("x86_64", "AMD64") else []
+        if platform.machine() in ("x86_64", "AMD64"):
+            from torch._inductor.cpu_vec_isa import x86_isa_checker
+            return sorted(x86_isa_checker())
+        caps = torch.cpu.get_capabilities()
+        return sorted([k for k, v in caps.items() if v is True]
+                      + [f"{k}={v}" for k, v in caps.items() if "sve" in k and type(v) is int])
     except Exception:
         return ["unknown"]
 

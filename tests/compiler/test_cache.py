@@ -109,6 +109,24 @@ def test_a_good_entry_is_loaded_once_per_process(tiny_unet, folder, monkeypatch)
     assert _entry(tiny_unet(), folder).load() and len(handed) == 1, "loaded once per process"
 
 
+def test_arm_cpus_that_differ_in_sve_are_other_entries(monkeypatch):
+    """Inductor builds SVE code where torch's CPU info reports SVE (Graviton3) and NEON where it does
+    not (Graviton2, Apple): a folder two such machines share must not hand one the other's code."""
+    import platform
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    neon = {"asimd": True, "sve": False, "sve2": False, "bf16": False, "num_physical_cores": 2}
+    sve = {**neon, "sve": True, "bf16": True, "sve_max_length": 256}
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: neon)
+    first = C.cpu_isa.build_facts()
+    assert first["isa"] == ["asimd"], first
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**neon, "num_physical_cores": 64})
+    assert C.cpu_isa.build_facts() == first, "core counts are no ISA"
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: sve)
+    assert C.cpu_isa.build_facts()["isa"] == ["asimd", "bf16", "sve", "sve_max_length=256"]
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: {**sve, "sve_max_length": 128})
+    assert "sve_max_length=128" in C.cpu_isa.build_facts()["isa"]
+
+
 def test_entry_container_round_trip_and_merge():
     data = C.pack_entry(b"mega", {"b": [b"2"], "a": [b"1", b"11"]})
     assert C.unpack_entry(data) == (b"mega", {"a": [b"1", b"11"], "b": [b"2"]})
