@@ -180,6 +180,14 @@ class Precompiled:
         example value is 1 fails inductor's lowering of CPU flash attention (one token, the 64 px
         deepest level: a stride-order assertion, ~5 s of tracing lost); those variants specialise
         on 1 as before (and warmup's both-sides-small probe makes them)."""
+        with variants.collecting() as functions:
+            fn = self._traced(module, args, dynamic)
+        # (bound as traced: checked by identity at each call; the names read the body's module globals)
+        fn.global_functions = functions
+        fn.globals_module = (getattr(self.body, "__globals__", None) or {}).get("__name__")
+        return fn
+
+    def _traced(self, module, args, dynamic: bool):
         compiler = self._compiler(dynamic)
         # no duck sizing: sizes that only happen to be equal in the traced call (a weight's width and a
         # token count, RoPE's pair dim and the batch) would be one symbol and a guard of the variant

@@ -12,10 +12,13 @@ import contextlib
 import functools
 import hashlib
 import inspect
+import json
 import logging
+import re
 import sys
 import threading
 import time
+import types
 from collections import defaultdict
 
 import torch
@@ -90,8 +93,111 @@ def _probe_body(x):   # compiled by nothing: torch.compile only wraps it
 
 
 def guard_filter(entries):
+    """Which of a trace's guards a variant keeps (those that check values); the functions it found
+    at module globals, whose guards check identity and are dropped, go to :func:`collecting`'s list."""
+    found = getattr(_COLLECTING, "found", None)
+    if found is not None:
+        found += [(e.name, _plain(e.value)) for e in entries
+                  if e.is_global and e.guard_type in ("CLOSURE_MATCH", "FUNCTION_MATCH") and e.has_value
+                  and isinstance(e.value, types.FunctionType) and (e.name, _plain(e.value)) not in found]
     return [e.guard_type in _KEEP and not e.is_global and "__mro__" not in e.name and "type(" not in e.name
             for e in entries]
+
+
+_COLLECTING = threading.local()
+
+
+@contextlib.contextmanager
+def collecting():
+    """Inside the block this thread's traces record the functions they found at module globals
+    (guard name, :func:`_plain` of the function) into the list it yields."""
+    prev, _COLLECTING.found = getattr(_COLLECTING, "found", None), []
+    try:
+        yield _COLLECTING.found
+    finally:
+        _COLLECTING.found = prev
+
+
+#: a trace's guard source: ``G['name']`` then attributes (``.attr``) or items (``['key']``, ``[0]``)
+_ROOT = re.compile(r"^G\['([^']+)'\]")
+_STEP = re.compile(r"^(?:\.(\w+)|\['([^']+)'\]|\[(\d+)\])")
+_IMPORT = "__import_"
+
+
+def _resolve(name: str, g: dict):
+    """(container, attribute) where guard source ``name`` reads its value now, or None where it does
+    not resolve to an attribute: ``G['__import_a_dot_b']`` is module ``a.b``, other ``G`` names
+    are the variant's globals ``g``."""
+    m = _ROOT.match(name)
+    if m is None:
+        return None
+    root, rest = m.group(1), name[m.end():]
+    if root.startswith(_IMPORT):
+        obj = sys.modules.get(root[len(_IMPORT):].replace("_dot_", "."))
+    else:
+        obj = g.get(root, _MISSING)
+    if obj is None or obj is _MISSING:
+        return None
+    if not rest:
+        return None if root.startswith(_IMPORT) else (_Globals(g), root)
+    steps = []
+    while rest:
+        m = _STEP.match(rest)
+        if m is None or not m.group(1):     # (an item: not a binding another package sets)
+            return None
+        steps.append(m.group(1))
+        rest = rest[m.end():]
+    for attr in steps[:-1]:
+        obj = getattr(obj, attr, _MISSING)
+        if obj is _MISSING:
+            return None
+    return obj, steps[-1]
+
+
+_MISSING = object()
+
+
+class _Globals:
+    """A globals dict read as attributes (what ``getattr`` checks of a binding need)."""
+    __slots__ = ("_g",)
+
+    def __init__(self, g: dict):
+        self._g = g
+
+    def __getattr__(self, name):
+        try:
+            return self._g[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _bound(fn) -> bool:
+    """Whether each function ``fn`` found at a module global is still the one there (:func:`bind`)."""
+    for d, o, k, v in getattr(fn, "bindings", ()):
+        if (d.get(k, _MISSING) if d is not None else getattr(o, k, _MISSING)) is not v:
+            return False
+    return True
+
+
+def bind(fn, check: bool = False) -> tuple[list, str | None]:
+    """Where a variant's functions at module globals (``fn.global_functions``) are bound now:
+    (the module's dict or None, container, attribute, the function) each, which a call compares by
+    identity (:func:`_bound`); and, ``check``
+    (a variant from the compile cache), the first whose function there now is not the one it
+    traced (another package set its own at that name, or it is gone), or None."""
+    module = sys.modules.get(getattr(fn, "globals_module", None) or "")
+    g = vars(module) if module is not None else {}
+    out = []
+    for name, traced in getattr(fn, "global_functions", ()):
+        where = _resolve(name, g)
+        now = getattr(where[0], where[1], _MISSING) if where is not None else _MISSING
+        if check and (now is _MISSING or _plain(now) != traced):
+            return out, f"the function at {name}"
+        if now is not _MISSING:
+            o = where[0]
+            d = o._g if isinstance(o, _Globals) else vars(o) if isinstance(o, types.ModuleType) else None
+            out.append((d, o, where[1], now))
+    return out, None
 
 
 def _type_name(t: type) -> str:
@@ -243,7 +349,10 @@ class Variants:
             if key in self._unchecked:
                 self._unchecked.discard(key)
                 self._reload_if_other_state(key)
-            return self.live[key]
+            # (a variant runs the module-level functions it traced as they were: not while another is
+            # bound at one's name, as a node that patches a ComfyUI function leaves it)
+            live = self.live[key]
+            return live if all(map(_bound, live)) else [fn for fn in live if _bound(fn)]
 
     def _adopt(self, key: str, loaded: list, tls=None) -> None:
         for digest, fn in loaded:
@@ -308,7 +417,7 @@ class Variants:
 
     def add_compiled(self, key: str, fn, blob: bytes | None) -> None:
         with self.lock:
-            fn.from_cache = False
+            fn.from_cache, fn.bindings = False, bind(fn)[0]
             self.live[key].append(fn)
             self.compiled += 1
             if blob is not None:
@@ -321,9 +430,13 @@ class Variants:
 
 
 def serialize(fn) -> bytes:
-    """A variant's bytes: the pack's module name it was pickled under, a newline, torch's bytes."""
+    """A variant's bytes: the pack's module name it was pickled under, a newline, the functions it
+    found at module globals and the module whose globals its code reads, as JSON (:func:`collecting`),
+    a newline, torch's bytes."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
-    return PACKAGE.encode() + b"\n" + AOTCompiledFunction.serialize(fn).serialized_data
+    header = {"module": getattr(fn, "globals_module", None), "functions": getattr(fn, "global_functions", [])}
+    return (PACKAGE.encode() + b"\n" + json.dumps(header).encode() + b"\n"
+            + AOTCompiledFunction.serialize(fn).serialized_data)
 
 
 @contextlib.contextmanager
@@ -358,18 +471,23 @@ def _deserialize(blob: bytes):
     changed since (:func:`changed_source`)."""
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction
-        saved, _, data = blob.partition(b"\n")
+        saved, _, rest = blob.partition(b"\n")
+        functions, _, data = rest.partition(b"\n")
         with _DESERIALIZING, _aliases(saved.decode()):
             fn = AOTCompiledFunction.deserialize(data)
             changed = changed_source(fn)
+            if not changed:
+                header = json.loads(functions)
+                fn.globals_module, fn.global_functions = header["module"], header["functions"]
+                fn.bindings, changed = bind(fn, check=True)
     except Exception as e:
         log.warning("UNet Compiler: a precompiled region from the compile cache could not be loaded (%s); "
                     "it compiles again", error_summary(e))
         return None
     if changed:
         log.warning("UNet Compiler: a precompiled region from the compile cache was compiled from other code "
-                    "than this process runs (%s changed: ComfyUI or a package updated between its releases); "
-                    "it compiles again", changed)
+                    "than this process runs (%s changed: ComfyUI or a package updated between its releases, "
+                    "or another package set a function of its own there); it compiles again", changed)
         return None
     return fn
 

@@ -336,6 +336,54 @@ def test_fp8_flux_runs_compiled_with_comfyuis_cast(comfy):
     assert not patcher.accelerator_of(bg).failed, patcher.accelerator_of(bg).text()
 
 
+def test_a_comfyui_function_another_node_sets_is_traced_anew(comfy, monkeypatch):
+    """A node that sets a ComfyUI function of its own (``comfy.ldm.common_dit.rms_norm``, which
+    Flux's q/k norms call inside the double blocks) after the blocks compiled: the precompiled
+    variants that traced ComfyUI's keep no guard on it, so they are not served while it is there
+    (compiled again, == the model's own code), and serve again once ComfyUI's is back. Before, the
+    variants kept computing ComfyUI's (0.2 off). The same at a restart: a variant from the compile
+    cache that traced a function its module no longer binds is compiled again."""
+    import comfy.ldm.common_dit as common_dit
+    from unet_compiler.compiler.lifecycle import variants as V
+    store = V.Variants()
+    monkeypatch.setattr(process_scheduler(), "variants", store)
+    mp = F.build_dit(F.DIT_FAMILIES[FLUX])
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", dynamic_shapes=False))
+    accel = patcher.accelerator_of(cm)
+
+    def both():
+        out = F.dit_apply(cm, 1, 8, 8, seed=3)
+        with accel.bypass():
+            own = F.dit_apply(cm, 1, 8, 8, seed=3)
+        return out, own
+    before, own = both()
+    _close(before, own)
+    compiled = store.compiled
+    blobs = store.serialized()
+    comfys = common_dit.rms_norm
+    monkeypatch.setattr(common_dit, "rms_norm", lambda x, weight=None, eps=1e-6: comfys(x, weight, eps=0.5))
+    out, own = both()
+    _close(out, own)
+    assert (own - before).abs().max() > 1e-2, "the node's function changes the image"
+    assert store.compiled > compiled, "the variants that traced ComfyUI's rms_norm were compiled again"
+    restarted = V.Variants()        # a restart with the node's function set at import
+    for key, items in blobs.items():
+        for b in items:
+            restarted.add_serialized(key, b)
+    monkeypatch.setattr(process_scheduler(), "variants", restarted)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", dynamic_shapes=False))
+    accel = patcher.accelerator_of(cm)
+    _close(*both())
+    assert restarted.unusable > 0 and restarted.compiled == restarted.unusable, vars(restarted)
+    monkeypatch.setattr(common_dit, "rms_norm", comfys)     # ComfyUI's back: the first variants serve again
+    monkeypatch.setattr(process_scheduler(), "variants", store)
+    cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", dynamic_shapes=False))
+    accel = patcher.accelerator_of(cm)
+    again = store.compiled
+    _close(*both())
+    assert store.compiled == again
+
+
 def test_an_image_model_refuses_video_frames_before_work(compiled_flux):
     from unet_compiler.compiler.shapes import ShapeError
     _, cm, _, _ = compiled_flux
