@@ -263,17 +263,26 @@ def compile_model(model, config: CompileConfig | None, node_id=None) -> tuple:
     m = model.clone()
     unet = m.get_model_object("diffusion_model")
     accel = Accelerator(unet, config, device=m.load_device)
-    hooks_epoch = [0]
+    hooks_epoch, hooked = [0], [False]
 
     def on_apply_hooks(patcher, hooks=None):
-        # scheduled LoRA hooks rewrite weights in place between steps; a prompt's cleanup puts them
-        # back in place (copy_to_param: no version counter moves) without applying hooks
+        # scheduled LoRA hooks rewrite weights in place between steps (copy_to_param: no version
+        # counter moves)
         hooks_epoch[0] += 1
+        hooked[0] = True
+
+    def on_cleanup(patcher):
+        # a prompt's cleanup puts hooked weights back in place without applying hooks; a prompt that
+        # applied none leaves them (every prompt's cleanup re-packed every conv weight: 3-5 s for SD1.5
+        # on a CPU)
+        if hooked[0]:
+            hooks_epoch[0] += 1
+            hooked[0] = False
 
     copies = DeviceCopies(accel)
     m.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, KEY)
     m.add_wrapper_with_key(WrappersMP.APPLY_MODEL, KEY, _apply_model_wrapper(accel, hooks_epoch, copies))
-    callbacks = [(CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), (CallbacksMP.ON_CLEANUP, on_apply_hooks),
+    callbacks = [(CallbacksMP.ON_APPLY_HOOKS, on_apply_hooks), (CallbacksMP.ON_CLEANUP, on_cleanup),
                  *_graph_release(copies), *_copy_callbacks(CallbacksMP, copies)]
     for event in {event for event, _ in callbacks}:       # (an event may take several)
         m.remove_callbacks_with_key(event, KEY)
