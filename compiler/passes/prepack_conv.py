@@ -99,10 +99,18 @@ def _pair(v) -> list[int]:
 
 
 def check(x: torch.Tensor, weight: torch.Tensor, padding) -> bool:
-    """False (never raises) when the packed path does not apply."""
+    """False (never raises) when the packed path does not apply: also under CPU autocast, where the
+    conv runs in autocast's dtype (the packed op has no autocast rule: it would compute in fp32)."""
     return (mkldnn_conv_available() and x.device.type == "cpu" and weight.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 4 and x.dim() == 4 and not isinstance(padding, str))
+            and weight.dim() == 4 and x.dim() == 4 and not isinstance(padding, str) and not _cpu_autocast())
+
+
+def _cpu_autocast() -> bool:
+    try:
+        return torch.is_autocast_enabled("cpu")
+    except TypeError:   # (torch < 2.4: no per-device query)
+        return torch.is_autocast_cpu_enabled()
 
 
 # ---- eager replacement for an nn.Conv2d outside any compiled region ---------

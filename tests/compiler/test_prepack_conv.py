@@ -125,3 +125,35 @@ def test_a_priming_call_keeps_the_copy_packed_for_another_size():
         out = conv(small)
     assert PC.stats["packs"] == packs + 2
     torch.testing.assert_close(out, F.conv2d(small, w, b, padding=1), rtol=1e-4, atol=1e-4)
+
+
+def test_under_cpu_autocast_a_conv_runs_in_autocasts_dtype():
+    """Under ``torch.autocast("cpu", bfloat16)`` (the pack's own bf16/fp16 precision, or the caller's)
+    a conv runs as the model's own does, in bf16: the packed op has no autocast rule and computed in
+    fp32 (a compiled UNet came back fp32, its resblocks 2e-2 off the model's own)."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(8, 16, 3, padding=1)
+    x = torch.randn(2, 8, 8, 8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        own = conv(x)
+        assert not PC.check(x, conv.weight, conv.padding)
+        assert torch.equal(PC.conv_module_forward(conv, x), own)
+        with PC.PackedConvs():
+            assert torch.equal(conv(x), own)
+    assert own.dtype == torch.bfloat16
+
+
+def test_a_compiled_unet_under_cpu_autocast_is_the_models_own(tiny_unet):
+    """The same through a compiled UNet: its convs (packed in the FX graph, or eager) in bf16."""
+    from unet_compiler.compiler import api
+    unet = tiny_unet()
+    api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    g = torch.Generator().manual_seed(1)
+    args = torch.randn(1, 4, 8, 8, generator=g), torch.tensor([10.0]), torch.randn(1, 6, 32, generator=g)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = unet(*args).sample
+        with api.accelerator_of(unet).bypass():
+            own = unet(*args).sample
+    assert out.dtype == own.dtype == torch.bfloat16
+    # (bf16 rounding in another order: 1.6 % of the largest value, the gate's bf16 tolerance is 10 %)
+    torch.testing.assert_close(out, own, rtol=0, atol=0.025 * own.abs().max().item())
