@@ -49,6 +49,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import graphs
+from .compat.comfy import class_name
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +440,10 @@ class Overrides:
         self._base = [self._bases.setdefault(id(m), frozenset(m.__dict__)) for _, m in self._around]
         self._lens = [_len_within(m.__dict__, b) for (_, m), b in zip(self._around, self._base, strict=True)]
         self._around_dicts = [m.__dict__ for _, m in self._around]
+        # the class of each region module and each module around them, as planned (a ``__class__`` set
+        # since, as tomesd and HiDiffusion patch blocks, runs that class's code)
+        self._typed = [m for m, _, _ in self._regions] + [m for _, m in self._around]
+        self._types = list(map(type, self._typed))
         graphs.track([root, *(m for _, m in named)])
         graphs.track(m for _, _, m in self._inside)
         self._build_classes(root, [m for _, m in named])
@@ -643,7 +648,8 @@ class Overrides:
                 or any(map(operator.contains, self._forward_dicts, itertools.repeat("forward")))
                 or any(map(operator.contains, self._own_dicts, self._own_hooks))
                 or list(map(len, self._around_dicts)) != self._lens
-                or list(map(type, map(getattr, self._procs, itertools.repeat("processor")))) != self._proc_types):
+                or list(map(type, map(getattr, self._procs, itertools.repeat("processor")))) != self._proc_types
+                or list(map(type, self._typed)) != self._types):
             return None
         return self._find(root)
 
@@ -662,6 +668,14 @@ class Overrides:
             fn = module.__dict__.get(hook)
             if fn is not None and not getattr(fn, OWN, False) and not _leftover(module, hook):
                 found.regions.setdefault(module, f"{path}: another node set its {hook}")
+        for i, (m, planned) in enumerate(zip(self._typed, self._types, strict=True)):
+            now = type(m)
+            if now is not planned:
+                what = f"another node set its class to {class_name(now)}"
+                if i < len(self._regions):
+                    found.regions.setdefault(m, f"{self._regions[i][2]}: {what}")
+                else:
+                    found.around = found.around or f"{self._around[i - len(self._regions)][0]}: {what}"
         paths = {id(m): path for m, _, path in self._regions}
         for i, (m, planned) in enumerate(zip(self._procs, self._proc_types, strict=True)):
             now = type(getattr(m, "processor", None))

@@ -87,6 +87,35 @@ def test_code_set_around_the_regions_is_never_frozen_in_one_graph(tiny_unet, str
     assert "another node's code set on the model's modules runs inside the call x6" in text, text
 
 
+def test_a_class_set_on_a_module_after_compiling_runs(tiny_unet, strict_graph_standin):
+    """tomesd and HiDiffusion patch a model by setting ``module.__class__`` to a subclass of their own:
+    on a region module (a resnet) its body ran the class it was planned with (0.55 off), and on a
+    block around the regions one graph per UNet call froze it. Now the region runs the model's own
+    code, the call goes region by region, each said; with the classes back, compiled and one graph."""
+    u, ref = tiny_unet(), tiny_unet()
+    accel = _diffusers(u, strict_graph_standin())
+    _close(_sample(u, 0), _sample(ref, 0))
+    for m in (u, ref):
+        for mod, scale in ((m.down_blocks[0].resnets[0], 0.5), (m.down_blocks[0].attentions[0].transformer_blocks[0], 2.0)):
+            planned = type(mod)
+            mod.__class__ = type("Patched" + planned.__name__, (planned,), {
+                "forward": lambda self, *a, planned=planned, scale=scale, **k: planned.forward(self, *a, **k) * scale})
+    for s in range(1, 4):
+        _close(_sample(u, s), _sample(ref, s))
+    text = accel.text()
+    assert "down_blocks.0.resnets.0: another node set its class to " in text and "PatchedResnetBlock2D" in text, text
+    assert "transformer_blocks.0: another node set its class to " in text, text
+    assert accel.stats["region_eager_overridden"] == 3
+    captured = accel.call_graphs.graphs.stats["captured"]
+    for m in (u, ref):
+        for mod in (m.down_blocks[0].resnets[0], m.down_blocks[0].attentions[0].transformer_blocks[0]):
+            mod.__class__ = type(mod).__mro__[1]
+    for s in range(4, 8):
+        _close(_sample(u, s), _sample(ref, s))
+    assert accel.stats["region_eager_overridden"] == 3
+    assert accel.call_graphs.graphs.stats["captured"] >= captured
+
+
 def test_a_hook_inside_a_region_runs(tiny_unet, strict_graph_standin):
     """A forward hook on a module inside a region (its body does not call that module): it runs, and
     changes the output as it does on the model's own code."""
