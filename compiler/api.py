@@ -181,7 +181,8 @@ def compile_unet(module: torch.nn.Module, backend: str = "auto", **options) -> t
     """Accelerate a diffusers ``UNet2DConditionModel`` (or ComfyUI ``UNetModel``)
     in place and return it. Options are :class:`CompileConfig` fields
     (``precision``, ``dynamic_shapes``, ``prepack_conv``). Nothing compiles
-    until the first call (or :func:`warmup`). Undo with :func:`uncompile_unet`.
+    until the first call (or :func:`warmup`). Inference only: the parameters'
+    ``requires_grad`` is off while compiled. Undo with :func:`uncompile_unet`.
     A ComfyUI diffusion transformer is refused (ValueError, before any work): its conditioning
     is its ComfyUI model's to build, so it compiles and warms through its ModelPatcher.
     """
@@ -223,9 +224,14 @@ _BEFORE = "_unet_compiler_old_forward"
 
 def uncompile_unet(module: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`compile_unet`: the module's own forward again, an accelerate hook added before or
-    after compiling kept (it calls the module's own forward)."""
+    after compiling kept (it calls the module's own forward), and ``requires_grad`` back on the
+    parameters compiling turned it off for (they are inference-only while compiled)."""
     d = module.__dict__
-    d.pop(_ATTR, None)
+    accel = d.pop(_ATTR, None)
+    for ref in getattr(accel, "froze", ()):
+        p = ref()
+        if p is not None:
+            p.requires_grad_(True)
     before = d.pop(_BEFORE, None)
     if isinstance(d.get("forward"), _Forward):
         del d["forward"]

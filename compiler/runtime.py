@@ -78,6 +78,8 @@ class Accelerator:
         # Inference only, and dynamo guards every weight's requires_grad: ComfyUI's weight patches
         # (a LoRA, its strength, its removal) put each weight back as a new Parameter(requires_grad=
         # False), so a weight still True at warmup compiled every region again at the first LoRA.
+        #: the parameters turned off here, given back by ``api.uncompile_unet`` (a LoRA to train)
+        self.froze = [weakref.ref(p) for p in unet.parameters() if p.requires_grad]
         for p in unet.parameters():
             if p.requires_grad:
                 p.requires_grad_(False)

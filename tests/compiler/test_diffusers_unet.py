@@ -439,3 +439,18 @@ def test_two_threads_on_a_fresh_copy_share_one_compile(make_unet, monkeypatch):
     for t in threads:
         t.join()
     assert not errors and len(got) == 2 and got[0] is got[1] is c.__dict__["_unet_compiler"]
+
+
+def test_uncompile_gives_requires_grad_back(tiny_unet):
+    """Compiling turns ``requires_grad`` off (inference only: dynamo guards it, and ComfyUI's weight
+    patches put weights back without it); ``uncompile_unet`` turns it on again where it was on, so a
+    LoRA added to train, then compiled and uncompiled, trains (before: every parameter stayed off)."""
+    from unet_compiler.compiler import uncompile_unet
+    u = tiny_unet()
+    frozen = u.conv_in.weight
+    frozen.requires_grad_(False)
+    before = {n for n, p in u.named_parameters() if p.requires_grad}
+    compile_unet(u, "inductor")
+    assert not any(p.requires_grad for p in u.parameters())
+    uncompile_unet(u)
+    assert {n for n, p in u.named_parameters() if p.requires_grad} == before and not frozen.requires_grad
