@@ -24,7 +24,7 @@ TICK_SECONDS = 1.0
 
 
 # ---- transport ----------------------------------------------------------------
-def _server():
+def server():
     """ComfyUI's running PromptServer, or None. Never imports anything: inside
     ComfyUI, main.py has imported ``server`` long before any node runs."""
     mod = sys.modules.get("server")
@@ -36,7 +36,7 @@ def send(event: str, data: dict) -> None:
     """Send a custom event to the client that queued the prompt (all clients
     when it has none). No-op without a server. Run-time events (``fallback``,
     ``recompile``) are also kept for the running prompt's ``/history``."""
-    srv = _server()
+    srv = server()
     if srv is None:
         return
     try:
@@ -50,7 +50,7 @@ def send(event: str, data: dict) -> None:
 def prompts_pending() -> bool:
     """Whether ComfyUI's queue has a prompt queued or running (False without a server): a CPU
     model's background compile waits while it has (the scheduler's activity: ``watch_the_queue``)."""
-    queue = getattr(_server(), "prompt_queue", None)
+    queue = getattr(server(), "prompt_queue", None)
     remaining = getattr(queue, "get_tasks_remaining", None)
     return bool(remaining()) if remaining is not None else False
 
@@ -113,7 +113,7 @@ def _hook_task_done(queue) -> bool:
 def progress_text(text: str, node_id) -> None:
     """Live text under the node (ComfyUI's progress-text preview). No-op
     without a server or a node id."""
-    srv = _server()
+    srv = server()
     if srv is None or node_id is None:
         return
     try:
@@ -248,7 +248,7 @@ class WarmupFeedback:
         text = f"{self.accel.backend.name}: {verb} {self.total} shape(s): {', '.join(labels)}"
         self._send("start", text, state="compiling", shapes=labels)
         log.info("UNet Compiler: Warmup Shapes%s: %s", _where(self.node_id), text)
-        if _server() is not None and self.node_id is not None:
+        if server() is not None and self.node_id is not None:
             self._thread = threading.Thread(target=self._tick, name="unet-compiler-warmup-ticker", daemon=True)
             self._thread.start()
 

@@ -1,10 +1,14 @@
 """V3 nodes (ComfyUI >= 0.3.48): the schemas built from nodes/spec.py, and execute."""
 from __future__ import annotations
 
+import logging
+
 from comfy_api.latest import ComfyExtension, io, ui
 
 from ..compiler.api import CompileConfig, ShapeError, validate_shapes_input
-from . import patcher, spec
+from . import feedback, patcher, spec
+
+log = logging.getLogger(__name__)
 
 UnetBackend = io.Custom("UNET_BACKEND")
 _TYPES = {"COMBO": io.Combo, "BOOLEAN": io.Boolean, "STRING": io.String, "INT": io.Int, "MODEL": io.Model,
@@ -87,7 +91,38 @@ class WarmupShapes(io.ComfyNode):
 
 class UNetCompilerExtension(ComfyExtension):
     async def get_node_list(self):
+        # (ComfyUI 0.8.0 calls this as it loads the pack, with its PromptServer made; not on_load)
+        server = feedback.server()
+        if server is not None and text_booleans not in getattr(server, "on_prompt_handlers", ()):
+            server.add_on_prompt_handler(text_booleans)
         return [SelectBackend, CompileUNet, WarmupShapes]
+
+
+_TRUE, _FALSE = frozenset({"true", "on", "yes", "1"}), frozenset({"false", "off", "no", "0"})
+#: {node id: its BOOLEAN inputs}
+_BOOLEANS = {n.node_id: frozenset(i.name for i in n.inputs if i.type == "BOOLEAN") for n in spec.NODES}
+
+
+def text_booleans(json_data: dict) -> dict:
+    """ComfyUI's ``/prompt`` handler hook, before validation: a BOOLEAN input of the pack's nodes sent
+    as text ("false", "off", "0" in a hand-written API prompt) is read as the word says. ComfyUI's
+    own conversion is ``bool(value)``, which turns any text, "false" too, on. Other text is left to
+    it, with a log line naming the node, the input and the fix."""
+    prompt = json_data.get("prompt") if isinstance(json_data, dict) else None
+    for node_id, node in (prompt.items() if isinstance(prompt, dict) else ()):
+        names = _BOOLEANS.get(node.get("class_type")) if isinstance(node, dict) else None
+        inputs = node.get("inputs") if names else None
+        for name in names if isinstance(inputs, dict) else ():
+            value = inputs.get(name)
+            if not isinstance(value, str):
+                continue
+            word = value.strip().lower()
+            if word in _TRUE or word in _FALSE:
+                inputs[name] = word in _TRUE
+            else:
+                log.warning("UNet Compiler: node %s (%s) input %s is the text %r, which ComfyUI reads as true. "
+                            "Fix: send true or false", node_id, node.get("class_type"), name, value[:40])
+    return json_data
 
 
 async def comfy_entrypoint() -> UNetCompilerExtension:

@@ -398,3 +398,13 @@ def test_server_alive_and_the_next_valid_prompt_gives_the_eager_latent(comfy_ser
     after = the_latent(comfy_server, entry)
     assert after.shape == (1, 4, 8, 8)
     assert relative_l2(after, eager_before) <= MAX_EAGER_RERUN_REL_L2
+
+
+def test_a_boolean_sent_as_text_reads_as_the_word_says(comfy_server, sd15_checkpoint, tiny_models):
+    """``"dynamic_shapes": "false"`` in a hand-written API prompt: ComfyUI's own conversion (``bool``)
+    reads any text as true; the pack's /prompt handler, registered as the pack loads, reads it false."""
+    p = tiny_prompt(sd15_checkpoint.name, tiny_models["one_level"], "text_boolean", pack=True)
+    p[SELECT]["inputs"]["dynamic_shapes"] = "false"
+    entry, _ = _ran(comfy_server, p)
+    compiled = _text(entry, COMPILE)
+    assert "dynamic shapes off" in compiled, compiled
