@@ -22,7 +22,7 @@ from collections import Counter
 import torch
 
 from . import cast, graphs, settings, shims, weights
-from .lifecycle import background, pacing, worker
+from .lifecycle import background, pacing, variants, worker
 from .lifecycle.ledger import Ledger
 from .lifecycle.scheduler import Scheduler, process_scheduler
 from .plan import build_plan, served_processors
@@ -141,6 +141,10 @@ class Accelerator:
         self._autocast = self.config.autocast_dtype(self.model_dtype, rep.note)
         #: the persistent compile cache entry of this model and setup (loaded now, before anything compiles)
         self.cache = CompileCache(unet, self.config, device, self.scheduler) if self.backend.name != "eager" else None
+        #: the precompiled variant keys this model's calls met: its compile cache entry's share of them
+        self.variant_keys: set[str] = set()
+        if self.cache is not None:
+            self.cache.met = self.variant_keys
         #: what compiled for this model, counted into ``stats`` (calls, the compile thread's runs)
         self.ledger = Ledger(self.stats, self.recompiles, self.cache, self.backend.compile_count, self.scheduler)
         if self.cache is not None and self.cache.load() and not pacing.waits_for_idle(self.device_type):
@@ -477,6 +481,7 @@ class Accelerator:
                 stack.enter_context(cm)
             if self.background is not None:
                 stack.enter_context(worker.queueing(self.background.owner))
+            stack.enter_context(variants.meeting(self.variant_keys))
             if self._autocast is not None:
                 # the load device's autocast: under Dynamic VRAM the parameters stay on the CPU
                 dev = self.device_type

@@ -139,6 +139,9 @@ class CompileCache:
         #: max |compiled - eager| per shape label, measured by a warmup that compiled the entry's code
         #: (read from its .json at a load from disk, added to by this model's warmup)
         self.compares: dict[str, dict] = {}
+        #: the variant keys this model's calls met (its accelerator's: None, every variant of the
+        #: process): what a save writes besides what the entry holds
+        self.met: set | None = None
         self._dirty = False    # compiled code the entry does not hold yet
         self._defer = False    # inside ``one_save``
 
@@ -279,7 +282,7 @@ class CompileCache:
             self.problem = f"torch could not serialize its caches ({error_summary(e)})"
             log.warning("UNet Compiler: compile cache: %s", self.problem)
             return
-        compiled = self.scheduler.variants.serialized()
+        compiled = self.scheduler.variants.serialized(self.met)
         if (not got or not got[0]) and not compiled:
             return
         try:

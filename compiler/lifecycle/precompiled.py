@@ -101,6 +101,7 @@ class Precompiled:
                 # function called while the thread traces raises: FX's tracing flag is process-wide)
                 return self.uncompiled(module, *args)
             return self.fallback(module, *args)
+        variants.met(key)       # (this model's entry saves the variants its calls met)
         owner = worker.current_owner()
         if (owner is not None or thread.active) and pacing.waits_for_idle(_device_type(args)) \
                 and registry.waiting(key):

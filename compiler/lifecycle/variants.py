@@ -9,6 +9,7 @@ is on. How keys, guards and the dynamic policy work: DEVELOPERS.md, "Precompiled
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import inspect
@@ -105,6 +106,25 @@ def guard_filter(entries):
 
 
 _COLLECTING = threading.local()
+#: the variant keys the running UNet call's regions met (its accelerator's set: :func:`meeting`)
+_MEETING: contextvars.ContextVar = contextvars.ContextVar("unet_compiler_variant_keys", default=None)
+
+
+@contextlib.contextmanager
+def meeting(keys: set):
+    """Inside the block (one model's UNet call) each variant key its regions look up goes to ``keys``:
+    what that model's compile cache entry saves of the process's variants."""
+    token = _MEETING.set(keys)
+    try:
+        yield
+    finally:
+        _MEETING.reset(token)
+
+
+def met(key: str) -> None:
+    keys = _MEETING.get()
+    if keys is not None:
+        keys.add(key)
 
 
 @contextlib.contextmanager
@@ -423,10 +443,11 @@ class Variants:
             if blob is not None:
                 self.blobs[key][hashlib.sha256(blob).hexdigest()] = blob
 
-    def serialized(self) -> dict[str, list[bytes]]:
-        """{key: [variant bytes]} of everything this process compiled or loaded (what a save writes)."""
+    def serialized(self, keys: set | None = None) -> dict[str, list[bytes]]:
+        """{key: [variant bytes]} of everything this process compiled or loaded (what a save writes),
+        of ``keys`` only where given (the variants one model met: another model's are not its entry's)."""
         with self.lock:
-            return {k: list(v.values()) for k, v in self.blobs.items() if v}
+            return {k: list(v.values()) for k, v in self.blobs.items() if v and (keys is None or k in keys)}
 
 
 def serialize(fn) -> bytes:

@@ -741,3 +741,32 @@ def test_a_save_removes_what_killed_saves_left(tiny_unet, folder, monkeypatch):
     meta = json.loads((folder / f"{entry.key}.json").read_text())
     assert sorted(p.name for p in folder.iterdir()) == sorted([meta["bin"], f"{entry.key}.json", fresh_partial.name,
                                                                 other.name])
+
+
+def test_an_entry_holds_only_its_models_variants(tiny_unet, folder, monkeypatch):
+    """Two models of other architectures compiled in one process: each one's compile cache entry holds
+    the precompiled variants its own calls met, not the other's (before: every variant of the process
+    went into every entry saved after it, and a restart loaded and preloaded the other model's code)."""
+    from unet_compiler.compiler import api
+    store = variants.Variants()
+    monkeypatch.setattr(process_scheduler(), "variants", store)
+    first, second = tiny_unet(), tiny_unet(cross_attention_dim=48)
+    for unet in (first, second):
+        api.compile_unet(unet, "inductor", dynamic_shapes=False)
+    g = torch.Generator().manual_seed(0)
+
+    def call(unet, width, side):
+        with torch.inference_mode():
+            unet(torch.randn(1, 4, side, side, generator=g), torch.tensor([10.0]), torch.randn(1, 6, width, generator=g))
+
+    def held(unet):
+        key = api.accelerator_of(unet).cache.key
+        meta = json.loads((folder / f"{key}.json").read_text())
+        return set(C.unpack_entry((folder / meta["bin"]).read_bytes())[1])
+    call(first, 32, 8)
+    before = set(store.blobs)
+    call(second, 48, 8)
+    only_second = set(store.blobs) - before      # (its attention's width: the other blocks serve both)
+    call(first, 32, 12)                          # the first saves again, after the second's code exists
+    assert only_second and not held(first) & only_second, sorted(held(first) & only_second)
+    assert held(second) <= before | only_second and only_second <= held(second)
