@@ -33,6 +33,8 @@ SETTINGS = {s.name: s for s in (
                            "compile of the process)", ("on", "off", "clear")),
     Setting("CACHE_DIR", "", "the compile cache's folder (default: ComfyUI's user/unet_compiler/compile_cache, "
                              "else ~/.cache/unet_compiler/compile_cache); a read-only folder is read, never written"),
+    Setting("CACHE_DAYS", "30", "a compile cache entry no process loaded or saved for this many days is removed "
+                                "at the next save into the folder (0: never)"),
     Setting("COMPARE", "recorded", "always: every warmup runs the eager reference, also where the cache holds "
                                    "the compare recorded when its code compiled", ("recorded", "always")),
     Setting("PRECOMPILE", "on", "off: regions compile with plain torch.compile instead of precompiled, "

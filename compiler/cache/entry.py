@@ -13,6 +13,8 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
+import re
 import shutil
 import time
 from pathlib import Path
@@ -32,6 +34,8 @@ MODE_ENV = settings.env("CACHE")
 #: a save's temporary file older than this is a leftover of a process killed mid-write (a save
 #: writes its entry in seconds)
 LEFT_PARTIAL_SECONDS = 600
+#: an entry's key (``key.key_of``): the .json files eviction may remove
+_KEY = re.compile(r"^[0-9a-f]{32}$")
 _MAGIC = b"UNET-COMPILER-ENTRY-2\n"
 _loaded: set = set()       # keys loaded into this process's torch caches
 _cleared = [False]
@@ -139,6 +143,8 @@ class CompileCache:
         #: max |compiled - eager| per shape label, measured by a warmup that compiled the entry's code
         #: (read from its .json at a load from disk, added to by this model's warmup)
         self.compares: dict[str, dict] = {}
+        #: (entries, bytes) this model's saves removed from the folder, unused for ``CACHE_DAYS`` days
+        self.evicted = (0, 0)
         #: the variant keys this model's calls met (its accelerator's: None, every variant of the
         #: process): what a save writes besides what the entry holds
         self.met: set | None = None
@@ -250,6 +256,8 @@ class CompileCache:
             self.state = f"miss (torch could not load the entry: {type(e).__name__}; rebuilt)"
             return False
         _loaded.add(self.key)
+        with contextlib.suppress(OSError):      # used now: kept from eviction (a read-only folder: as is)
+            os.utime(self.folder / f"{self.key}.json")
         self._entry = data
         self.primed.update(_labels(self._meta))
         self.compares.update(_compares(self._meta))
@@ -356,7 +364,36 @@ class CompileCache:
                 stale.unlink(missing_ok=True)
             except OSError:   # Windows: another process has it open; the next save removes it
                 pass
+        if held:
+            self._evict()
         return data
+
+    def _evict(self) -> None:
+        """Remove the other entries in the folder no process loaded or saved for ``CACHE_DAYS`` days
+        (each under its own lock, taken without waiting: one in use is left): every update of torch,
+        ComfyUI or the pack, and every other setup, starts an entry of its own."""
+        try:
+            days = float(settings.value("CACHE_DAYS"))
+        except ValueError:
+            days = float(settings.SETTINGS["CACHE_DAYS"].default)
+        if days <= 0:
+            return
+        cutoff = time.time() - days * 86400
+        for meta in self.folder.glob("*.json"):
+            key = meta.stem
+            if key == self.key or not _KEY.match(key):
+                continue
+            with contextlib.suppress(OSError), files.lock(self.folder / f"{key}.lock", timeout=0) as held:
+                if not held or meta.stat().st_mtime > cutoff:
+                    continue
+                parts = [meta, *self.folder.glob(f"{key}.*.bin"), self.folder / f"{key}.bin"]
+                size = sum(p.stat().st_size for p in parts if p.is_file())
+                for p in parts:       # (the .json first: without it the entry is gone for readers)
+                    p.unlink(missing_ok=True)
+                self.evicted = (self.evicted[0] + 1, self.evicted[1] + size)
+        if self.evicted[0]:
+            log.info("UNet Compiler: compile cache: removed %d entr(ies) unused for %g days (%.1f MiB) from %s",
+                     self.evicted[0], days, self.evicted[1] / 2**20, self.folder)
 
     def _current_entry(self) -> bytes | None:
         """The entry on disk if it is intact (another worker may have added to it), else what this
@@ -423,6 +460,10 @@ class CompileCache:
                + ("; inductor's CPU ISA probe replayed from its record" if cpu_isa.counts()["replayed"] else "")]
         if self.saved_mib is not None:
             out.append(f"  compile cache: saved {self.saved_mib:.1f} MiB as entry {self.key[:12]}")
+        if self.evicted[0]:
+            out.append(f"  compile cache: removed {self.evicted[0]} entr(ies) no process used for "
+                       f"{settings.value('CACHE_DAYS')} days ({self.evicted[1] / 2**20:.1f} MiB; "
+                       f"{settings.env('CACHE_DAYS')})")
         if self.problem or self.failed_save:
             out.append(f"  compile cache: not saved: {self.problem or self.failed_save}")
         return out

@@ -770,3 +770,45 @@ def test_an_entry_holds_only_its_models_variants(tiny_unet, folder, monkeypatch)
     call(first, 32, 12)                          # the first saves again, after the second's code exists
     assert only_second and not held(first) & only_second, sorted(held(first) & only_second)
     assert held(second) <= before | only_second and only_second <= held(second)
+
+
+def test_entries_unused_for_days_are_removed_at_a_save(tiny_unet, folder, monkeypatch):
+    """Every torch, ComfyUI or pack update (and every other setup) starts an entry of its own, and
+    none was ever removed (a reviewer: three ComfyUI versions, three entries). A save removes the
+    other entries no process loaded or saved for ``UNET_COMPILER_CACHE_DAYS`` days (30), each under
+    its lock taken without waiting; a load marks its entry used; 0 keeps everything."""
+    import platform
+    folder.mkdir(parents=True)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
+    old = time.time() - 40 * 86400
+
+    def entry(key, age=old, locked=False):
+        (folder / f"{key}.json").write_text("{}")
+        (folder / f"{key}.0123456789abcdef.bin").write_bytes(b"x" * 1024)
+        for p in folder.glob(f"{key}.*"):
+            os.utime(p, (age, age))
+        if locked:
+            (folder / f"{key}.lock").write_text(f"abc {os.getpid()} {platform.node()}")
+    stale, fresh, busy = "a" * 32, "b" * 32, "c" * 32
+    entry(stale)
+    entry(fresh, age=time.time() - 86400)
+    entry(busy, locked=True)
+    (folder / "notes.json").write_text("{}")
+    os.utime(folder / "notes.json", (old, old))
+    monkeypatch.setenv(C.entry.settings.env("CACHE_DAYS"), "0")
+    keep = _entry(tiny_unet(), folder)
+    keep.save()
+    assert (folder / f"{stale}.json").exists() and keep.evicted == (0, 0)
+    monkeypatch.delenv(C.entry.settings.env("CACHE_DAYS"))
+    e = _entry(tiny_unet(seed=1), folder)
+    e._dirty = True
+    e.save()
+    names = {p.name for p in folder.iterdir()}
+    assert not any(n.startswith(stale) for n in names), sorted(names)
+    assert {f"{fresh}.json", f"{busy}.json", f"{busy}.lock", "notes.json", f"{e.key}.json"} <= names
+    assert e.evicted == (1, 1026) and "removed 1 entr(ies) no process used for 30 days" in "\n".join(e.lines())
+    json_path = folder / f"{e.key}.json"
+    os.utime(json_path, (old, old))
+    monkeypatch.setattr(C.entry, "_loaded", set())
+    monkeypatch.setattr(C.megacache, "load", lambda data: None)
+    assert _entry(tiny_unet(), folder).load() and json_path.stat().st_mtime > old + 86400, "a load marks it used"
