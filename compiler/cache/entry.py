@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 
 DIR_ENV = settings.env("CACHE_DIR")
 MODE_ENV = settings.env("CACHE")
-#: a save's temporary file older than this is a leftover of a process killed mid-write (a save
-#: writes its entry in seconds)
+#: a save's temporary file or an entry file no .json names, older than this, is a leftover of a
+#: process killed mid-save (a save writes and commits its entry in seconds)
 LEFT_PARTIAL_SECONDS = 600
 #: an entry's key (``key.key_of``): the .json files eviction may remove
 _KEY = re.compile(r"^[0-9a-f]{32}$")
@@ -94,14 +94,16 @@ def unpack_entry(data: bytes | None) -> tuple[bytes | None, dict[str, list[bytes
     return mega or None, by_key
 
 
-def merge_variants(old: dict, new: dict) -> dict:
-    """Every variant of both, each once (by its bytes' sha256)."""
+def merge_variants(old: dict, new: dict, drop: set | frozenset = frozenset()) -> dict:
+    """Every variant of both, each once (by its bytes' sha256), but those whose sha256 is in ``drop``."""
     out: dict[str, dict[str, bytes]] = {}
     for src in (old, new):
         for key, blobs in src.items():
             for b in blobs:
-                out.setdefault(key, {})[hashlib.sha256(b).hexdigest()] = b
-    return {k: list(v.values()) for k, v in out.items()}
+                digest = hashlib.sha256(b).hexdigest()
+                if digest not in drop:
+                    out.setdefault(key, {})[digest] = b
+    return {k: v for k, v in ((k, list(v.values())) for k, v in out.items()) if v}
 
 
 def _labels(meta: dict) -> list[str]:
@@ -149,6 +151,7 @@ class CompileCache:
         #: process): what a save writes besides what the entry holds
         self.met: set | None = None
         self._dirty = False    # compiled code the entry does not hold yet
+        self._dropped: set[str] = set()   # unusable variants' digests a save here left out already
         self._defer = False    # inside ``one_save``
 
     @property
@@ -199,8 +202,12 @@ class CompileCache:
             self.save_if_new()
 
     def save_if_new(self) -> None:
-        if self._dirty:
+        """Save if something compiled that the entry does not hold, or variants it holds were found
+        unusable (left out: a restart would load and reject them again)."""
+        rejected = self.scheduler.variants.rejected - self._dropped
+        if self._dirty or rejected:
             self._dirty = False
+            self._dropped |= rejected
             self.save()
 
     @contextlib.contextmanager
@@ -333,7 +340,9 @@ class CompileCache:
             old_mega, old_variants = None, {}
         old_bin = self._bin_of(self._meta) if self._meta else None
         mega = megacache.merge(old_mega, new_mega) if new_mega else old_mega
-        data = pack_entry(mega, merge_variants(old_variants, compiled))
+        # (variants found unusable here: another's code traced, stale since an update; not kept)
+        rejected = set(self.scheduler.variants.rejected)
+        data = pack_entry(mega, merge_variants(old_variants, compiled, rejected))
         digest = hashlib.sha256(data).hexdigest()
         bin_path, meta_path = self.folder / f"{self.key}.{digest[:16]}.bin", self.folder / f"{self.key}.json"
         meta = {**self.facts, "key": self.key, "bin": bin_path.name, "size": len(data), "sha256": digest,
@@ -352,13 +361,12 @@ class CompileCache:
         # the old .bin, and any another save left when its process was killed between writing its .bin
         # and its .json, or mid-write (a .partial no process writes any more)
         leftovers = {old_bin, self.folder / f"{self.key}.bin"}
-        if held:
-            leftovers.update(self.folder.glob(f"{self.key}.*.bin"))
         now = time.time()
-        for partial in self.folder.glob(f"{self.key}.*.partial") if held else ():
+        # (old enough that no save still writes or commits it: a lock broken by mistake costs nothing)
+        for left in [*self.folder.glob(f"{self.key}.*.bin"), *self.folder.glob(f"{self.key}.*.partial")] if held else ():
             with contextlib.suppress(OSError):
-                if now - partial.stat().st_mtime > LEFT_PARTIAL_SECONDS:
-                    leftovers.add(partial)
+                if now - left.stat().st_mtime > LEFT_PARTIAL_SECONDS:
+                    leftovers.add(left)
         for stale in leftovers - {None, bin_path}:
             try:
                 stale.unlink(missing_ok=True)

@@ -65,7 +65,7 @@ def lock(path: Path, timeout: float = 30.0, stale: float = 120.0):
     (read-only), the block runs without it rather than hang or fail."""
     end, wait, held = time.monotonic() + timeout, 0.02, False
     # what this holder wrote (it removes only its own lock), and who it is: its process and machine
-    token = f"{uuid.uuid4().hex} {os.getpid()} {platform.node()}".encode()
+    token = f"{uuid.uuid4().hex} {os.getpid()} {machine()}".encode()
     while True:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -100,9 +100,19 @@ def holder_gone(path: Path) -> bool:
     """Whether the lock ``path`` was taken by a process on this machine that no longer runs (a lock
     from another machine, or one that cannot be read, is not judged here)."""
     parts = (_token(path) or b"").decode(errors="replace").split(" ", 2)
-    if len(parts) != 3 or parts[2] != platform.node() or not parts[1].isdigit():
+    if len(parts) != 3 or parts[2] != machine() or not parts[1].isdigit():
         return False
     return not _alive(int(parts[1]))
+
+
+def machine() -> str:
+    """Where a pid means one process: this host's name, and on Linux its pid namespace (containers
+    that share a cache volume and a host name each number their own processes)."""
+    try:
+        ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        ns = ""
+    return platform.node() + (f"/{ns}" if ns else "")
 
 
 def _alive(pid: int) -> bool:

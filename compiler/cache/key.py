@@ -16,7 +16,7 @@ from . import cpu_isa
 FORMAT = "unet-compiler-mega-cache-2"
 PACK_VERSION = "0.1.0"   # pyproject's version; a new release is a new key
 #: the pack's code that compiled variants carry (their bytecode): a change is a new key
-_COMPILED_CODE = ("regions.py", "precompiled.py", "variants.py", "passes/*.py", "backends/*.py")
+_COMPILED_CODE = ("regions.py", "lifecycle/precompiled.py", "lifecycle/variants.py", "passes/*.py", "backends/*.py")
 
 
 def architecture(unet: torch.nn.Module) -> str:
@@ -62,11 +62,16 @@ def traced_libraries() -> dict:
 def code_digest() -> str:
     """The pack's compiled code (region bodies, graph passes, backends): precompiled variants carry
     its bytecode, so a changed body is a new entry even without a version bump."""
-    root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for p in sorted(p for pattern in _COMPILED_CODE for p in root.glob(pattern)):
+    for p in compiled_files():
         h.update(p.name.encode() + p.read_bytes())
     return h.hexdigest()[:16]
+
+
+def compiled_files() -> list[Path]:
+    """The files :func:`code_digest` reads (each pattern of ``_COMPILED_CODE`` matched)."""
+    root = Path(__file__).resolve().parents[1]
+    return sorted(p for pattern in _COMPILED_CODE for p in root.glob(pattern))
 
 
 def _comfyui_version() -> str | None:

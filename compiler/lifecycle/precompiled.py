@@ -119,6 +119,8 @@ class Precompiled:
         if found:
             f_locals = found[-1].prepare_f_locals(module, *args)
             registry.failures.extend(variants.failed_parts(found[-1], f_locals) or ["no precompiled variant matched"])
+        elif (why := registry.unbound_reason(key)) is not None:
+            registry.failures.append(why)
         if owner is not None or thread.active:
             # the daemon thread compiles it (never two compiling threads); this call runs the body's
             # own code meanwhile
@@ -160,6 +162,7 @@ class Precompiled:
                 if fn in registry.live[key]:
                     registry.live[key].remove(fn)
                 registry.blobs[key].pop(getattr(fn, "digest", ""), None)   # not saved again
+                registry.rejected.add(getattr(fn, "digest", ""))
                 registry.unusable += 1
             log.warning("UNet Compiler: a precompiled %s from the compile cache failed at its first call (%s); "
                         "it compiles again", self.__name__, error_summary(e))

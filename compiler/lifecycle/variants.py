@@ -193,10 +193,15 @@ class _Globals:
 
 def _bound(fn) -> bool:
     """Whether each function ``fn`` found at a module global is still the one there (:func:`bind`)."""
-    for d, o, k, v in getattr(fn, "bindings", ()):
+    return _unbound(fn) is None
+
+
+def _unbound(fn) -> str | None:
+    """The guard name of the first function ``fn`` found at a module global that is another now."""
+    for d, o, k, v, name in getattr(fn, "bindings", ()):
         if (d.get(k, _MISSING) if d is not None else getattr(o, k, _MISSING)) is not v:
-            return False
-    return True
+            return name
+    return None
 
 
 def bind(fn, check: bool = False) -> tuple[list, str | None]:
@@ -216,7 +221,7 @@ def bind(fn, check: bool = False) -> tuple[list, str | None]:
         if now is not _MISSING:
             o = where[0]
             d = o._g if isinstance(o, _Globals) else vars(o) if isinstance(o, types.ModuleType) else None
-            out.append((d, o, where[1], now))
+            out.append((d, o, where[1], now, name))
     return out, None
 
 
@@ -323,6 +328,8 @@ class Variants:
         self.compiled = 0          # variants compiled in this process
         self.from_cache = 0        # variants loaded from the compile cache and used
         self.unusable = 0          # cached variants torch could not load (compiled again)
+        #: the digests of variants from the compile cache found unusable here: left out of later saves
+        self.rejected: set[str] = set()
         self.failures: list[str] = []   # why a call matched no variant (guard parts), oldest first
         #: key -> (why it could not be precompiled, a WeakSet of the region modules whose calls met it):
         #: here, not on the region body, which dynamo pickles into later variants' guard state
@@ -374,10 +381,18 @@ class Variants:
             live = self.live[key]
             return live if all(map(_bound, live)) else [fn for fn in live if _bound(fn)]
 
+    def unbound_reason(self, key: str) -> str | None:
+        """Why ``key``'s variants are not served now: a function one traced is another now (a node
+        set its own at that name), said as a recompile's guard; None when none is so."""
+        with self.lock:
+            name = next(filter(None, map(_unbound, self.live.get(key, ()))), None)
+        return None if name is None else f"{name}: another function is there now than the code traced"
+
     def _adopt(self, key: str, loaded: list, tls=None) -> None:
         for digest, fn in loaded:
             if fn is None:
                 self.unusable += 1
+                self.rejected.add(digest)
                 self.blobs[key].pop(digest, None)
                 continue
             fn.from_cache, fn.digest, fn.tls = True, digest, tls
@@ -508,7 +523,8 @@ def _deserialize(blob: bytes):
     if changed:
         log.warning("UNet Compiler: a precompiled region from the compile cache was compiled from other code "
                     "than this process runs (%s changed: ComfyUI or a package updated between its releases, "
-                    "or another package set a function of its own there); it compiles again", changed)
+                    "or another package set a function of its own there); not used, and left out of the "
+                    "entry's next save", changed)
         return None
     return fn
 

@@ -161,13 +161,12 @@ def test_clear_and_off(tiny_unet, folder, monkeypatch, tmp_path):
     off = _entry(tiny_unet(), folder)
     assert off.load() is False and "off" in "\n".join(off.lines())
     # and what killed saves left, a lock whose holder is gone, inductor's own folder (the pack put it there)
-    import platform
     (folder / "inductor" / "fxgraph").mkdir(parents=True)
     (folder / "inductor" / "fxgraph" / "artifact").write_bytes(b"old")
     (folder / f"{entry.key}.0123456789abcdef.bin.x.partial").write_bytes(b"part")
-    (folder / f"{entry.key}.lock").write_text(f"abc {_dead_pid()} {platform.node()}")
+    (folder / f"{entry.key}.lock").write_text(f"abc {_dead_pid()} {C.files.machine()}")
     live = folder / "0ther.lock"
-    live.write_text(f"abc {os.getpid()} {platform.node()}")
+    live.write_text(f"abc {os.getpid()} {C.files.machine()}")
     monkeypatch.setenv(C.MODE_ENV, "clear")
     monkeypatch.setattr(C.entry, "_cleared", [False])
     assert _entry(tiny_unet(), folder).load() is False
@@ -711,12 +710,15 @@ def test_a_lock_left_by_a_killed_process_is_broken_at_once(tmp_path):
     import platform
     files = C.files
     path = tmp_path / "k.lock"
-    path.write_bytes(f"abc {_dead_pid()} {platform.node()}".encode())
+    path.write_bytes(f"abc {_dead_pid()} {files.machine()}".encode())
     t0 = time.monotonic()
     with files.lock(path, timeout=10) as held:
         assert held and time.monotonic() - t0 < 2
-        assert path.read_bytes().split()[1:] == [str(os.getpid()).encode(), platform.node().encode()]
-    for holder in (f"abc {os.getpid()} {platform.node()}", f"abc {_dead_pid()} another-machine", "abc"):
+        assert path.read_bytes().split()[1:] == [str(os.getpid()).encode(), files.machine().encode()]
+    # a live holder; another machine's, or another pid namespace's on this host (a container sharing
+    # the volume and the host name); a token of another format
+    for holder in (f"abc {os.getpid()} {files.machine()}", f"abc {_dead_pid()} another-machine",
+                   f"abc {_dead_pid()} {platform.node()}/pid:[1]", "abc"):
         path.write_bytes(holder.encode())
         with files.lock(path, timeout=0.3) as held:
             assert not held, holder
@@ -725,22 +727,23 @@ def test_a_lock_left_by_a_killed_process_is_broken_at_once(tmp_path):
 
 def test_a_save_removes_what_killed_saves_left(tiny_unet, folder, monkeypatch):
     """A process killed between writing its .bin and its .json, or mid-write, leaves files no .json
-    names: the next save of that entry removes them (a .partial once it is old enough that no save
-    still writes it); other entries' files stay."""
+    names: the next save of that entry removes them once they are old enough that no save still
+    writes or commits them (a lock broken by mistake costs nothing); other entries' files stay."""
     folder.mkdir(parents=True)
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
     entry = _entry(tiny_unet(), folder)
-    orphan = folder / f"{entry.key}.0123456789abcdef.bin"
+    orphan, fresh_bin = folder / f"{entry.key}.0123456789abcdef.bin", folder / f"{entry.key}.fedcba9876543210.bin"
     old_partial, fresh_partial = folder / f"{entry.key}.json.a.partial", folder / f"{entry.key}.json.b.partial"
     other = folder / "0ther.0123456789abcdef.bin"
-    for p in (orphan, old_partial, fresh_partial, other):
+    for p in (orphan, fresh_bin, old_partial, fresh_partial, other):
         p.write_bytes(b"left")
     hour_ago = time.time() - 3600
-    os.utime(old_partial, (hour_ago, hour_ago))
+    for p in (orphan, old_partial, other):
+        os.utime(p, (hour_ago, hour_ago))
     entry.save()
     meta = json.loads((folder / f"{entry.key}.json").read_text())
     assert sorted(p.name for p in folder.iterdir()) == sorted([meta["bin"], f"{entry.key}.json", fresh_partial.name,
-                                                                other.name])
+                                                                fresh_bin.name, other.name])
 
 
 def test_an_entry_holds_only_its_models_variants(tiny_unet, folder, monkeypatch):
@@ -777,7 +780,6 @@ def test_entries_unused_for_days_are_removed_at_a_save(tiny_unet, folder, monkey
     none was ever removed (a reviewer: three ComfyUI versions, three entries). A save removes the
     other entries no process loaded or saved for ``UNET_COMPILER_CACHE_DAYS`` days (30), each under
     its lock taken without waiting; a load marks its entry used; 0 keeps everything."""
-    import platform
     folder.mkdir(parents=True)
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
     old = time.time() - 40 * 86400
@@ -788,7 +790,7 @@ def test_entries_unused_for_days_are_removed_at_a_save(tiny_unet, folder, monkey
         for p in folder.glob(f"{key}.*"):
             os.utime(p, (age, age))
         if locked:
-            (folder / f"{key}.lock").write_text(f"abc {os.getpid()} {platform.node()}")
+            (folder / f"{key}.lock").write_text(f"abc {os.getpid()} {C.files.machine()}")
     stale, fresh, busy = "a" * 32, "b" * 32, "c" * 32
     entry(stale)
     entry(fresh, age=time.time() - 86400)
@@ -812,3 +814,66 @@ def test_entries_unused_for_days_are_removed_at_a_save(tiny_unet, folder, monkey
     monkeypatch.setattr(C.entry, "_loaded", set())
     monkeypatch.setattr(C.megacache, "load", lambda data: None)
     assert _entry(tiny_unet(), folder).load() and json_path.stat().st_mtime > old + 86400, "a load marks it used"
+
+
+def test_the_code_digest_reads_every_file_its_patterns_name():
+    """The key's digest of the pack's compiled code: each pattern names a file (the precompiled
+    variants' modules moved to compiler/lifecycle/ and their patterns matched nothing, so a change of
+    the variants' format was no new key)."""
+    from unet_compiler.compiler.cache import key
+    names = {p.relative_to(p.parents[1]).as_posix() if p.parent.name in ("lifecycle", "passes", "backends")
+             else p.name for p in key.compiled_files()}
+    for pattern in key._COMPILED_CODE:
+        assert any(Path(n).match(pattern) for n in names), (pattern, sorted(names))
+    assert {"lifecycle/precompiled.py", "lifecycle/variants.py", "regions.py"} <= names
+
+
+def test_a_variant_found_stale_at_a_restart_leaves_the_entry(tiny_unet, folder, monkeypatch):
+    """A restart after an update (or with another function set where one traced) rejects a variant of
+    the entry and compiles its region again: the entry's next save leaves the rejected one out, so the
+    restart after does not load, reject and warn about it again (before: it stayed in the entry for
+    good and the entry grew by a set of variants with each update)."""
+    import dataclasses
+
+    from unet_compiler.compiler import api
+    store = variants.Variants()
+    monkeypatch.setattr(process_scheduler(), "variants", store)
+    first = tiny_unet()
+    api.compile_unet(first, "inductor", dynamic_shapes=False)
+    text = api.warmup(first, "1x64x64", context_tokens=6)
+    assert "saved" in text, text
+    key = api.accelerator_of(first).cache.key
+
+    def held():
+        meta = json.loads((folder / f"{key}.json").read_text())
+        return C.unpack_entry((folder / meta["bin"]).read_bytes())[1]
+    # the entry as a process before an update wrote it: one variant traced a function whose source
+    # was other then (another checksum recorded for it)
+    entry = held()
+    vkey, blob = next((k, b) for k, bs in entry.items() for b in bs)
+    fn = variants._deserialize(blob)
+    src = min(fn._artifacts.source_info.inlined_sources, key=lambda s: (s.module, s.firstlineno))
+    fn._artifacts.source_info.inlined_sources = (fn._artifacts.source_info.inlined_sources - {src}) | {
+        dataclasses.replace(src, checksum="0" * 64)}
+    stale = variants.serialize(fn)
+    entry[vkey] = [stale if b == blob else b for b in entry[vkey]]
+    meta = json.loads((folder / f"{key}.json").read_text())
+    data = C.pack_entry(C.unpack_entry((folder / meta["bin"]).read_bytes())[0], entry)
+    (folder / meta["bin"]).write_bytes(data)
+    meta.update(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    (folder / f"{key}.json").write_text(json.dumps(meta))
+
+    def restart():
+        monkeypatch.setattr(C.entry, "_loaded", set())
+        restarted = variants.Variants()
+        monkeypatch.setattr(process_scheduler(), "variants", restarted)
+        unet = tiny_unet(seed=2)
+        api.compile_unet(unet, "inductor", dynamic_shapes=False)
+        api.warmup(unet, "1x64x64", context_tokens=6)
+        return restarted
+    once = restart()
+    assert once.unusable == 1 and once.compiled == 1, vars(once)
+    kept = [b for bs in held().values() for b in bs]
+    assert stale not in kept and len(kept) == sum(map(len, entry.values())), "left out, its fresh one kept"
+    again = restart()
+    assert again.unusable == 0 and again.compiled == 0, vars(again)

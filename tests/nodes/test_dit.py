@@ -366,6 +366,7 @@ def test_a_comfyui_function_another_node_sets_is_traced_anew(comfy, monkeypatch)
     _close(out, own)
     assert (own - before).abs().max() > 1e-2, "the node's function changes the image"
     assert store.compiled > compiled, "the variants that traced ComfyUI's rms_norm were compiled again"
+    assert any("common_dit.rms_norm: another function is there now" in f for f in store.failures), store.failures
     restarted = V.Variants()        # a restart with the node's function set at import
     for key, items in blobs.items():
         for b in items:
