@@ -13,6 +13,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -36,6 +37,17 @@ MODE_ENV = settings.env("CACHE")
 LEFT_PARTIAL_SECONDS = 600
 #: an entry's key (``key.key_of``): the .json files eviction may remove
 _KEY = re.compile(r"^[0-9a-f]{32}$")
+#: digests of unusable variants a save of this process left out already (a save each, not one per model)
+_DROPPED: set[str] = set()
+
+
+def cache_days() -> float:
+    """``UNET_COMPILER_CACHE_DAYS`` as a number of days (its default where it is not one; 0: never)."""
+    try:
+        days = float(settings.value("CACHE_DAYS"))
+    except ValueError:
+        days = float("nan")
+    return days if math.isfinite(days) else float(settings.SETTINGS["CACHE_DAYS"].default)
 _MAGIC = b"UNET-COMPILER-ENTRY-2\n"
 _loaded: set = set()       # keys loaded into this process's torch caches
 _cleared = [False]
@@ -151,7 +163,7 @@ class CompileCache:
         #: process): what a save writes besides what the entry holds
         self.met: set | None = None
         self._dirty = False    # compiled code the entry does not hold yet
-        self._dropped: set[str] = set()   # unusable variants' digests a save here left out already
+        self._held: set[str] = set()      # the digests of the variants this process loaded from the entry
         self._defer = False    # inside ``one_save``
 
     @property
@@ -202,12 +214,12 @@ class CompileCache:
             self.save_if_new()
 
     def save_if_new(self) -> None:
-        """Save if something compiled that the entry does not hold, or variants it holds were found
-        unusable (left out: a restart would load and reject them again)."""
-        rejected = self.scheduler.variants.rejected - self._dropped
+        """Save if something compiled that the entry does not hold, or variants this process loaded
+        from it were found unusable (left out: a restart would load and reject them again)."""
+        rejected = (self.scheduler.variants.rejected & self._held) - _DROPPED
         if self._dirty or rejected:
             self._dirty = False
-            self._dropped |= rejected
+            _DROPPED.update(rejected)
             self.save()
 
     @contextlib.contextmanager
@@ -233,6 +245,8 @@ class CompileCache:
         cpu_isa.install(self.folder)
         if self.key in _loaded:
             self.state = "hit (loaded earlier in this process)"
+            with contextlib.suppress(OSError):      # used now: kept from eviction
+                os.utime(self.folder / f"{self.key}.json")
             return True
         # (not ``self.paths``: that parses the .json, which ``_read`` does next)
         if not (self.folder / f"{self.key}.json").is_file() and not (self.folder / f"{self.key}.bin").is_file():
@@ -257,6 +271,7 @@ class CompileCache:
             for key, blobs in found.items():
                 for blob in blobs:
                     self.scheduler.variants.add_serialized(key, blob)
+                    self._held.add(hashlib.sha256(blob).hexdigest())
         except Exception as e:  # a torch that cannot read it: compile as if cold
             log.warning("UNet Compiler: torch could not load compile cache entry %s (%s); it is rebuilt", self.key, e)
             self._discard()
@@ -373,30 +388,35 @@ class CompileCache:
             except OSError:   # Windows: another process has it open; the next save removes it
                 pass
         if held:
-            self._evict()
+            try:
+                self._evict()
+            except OSError as e:   # (the save itself is done)
+                log.info("UNet Compiler: compile cache: old entries not looked at (%s)", error_summary(e))
         return data
 
     def _evict(self) -> None:
         """Remove the other entries in the folder no process loaded or saved for ``CACHE_DAYS`` days
         (each under its own lock, taken without waiting: one in use is left): every update of torch,
         ComfyUI or the pack, and every other setup, starts an entry of its own."""
-        try:
-            days = float(settings.value("CACHE_DAYS"))
-        except ValueError:
-            days = float(settings.SETTINGS["CACHE_DAYS"].default)
+        days = cache_days()
         if days <= 0:
             return
-        cutoff = time.time() - days * 86400
-        for meta in self.folder.glob("*.json"):
-            key = meta.stem
-            if key == self.key or not _KEY.match(key):
-                continue
-            with contextlib.suppress(OSError), files.lock(self.folder / f"{key}.lock", timeout=0) as held:
-                if not held or meta.stat().st_mtime > cutoff:
+        now = time.time()
+        cutoff = now - days * 86400
+        keys = {p.name.split(".", 1)[0] for pattern in ("*.json", "*.bin") for p in self.folder.glob(pattern)}
+        for key in sorted(k for k in keys if _KEY.match(k) and k != self.key and k not in _loaded):
+            meta = self.folder / f"{key}.json"
+            with contextlib.suppress(OSError, ValueError), files.lock(self.folder / f"{key}.lock", timeout=0) as held:
+                bins = [p for p in (*self.folder.glob(f"{key}.*.bin"), self.folder / f"{key}.bin") if p.is_file()]
+                if not held or max([p.stat().st_mtime for p in (meta, *bins) if p.is_file()], default=now) > cutoff:
                     continue
-                parts = [meta, *self.folder.glob(f"{key}.*.bin"), self.folder / f"{key}.bin"]
-                size = sum(p.stat().st_size for p in parts if p.is_file())
-                for p in parts:       # (the .json first: without it the entry is gone for readers)
+                if meta.is_file():
+                    # (an entry's own .json: another program's file of a hex name stays)
+                    m = json.loads(files.read_text(meta))
+                    if m.get("key") != key or not str(m.get("format", "")).startswith("unet-compiler"):
+                        continue
+                size = sum(p.stat().st_size for p in (meta, *bins) if p.is_file())
+                for p in (meta, *bins):   # (the .json first: without it the entry is gone for readers)
                     p.unlink(missing_ok=True)
                 self.evicted = (self.evicted[0] + 1, self.evicted[1] + size)
         if self.evicted[0]:
@@ -470,8 +490,7 @@ class CompileCache:
             out.append(f"  compile cache: saved {self.saved_mib:.1f} MiB as entry {self.key[:12]}")
         if self.evicted[0]:
             out.append(f"  compile cache: removed {self.evicted[0]} entr(ies) no process used for "
-                       f"{settings.value('CACHE_DAYS')} days ({self.evicted[1] / 2**20:.1f} MiB; "
-                       f"{settings.env('CACHE_DAYS')})")
+                       f"{cache_days():g} days ({self.evicted[1] / 2**20:.1f} MiB; {settings.env('CACHE_DAYS')})")
         if self.problem or self.failed_save:
             out.append(f"  compile cache: not saved: {self.problem or self.failed_save}")
         return out

@@ -100,7 +100,9 @@ def holder_gone(path: Path) -> bool:
     """Whether the lock ``path`` was taken by a process on this machine that no longer runs (a lock
     from another machine, or one that cannot be read, is not judged here)."""
     parts = (_token(path) or b"").decode(errors="replace").split(" ", 2)
-    if len(parts) != 3 or parts[2] != machine() or not parts[1].isdigit():
+    # (a lock of the pack's version before pid namespaces named the host alone)
+    here = machine() if "/" in parts[-1] else platform.node()
+    if len(parts) != 3 or parts[2] != here or not parts[1].isdigit():
         return False
     return not _alive(int(parts[1]))
 

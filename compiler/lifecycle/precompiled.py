@@ -162,7 +162,6 @@ class Precompiled:
                 if fn in registry.live[key]:
                     registry.live[key].remove(fn)
                 registry.blobs[key].pop(getattr(fn, "digest", ""), None)   # not saved again
-                registry.rejected.add(getattr(fn, "digest", ""))
                 registry.unusable += 1
             log.warning("UNet Compiler: a precompiled %s from the compile cache failed at its first call (%s); "
                         "it compiles again", self.__name__, error_summary(e))

@@ -328,7 +328,9 @@ class Variants:
         self.compiled = 0          # variants compiled in this process
         self.from_cache = 0        # variants loaded from the compile cache and used
         self.unusable = 0          # cached variants torch could not load (compiled again)
-        #: the digests of variants from the compile cache found unusable here: left out of later saves
+        #: the digests of variants from the compile cache that no process of this install can use (torch
+        #: could not load them, or code they traced has changed since): left out of later saves. One
+        #: another function bound here rejects stays (another setup of the install may use it)
         self.rejected: set[str] = set()
         self.failures: list[str] = []   # why a call matched no variant (guard parts), oldest first
         #: key -> (why it could not be precompiled, a WeakSet of the region modules whose calls met it):
@@ -372,7 +374,7 @@ class Variants:
                 self._loaded.wait()
             waiting = self.pending.pop(key, None)
             if waiting:
-                self._adopt(key, [(digest, _deserialize(blob)) for digest, blob in waiting])
+                self._adopt(key, [(digest, _deserialize(blob, self.rejected)) for digest, blob in waiting])
             if key in self._unchecked:
                 self._unchecked.discard(key)
                 self._reload_if_other_state(key)
@@ -392,7 +394,6 @@ class Variants:
         for digest, fn in loaded:
             if fn is None:
                 self.unusable += 1
-                self.rejected.add(digest)
                 self.blobs[key].pop(digest, None)
                 continue
             fn.from_cache, fn.digest, fn.tls = True, digest, tls
@@ -436,7 +437,7 @@ class Variants:
                         self.loading.add(key)
                     loaded = []
                     try:
-                        loaded = [(digest, _deserialize(blob)) for digest, blob in waiting]
+                        loaded = [(digest, _deserialize(blob, self.rejected)) for digest, blob in waiting]
                     finally:
                         with self.lock:
                             if len(loaded) < len(waiting):     # interrupted: the caller loads the rest
@@ -502,9 +503,12 @@ def dispatch_state() -> tuple:
 _DESERIALIZING = threading.Lock()    # one at a time: ``_aliases`` edits sys.modules meanwhile
 
 
-def _deserialize(blob: bytes):
-    """A variant from its bytes, or None (logged): torch could not load it, or code it traced has
-    changed since (:func:`changed_source`)."""
+def _deserialize(blob: bytes, reject: set | None = None):
+    """A variant from its bytes, or None (logged): torch could not load it, code it traced has
+    changed since (:func:`changed_source`), or a function it traced is not the one bound now
+    (:func:`bind`). ``reject``: where the digests of the first two kinds go (no process of this
+    install can use them: the entry's next save leaves them out)."""
+    changed = bound = None
     try:
         from torch._dynamo.aot_compile import AOTCompiledFunction
         saved, _, rest = blob.partition(b"\n")
@@ -515,18 +519,21 @@ def _deserialize(blob: bytes):
             if not changed:
                 header = json.loads(functions)
                 fn.globals_module, fn.global_functions = header["module"], header["functions"]
-                fn.bindings, changed = bind(fn, check=True)
+                fn.bindings, bound = bind(fn, check=True)
     except Exception as e:
         log.warning("UNet Compiler: a precompiled region from the compile cache could not be loaded (%s); "
-                    "it compiles again", error_summary(e))
-        return None
-    if changed:
+                    "not used, and left out of the entry's next save", error_summary(e))
+        changed = "unloadable"
+    if changed and reject is not None:
+        reject.add(hashlib.sha256(blob).hexdigest())
+    if changed and changed != "unloadable":
         log.warning("UNet Compiler: a precompiled region from the compile cache was compiled from other code "
-                    "than this process runs (%s changed: ComfyUI or a package updated between its releases, "
-                    "or another package set a function of its own there); not used, and left out of the "
-                    "entry's next save", changed)
-        return None
-    return fn
+                    "than this process runs (%s changed: ComfyUI or a package updated between its releases); "
+                    "not used, and left out of the entry's next save", changed)
+    elif bound:
+        log.info("UNet Compiler: a precompiled region from the compile cache traced another function than "
+                 "the one bound now (%s: another package set its own there); not used here", bound)
+    return None if changed or bound else fn
 
 
 def changed_source(fn) -> str | None:

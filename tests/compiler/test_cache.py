@@ -784,36 +784,45 @@ def test_entries_unused_for_days_are_removed_at_a_save(tiny_unet, folder, monkey
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"artifacts", None))
     old = time.time() - 40 * 86400
 
-    def entry(key, age=old, locked=False):
-        (folder / f"{key}.json").write_text("{}")
+    def entry(key, age=old, locked=False, meta=True):
+        if meta:
+            (folder / f"{key}.json").write_text(json.dumps({"key": key, "format": C.FORMAT}))
         (folder / f"{key}.0123456789abcdef.bin").write_bytes(b"x" * 1024)
         for p in folder.glob(f"{key}.*"):
             os.utime(p, (age, age))
         if locked:
             (folder / f"{key}.lock").write_text(f"abc {os.getpid()} {C.files.machine()}")
-    stale, fresh, busy = "a" * 32, "b" * 32, "c" * 32
+    stale, fresh, busy, orphan, in_use, md5 = "a" * 32, "b" * 32, "c" * 32, "d" * 32, "e" * 32, "f" * 32
     entry(stale)
     entry(fresh, age=time.time() - 86400)
     entry(busy, locked=True)
-    (folder / "notes.json").write_text("{}")
-    os.utime(folder / "notes.json", (old, old))
+    entry(orphan, meta=False)            # (a .bin an eviction killed midway left: no .json names it)
+    entry(in_use)
+    monkeypatch.setattr(C.entry, "_loaded", {in_use})   # (loaded by this process: in use, however old)
+    for name in ("notes.json", f"{md5}.json", f"{md5}.thumbnail.bin"):   # another program's files
+        (folder / name).write_text("{}")
+        os.utime(folder / name, (old, old))
     monkeypatch.setenv(C.entry.settings.env("CACHE_DAYS"), "0")
     keep = _entry(tiny_unet(), folder)
     keep.save()
     assert (folder / f"{stale}.json").exists() and keep.evicted == (0, 0)
-    monkeypatch.delenv(C.entry.settings.env("CACHE_DAYS"))
+    monkeypatch.setenv(C.entry.settings.env("CACHE_DAYS"), "nan")      # (not a number of days: the default)
     e = _entry(tiny_unet(seed=1), folder)
     e._dirty = True
     e.save()
     names = {p.name for p in folder.iterdir()}
-    assert not any(n.startswith(stale) for n in names), sorted(names)
-    assert {f"{fresh}.json", f"{busy}.json", f"{busy}.lock", "notes.json", f"{e.key}.json"} <= names
-    assert e.evicted == (1, 1026) and "removed 1 entr(ies) no process used for 30 days" in "\n".join(e.lines())
+    assert not any(n.startswith((stale, orphan)) for n in names), sorted(names)
+    assert {f"{fresh}.json", f"{busy}.json", f"{busy}.lock", f"{in_use}.json", "notes.json", f"{md5}.json",
+            f"{md5}.thumbnail.bin", f"{e.key}.json"} <= names, sorted(names)
+    size = len(json.dumps({"key": stale, "format": C.FORMAT})) + 2 * 1024
+    assert e.evicted == (2, size) and "removed 2 entr(ies) no process used for 30 days" in "\n".join(e.lines())
     json_path = folder / f"{e.key}.json"
     os.utime(json_path, (old, old))
     monkeypatch.setattr(C.entry, "_loaded", set())
     monkeypatch.setattr(C.megacache, "load", lambda data: None)
     assert _entry(tiny_unet(), folder).load() and json_path.stat().st_mtime > old + 86400, "a load marks it used"
+    os.utime(json_path, (old, old))
+    assert _entry(tiny_unet(), folder).load() and json_path.stat().st_mtime > old + 86400, "so does a load in-process"
 
 
 def test_the_code_digest_reads_every_file_its_patterns_name():
@@ -873,6 +882,10 @@ def test_a_variant_found_stale_at_a_restart_leaves_the_entry(tiny_unet, folder, 
         return restarted
     once = restart()
     assert once.unusable == 1 and once.compiled == 1, vars(once)
+    third = tiny_unet(seed=3)                    # another instance in that process: nothing to save again
+    api.compile_unet(third, "inductor", dynamic_shapes=False)
+    api.warmup(third, "1x64x64", context_tokens=6)
+    assert api.accelerator_of(third).cache.saved_mib is None
     kept = [b for bs in held().values() for b in bs]
     assert stale not in kept and len(kept) == sum(map(len, entry.values())), "left out, its fresh one kept"
     again = restart()

@@ -271,11 +271,11 @@ def test_a_call_whose_variant_is_being_loaded_waits_for_it_rather_than_compiling
     _both(first, _inputs())
     real, started, release = V._deserialize, threading.Event(), threading.Event()
 
-    def slow(blob):
+    def slow(blob, reject=None):
         if threading.current_thread().name == "unet-compiler-cache-load":
             started.set()
             release.wait(30)
-        return real(blob)
+        return real(blob, reject)
     monkeypatch.setattr(V, "_deserialize", slow)
     restarted = _fed(store.serialized())
     monkeypatch.setattr(process_scheduler(), "variants", restarted)

@@ -376,6 +376,8 @@ def test_a_comfyui_function_another_node_sets_is_traced_anew(comfy, monkeypatch)
     accel = patcher.accelerator_of(cm)
     _close(*both())
     assert restarted.unusable > 0 and restarted.compiled == restarted.unusable, vars(restarted)
+    # (kept in the entry: the install without that node, or with it off, uses them)
+    assert not restarted.rejected
     monkeypatch.setattr(common_dit, "rms_norm", comfys)     # ComfyUI's back: the first variants serve again
     monkeypatch.setattr(process_scheduler(), "variants", store)
     cm, _ = patcher.compile_model(mp, CompileConfig(backend="inductor", dynamic_shapes=False))
