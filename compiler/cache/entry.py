@@ -39,6 +39,9 @@ LEFT_PARTIAL_SECONDS = 600
 _KEY = re.compile(r"^[0-9a-f]{32}$")
 #: digests of unusable variants a save of this process left out already (a save each, not one per model)
 _DROPPED: set[str] = set()
+_MAGIC = b"UNET-COMPILER-ENTRY-2\n"
+_loaded: set = set()       # keys loaded into this process's torch caches
+_cleared = [False]
 
 
 def cache_days() -> float:
@@ -48,9 +51,6 @@ def cache_days() -> float:
     except ValueError:
         days = float("nan")
     return days if math.isfinite(days) else float(settings.SETTINGS["CACHE_DAYS"].default)
-_MAGIC = b"UNET-COMPILER-ENTRY-2\n"
-_loaded: set = set()       # keys loaded into this process's torch caches
-_cleared = [False]
 
 
 def mode() -> str:
@@ -355,7 +355,7 @@ class CompileCache:
             old_mega, old_variants = None, {}
         old_bin = self._bin_of(self._meta) if self._meta else None
         mega = megacache.merge(old_mega, new_mega) if new_mega else old_mega
-        # (variants found unusable here: another's code traced, stale since an update; not kept)
+        # (variants no process of this install can use: unloadable, or their traced code changed since)
         rejected = set(self.scheduler.variants.rejected)
         data = pack_entry(mega, merge_variants(old_variants, compiled, rejected))
         digest = hashlib.sha256(data).hexdigest()

@@ -206,10 +206,10 @@ def _unbound(fn) -> str | None:
 
 def bind(fn, check: bool = False) -> tuple[list, str | None]:
     """Where a variant's functions at module globals (``fn.global_functions``) are bound now:
-    (the module's dict or None, container, attribute, the function) each, which a call compares by
-    identity (:func:`_bound`); and, ``check``
-    (a variant from the compile cache), the first whose function there now is not the one it
-    traced (another package set its own at that name, or it is gone), or None."""
+    (the module's dict or None, container, attribute, the function, its guard name) each, which a
+    call compares by identity (:func:`_bound`); and, ``check`` (a variant from the compile cache),
+    the first whose function there now is not the one it traced (another package set its own at
+    that name, or it is gone), or None."""
     module = sys.modules.get(getattr(fn, "globals_module", None) or "")
     g = vars(module) if module is not None else {}
     out = []
