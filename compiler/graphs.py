@@ -34,6 +34,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .compat.comfy import is_interrupt, is_oom, reserve_vram
+# (a name of its own here: the host-time bench stands it in on the meta device)
+from .compat.torch_version import autocast_dtype as _autocast_state
 from .reasons import error_summary
 
 log = logging.getLogger(__name__)
@@ -135,15 +137,6 @@ class CudaGraphs:
             finally:
                 g.capture_end()
         return g, self._on_side_stream(device, record)
-
-
-def _autocast_state(device_type: str):
-    try:
-        if not torch.is_autocast_enabled(device_type):
-            return None
-        return torch.get_autocast_dtype(device_type)
-    except (TypeError, AttributeError):  # torch < 2.4: CUDA-only autocast queries
-        return torch.get_autocast_gpu_dtype() if torch.is_autocast_enabled() else None
 
 
 def _static_copy(a: torch.Tensor) -> torch.Tensor:

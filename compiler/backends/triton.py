@@ -19,6 +19,7 @@ from .. import cast
 from .. import regions
 from ..compat import comfy as comfy_compat
 from ..compat import triton as triton_compat
+from ..compat.torch_version import autocast_dtype
 from ..reasons import Reason
 from . import Backend, register_backend
 from ._kernel_choice import KernelChoice
@@ -35,23 +36,13 @@ def _epilogue_mismatch(h: torch.Tensor, residual: torch.Tensor) -> str | None:
     """Why conv(h) and ``residual`` cannot share the bias+residual pass, known before the conv
     runs: the conv's output dtype (autocast's, under fp16/bf16 precision) must be the
     residual's, and its memory layout (h's: NCHW or channels_last) the residual's."""
-    out_dtype = h.dtype
-    if torch.is_autocast_enabled(h.device.type) if _AUTOCAST_BY_DEVICE else torch.is_autocast_enabled():
-        out_dtype = (torch.get_autocast_dtype(h.device.type) if _AUTOCAST_BY_DEVICE
-                     else torch.get_autocast_gpu_dtype())
+    out_dtype = autocast_dtype(h.device.type) or h.dtype
     if out_dtype != residual.dtype:
         return f"conv output {str(out_dtype).replace('torch.', '')}, skip {str(residual.dtype).replace('torch.', '')}"
     for fmt in (torch.contiguous_format, torch.channels_last):
         if h.is_contiguous(memory_format=fmt):
             return None if residual.is_contiguous(memory_format=fmt) else "skip in another memory layout"
     return "input neither NCHW nor channels_last"
-
-
-try:  # torch >= 2.4: per-device autocast queries
-    torch.get_autocast_dtype("cpu")
-    _AUTOCAST_BY_DEVICE = True
-except (AttributeError, TypeError):
-    _AUTOCAST_BY_DEVICE = False
 
 
 class TritonOps(KernelChoice):

@@ -20,7 +20,7 @@ import torch
 from .. import weights
 from . import example_value, replace_calls
 from ..compat import comfy as comfy_compat
-from ..compat.torch_version import mkldnn_conv_available
+from ..compat.torch_version import autocast_dtype, mkldnn_conv_available
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,7 @@ def check(x: torch.Tensor, weight: torch.Tensor, padding) -> bool:
     conv runs in autocast's dtype (the packed op has no autocast rule: it would compute in fp32)."""
     return (mkldnn_conv_available() and x.device.type == "cpu" and weight.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.dim() == 4 and x.dim() == 4 and not isinstance(padding, str) and not _cpu_autocast())
-
-
-def _cpu_autocast() -> bool:
-    try:
-        return torch.is_autocast_enabled("cpu")
-    except TypeError:   # (torch < 2.4: no per-device query)
-        return torch.is_autocast_cpu_enabled()
+            and weight.dim() == 4 and x.dim() == 4 and not isinstance(padding, str) and autocast_dtype("cpu") is None)
 
 
 # ---- eager replacement for an nn.Conv2d outside any compiled region ---------
