@@ -58,14 +58,17 @@ def value(name: str) -> str:
     return raw or SETTINGS[name].default
 
 
+def on_off(text: str) -> bool | None:
+    """An on/off word as a boolean (``1 true yes on``, ``0 false no off``, any case and spacing),
+    None for any other text."""
+    v = text.strip().lower()
+    return True if v in _ON else False if v in _OFF else None
+
+
 def flag(name: str) -> bool:
     """An on/off setting: True when on (its default where the value is neither)."""
-    v = value(name).lower()
-    if v in _ON:
-        return True
-    if v in _OFF:
-        return False
-    return SETTINGS[name].default == "on"
+    v = on_off(value(name))
+    return SETTINGS[name].default == "on" if v is None else v
 
 
 def choice(name: str) -> str:

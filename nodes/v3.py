@@ -6,6 +6,7 @@ import logging
 from comfy_api.latest import ComfyExtension, io, ui
 
 from ..compiler.api import CompileConfig, ShapeError, validate_shapes_input
+from ..compiler.settings import on_off
 from . import feedback, patcher, spec
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,6 @@ class UNetCompilerExtension(ComfyExtension):
         return [SelectBackend, CompileUNet, WarmupShapes]
 
 
-_TRUE, _FALSE = frozenset({"true", "on", "yes", "1"}), frozenset({"false", "off", "no", "0"})
 #: {node id: its BOOLEAN inputs}
 _BOOLEANS = {n.node_id: frozenset(i.name for i in n.inputs if i.type == "BOOLEAN") for n in spec.NODES}
 
@@ -116,9 +116,9 @@ def text_booleans(json_data: dict) -> dict:
             value = inputs.get(name)
             if not isinstance(value, str):
                 continue
-            word = value.strip().lower()
-            if word in _TRUE or word in _FALSE:
-                inputs[name] = word in _TRUE
+            word = on_off(value)
+            if word is not None:
+                inputs[name] = word
             else:
                 log.warning("UNet Compiler: node %s (%s) input %s is the text %r, which ComfyUI reads as true. "
                             "Fix: send true or false", node_id, node.get("class_type"), name, value[:40])

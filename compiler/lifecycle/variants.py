@@ -97,10 +97,10 @@ def guard_filter(entries):
     """Which of a trace's guards a variant keeps (those that check values); the functions it found
     at module globals, whose guards check identity and are dropped, go to :func:`collecting`'s list."""
     found = getattr(_COLLECTING, "found", None)
-    if found is not None:
-        found += [(e.name, _plain(e.value)) for e in entries
-                  if e.is_global and e.guard_type in ("CLOSURE_MATCH", "FUNCTION_MATCH") and e.has_value
-                  and isinstance(e.value, types.FunctionType) and (e.name, _plain(e.value)) not in found]
+    for e in entries if found is not None else ():
+        if (e.is_global and e.guard_type in ("CLOSURE_MATCH", "FUNCTION_MATCH") and e.has_value
+                and isinstance(e.value, types.FunctionType) and (got := (e.name, _plain(e.value))) not in found):
+            found.append(got)
     return [e.guard_type in _KEEP and not e.is_global and "__mro__" not in e.name and "type(" not in e.name
             for e in entries]
 
