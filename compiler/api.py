@@ -23,6 +23,7 @@ from .plan import build_plan
 from .reasons import GRAD_ON, error_summary, runtime_fallback
 from .report import compile_facts, status_line
 from .runtime import Accelerator
+from .settings import on_off
 from .shapes import (MAX_CONTEXT_TOKENS, ShapeError, as_shapes, check_context_tokens, check_frames, check_memory,
                      context_dim, device_free_bytes, first_level_channels, label_of, memory_name, parse_shapes,
                      unet_inputs, validate_shapes_input)
@@ -37,7 +38,7 @@ __all__ = [
     "check_context_tokens", "check_frames", "check_memory", "compile_facts", "context_dim",
     "current_prompt", "dit_context_width", "dit_patch", "dit_pooled_width", "error_summary", "first_level_channels",
     "forget_compiler_recording", "frame_count", "is_interrupt", "is_video", "label_of", "latent_frames",
-    "latent_scale", "latent_time_scale", "memory_name", "parse_shapes", "runtime_fallback", "status_line",
+    "latent_scale", "latent_time_scale", "memory_name", "on_off", "parse_shapes", "runtime_fallback", "status_line",
     "unet_inputs", "validate_shapes_input", "warmup_runs",
 ]
 

@@ -5,8 +5,7 @@ import logging
 
 from comfy_api.latest import ComfyExtension, io, ui
 
-from ..compiler.api import CompileConfig, ShapeError, validate_shapes_input
-from ..compiler.settings import on_off
+from ..compiler.api import CompileConfig, ShapeError, on_off, validate_shapes_input
 from . import feedback, patcher, spec
 
 log = logging.getLogger(__name__)
